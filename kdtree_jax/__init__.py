@@ -1,0 +1,13 @@
+"""kdtree-jax: Kimi K2.x inference with DDTree speculative decoding, in JAX.
+
+Public API (see DESIGN.md): ModelConfig, configs, init_params, forward, init_drafter, load, make_mesh, generate.
+"""
+
+from . import configs
+from .config import ConfigError, ModelConfig
+from .model import KVCache, Params, decode_step, forward, init_cache, init_params, prefill
+from .generate import GenerateOutput, generate
+
+__all__ = ["ConfigError", "GenerateOutput", "KVCache", "ModelConfig", "Params", "configs", "decode_step",
+           "forward", "generate", "init_cache", "init_params", "prefill"]
+__version__ = "0.1.0"

@@ -1,0 +1,238 @@
+"""Model configuration: one frozen, static dataclass, and the mapping from a Hugging Face config.json.
+
+`ModelConfig` is hashable and registered as a static pytree node, so it passes straight through `jax.jit`.
+Edit it with `dataclasses.replace`. `ModelConfig.from_hf` reads DeepSeek-V3 / Kimi-K2 `config.json` files
+and the K2.5 / K2.6 multimodal wrapper that holds the language model under `text_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import jax
+
+DTYPES = ("float32", "bfloat16")
+EXPERT_FORMATS = ("bf16", "int4")
+KERNELS = ("xla", "ffi")
+
+
+class ConfigError(ValueError):
+    """A config.json key is missing, unsupported or contradicts another one."""
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Everything that fixes the shapes and the math of a DeepSeek-V3-architecture model (Kimi K2.x).
+
+    Field names follow the Hugging Face config where one exists. `dtype` is the storage and matmul dtype of
+    the weights and activations ("float32" or "bfloat16"); attention softmax, router and norms run in fp32.
+    `expert_format` says how routed experts are held: "bf16" (dense arrays in `dtype`) or "int4"
+    (compressed-tensors symmetric group-32 values, see `kdtree_jax.quant`). `kernels` selects the custom
+    calls ("ffi") or their pure-JAX references ("xla").
+    """
+
+    vocab_size: int = 163840
+    hidden_size: int = 7168
+    intermediate_size: int = 18432  # dense SwiGLU (layers below first_k_dense_replace)
+    moe_intermediate_size: int = 2048  # per routed expert; the shared expert uses this x n_shared_experts
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 64
+    q_lora_rank: int | None = 1536  # None: queries come from one q_proj without the low-rank path
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.827
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 50000.0
+    # YaRN (rope_type "yarn"); rope_type "default" ignores the rest.
+    rope_type: str = "yarn"
+    rope_factor: float = 32.0
+    rope_beta_fast: float = 1.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 1.0
+    rope_original_max_position_embeddings: int = 4096
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 163584
+    eos_token_id: int | None = 163585
+    # Project settings (not in config.json).
+    dtype: str = "bfloat16"
+    expert_format: str = "int4"
+    kernels: str = "xla"
+    group_size: int = 32  # INT4 quantization group along the input dimension
+
+    def __post_init__(self):
+        self.validate()
+
+    # ----------------------------------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_dense_layers(self) -> int:
+        return min(self.first_k_dense_replace, self.num_hidden_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.num_dense_layers
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values cached per token per layer: the latent plus the shared rope key (512 + 64 for K2)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def jnp_dtype(self):
+        import jax.numpy as jnp
+
+        return jnp.dtype(self.dtype)
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the field when the config cannot describe a model we run."""
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ConfigError(f"expert_format must be one of {EXPERT_FORMATS}, got {self.expert_format!r}")
+        if self.kernels not in KERNELS:
+            raise ConfigError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.rope_type not in ("yarn", "default"):
+            raise ConfigError(f"rope_scaling type {self.rope_type!r} is not supported (yarn or default)")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim must be even (rope rotates pairs), got {self.qk_rope_head_dim}")
+        if self.num_moe_layers:
+            if self.n_routed_experts < 1 or not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
+                raise ConfigError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..n_routed_experts "
+                    f"({self.n_routed_experts})")
+            if self.n_group < 1 or self.n_routed_experts % self.n_group:
+                raise ConfigError(
+                    f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})")
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ConfigError(f"topk_group ({self.topk_group}) must be in 1..n_group ({self.n_group})")
+            per_group = self.n_routed_experts // self.n_group
+            if self.n_group > 1 and per_group < 2:
+                raise ConfigError(f"n_group {self.n_group} leaves fewer than 2 experts per group")
+            if self.num_experts_per_tok > per_group * self.topk_group:
+                raise ConfigError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts in the kept groups "
+                    f"(topk_group {self.topk_group} x {per_group})")
+        if self.expert_format == "int4":
+            for name in ("hidden_size", "moe_intermediate_size"):
+                if getattr(self, name) % self.group_size:
+                    raise ConfigError(
+                        f"expert_format='int4' needs {name} ({getattr(self, name)}) divisible by the group size "
+                        f"{self.group_size}")
+
+    # ----------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | dict, **overrides: Any) -> "ModelConfig":
+        """Build a config from a Hugging Face `config.json` (a path, a directory holding it, or a dict).
+
+        Reads DeepSeek-V3 and Kimi-K2 configs, and the K2.5/K2.6 wrapper (`text_config`). Both spellings of
+        the rope settings are read (`rope_scaling` from transformers 4.x, `rope_parameters` from 5.x).
+        `overrides` replace fields afterwards (for example `dtype="float32"`).
+        """
+        if isinstance(path_or_dict, dict):
+            raw = dict(path_or_dict)
+        else:
+            path = os.fspath(path_or_dict)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.exists(path):
+                raise ConfigError(f"no config.json at {path}")
+            with open(path) as f:
+                raw = json.load(f)
+        if "text_config" in raw:
+            raw = dict(raw["text_config"])
+        return cls(**{**_fields_from_hf(raw), **overrides})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown config fields: {sorted(unknown)}")
+        return cls(**d)
+
+
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _fields_from_hf(raw: dict) -> dict:
+    """Map a (text) config.json dict onto ModelConfig fields, with errors that name the key."""
+    for key in _REQUIRED:
+        if key not in raw:
+            raise ConfigError(f"config.json is missing required key {key!r}")
+    heads, kv_heads = raw["num_attention_heads"], raw.get("num_key_value_heads", raw["num_attention_heads"])
+    if kv_heads != heads:
+        raise ConfigError(f"num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads}) for MLA")
+    if raw.get("moe_layer_freq", 1) != 1:
+        raise ConfigError(f"moe_layer_freq {raw['moe_layer_freq']} is not supported (only 1)")
+    if raw.get("attention_bias", False):
+        raise ConfigError("attention_bias=true is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (silu)")
+    if raw.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ConfigError(f"scoring_func {raw['scoring_func']!r} is not supported (sigmoid)")
+    if raw.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ConfigError(f"topk_method {raw['topk_method']!r} is not supported (noaux_tc)")
+
+    out: dict[str, Any] = {k: raw[k] for k in _REQUIRED}
+    for key in ("intermediate_size", "moe_intermediate_size", "q_lora_rank", "n_routed_experts", "n_shared_experts",
+                "num_experts_per_tok", "n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob",
+                "routed_scaling_factor", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id"):
+        if key in raw:
+            out[key] = raw[key]
+    if out.get("n_routed_experts") is None:  # a dense DeepSeek-style model: every layer is dense
+        out["n_routed_experts"] = 0
+        out["first_k_dense_replace"] = raw["num_hidden_layers"]
+    for key in ("bos_token_id", "eos_token_id"):
+        if isinstance(out.get(key), list):
+            out[key] = out[key][0]
+
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if raw.get("rope_scaling") and raw.get("rope_parameters") and raw["rope_scaling"] != raw["rope_parameters"]:
+        raise ConfigError("rope_scaling and rope_parameters are both present and differ")
+    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if "rope_theta" in rope and "rope_theta" in raw and not math.isclose(rope["rope_theta"], raw["rope_theta"]):
+        raise ConfigError(f"rope_theta {raw['rope_theta']} contradicts rope_parameters.rope_theta {rope['rope_theta']}")
+    out["rope_theta"] = float(theta)
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
+    out["rope_type"] = rope_type
+    if rope_type == "yarn":
+        for key in ("factor", "original_max_position_embeddings"):
+            if key not in rope:
+                raise ConfigError(f"rope_scaling (yarn) is missing key {key!r}")
+        out.update(rope_factor=float(rope["factor"]),
+                   rope_beta_fast=float(rope.get("beta_fast", 32.0)),
+                   rope_beta_slow=float(rope.get("beta_slow", 1.0)),
+                   rope_mscale=float(rope.get("mscale", 1.0)),
+                   rope_mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
+                   rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    elif rope_type != "default":
+        raise ConfigError(f"rope_scaling type {rope_type!r} is not supported (yarn or default)")
+    return out

@@ -1,0 +1,291 @@
+"""`generate`: prefill, then a `lax.while_loop` of decode steps, compiled as one function.
+
+Input checks run on the host before anything compiles; the loop itself never returns to the host.
+`method="ar"` is plain autoregressive decoding; "ddtree" and "chain" are the speculative methods of
+`kdtree_jax.ddtree` (lossless: at temperature 0 they return exactly the "ar" tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from functools import partial
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig
+from .model import KVCache, Params, init_cache, prefill, pytree_dataclass, step
+
+METHODS = ("ar", "chain", "ddtree")
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """tokens: per prompt, the generated ids (ending with EOS when one was produced).
+    stats: steps (target forwards after prefill), tau (tokens committed per step, bonus included),
+    tau_histogram, compile_s, wall_s, tokens_per_s, method, budget."""
+
+    tokens: list[list[int]]
+    stats: dict[str, Any]
+
+
+@pytree_dataclass
+class DecodeState:
+    """The loop carry of autoregressive decoding."""
+
+    cache: KVCache  # lengths[b] = tokens of row b in the cache (prompt + generated, minus `last`)
+    out: jax.Array  # int32 [B, N]  generated tokens; -1 beyond num_out
+    num_out: jax.Array  # int32 [B]     tokens generated so far
+    done: jax.Array  # bool [B]      row finished (EOS or N tokens)
+    last: jax.Array  # int32 [B]     newest token, not yet in the cache
+    key: jax.Array  # PRNG key
+    steps: jax.Array  # int32 []      decode steps run
+    accepted: jax.Array  # int32 [B, N + 1] histogram of tokens committed per step and row
+
+
+def choose(logits: jax.Array, key: jax.Array, temperature: jax.Array, greedy: bool) -> jax.Array:
+    """The target's token for logits [..., V]: argmax when greedy, else a sample at `temperature`."""
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+
+
+def _commit(out, num_out, done, new, n_new, eos_id, max_new):
+    """Append new [B, K] (n_new[b] valid) to out [B, N] for rows not done; stop rows at EOS or N tokens.
+
+    Returns (out, num_out, done, committed [B]) where committed counts tokens kept (cut at EOS and at N).
+    """
+    b, k = new.shape
+    idx = jnp.arange(k)[None, :]
+    valid = (idx < n_new[:, None]) & ~done[:, None]
+    is_eos = valid & (new == eos_id)
+    first_eos = jnp.min(jnp.where(is_eos, idx, k), axis=1)  # [B]
+    valid &= idx <= first_eos[:, None]
+    valid &= (num_out[:, None] + idx) < max_new
+    slots = jnp.where(valid, num_out[:, None] + idx, out.shape[1])  # out of range -> dropped
+    out = out.at[jnp.arange(b)[:, None], slots].set(new, mode="drop")
+    committed = jnp.sum(valid, axis=1).astype(jnp.int32)
+    num_out = num_out + committed
+    done = done | (first_eos < k) | (num_out >= max_new)
+    return out, num_out, done, committed
+
+
+def _ar_start(params, cfg: ModelConfig, tokens, lengths, key, cache_len: int, max_new: int, temperature, eos_id,
+              greedy: bool) -> DecodeState:
+    b = tokens.shape[0]
+    res = prefill(params, cfg, tokens, lengths, init_cache(cfg, b, cache_len))
+    last_logits = jnp.take_along_axis(res.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    key, sub = jax.random.split(key)
+    first = choose(last_logits, sub, temperature, greedy)
+    out = jnp.full((b, max_new), -1, jnp.int32)
+    out, num_out, done, _ = _commit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
+                                    jnp.ones((b,), jnp.int32), eos_id, max_new)
+    return DecodeState(cache=res.cache, out=out, num_out=num_out, done=done, last=first, key=key,
+                       steps=jnp.zeros((), jnp.int32), accepted=jnp.zeros((b, max_new + 1), jnp.int32))
+
+
+def _ar_advance(params, cfg: ModelConfig, state: DecodeState, until, temperature, eos_id, greedy: bool):
+    max_new = state.out.shape[1]
+
+    def cond(s: DecodeState):
+        return (s.steps < until) & ~jnp.all(s.done)
+
+    def body(s: DecodeState):
+        res = step(params, cfg, s.last[:, None], s.cache)
+        key, sub = jax.random.split(s.key)
+        nxt = choose(res.logits[:, 0], sub, temperature, greedy)
+        active = ~s.done
+        cache = dataclasses.replace(res.cache, lengths=res.cache.lengths + active.astype(jnp.int32))
+        out, num_out, done, committed = _commit(s.out, s.num_out, s.done, nxt[:, None],
+                                                jnp.ones_like(s.num_out), eos_id, max_new)
+        accepted = s.accepted.at[jnp.arange(nxt.shape[0]), committed].add(active.astype(jnp.int32))
+        return DecodeState(cache=cache, out=out, num_out=num_out, done=done, last=jnp.where(active, nxt, s.last),
+                           key=key, steps=s.steps + 1, accepted=accepted)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+@partial(jax.jit, static_argnames=("cfg", "cache_len", "max_new", "greedy"))
+def _ar_generate(params, cfg, tokens, lengths, key, temperature, eos_id, *, cache_len, max_new, greedy):
+    state = _ar_start(params, cfg, tokens, lengths, key, cache_len, max_new, temperature, eos_id, greedy)
+    return _ar_advance(params, cfg, state, jnp.int32(max_new), temperature, eos_id, greedy)
+
+
+_ar_start_jit = jax.jit(_ar_start, static_argnames=("cfg", "cache_len", "max_new", "greedy"))
+_ar_advance_jit = jax.jit(_ar_advance, static_argnames=("cfg", "greedy"), donate_argnames=("state",))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Input handling
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int, floor: int = 8) -> int:
+    return max(floor, 1 << (n - 1).bit_length())
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """Validated, padded inputs of one generate call."""
+
+    tokens: np.ndarray  # int32 [B, T_pad] right-padded prompts
+    lengths: np.ndarray  # int32 [B]
+    max_new: int
+    cache_len: int
+    temperature: float
+    eos_id: int  # -1: none
+
+
+def prepare(cfg: ModelConfig, prompts, max_new_tokens: int, temperature: float = 0.0, eos_id: int | None = None,
+            extra_slots: int = 0) -> Request:
+    """Check the inputs and lay them out; every error is a ValueError/TypeError naming the problem.
+
+    `extra_slots` is the room the method needs past the last token (the speculative tree's nodes).
+    """
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        arr = np.asarray(prompts)
+        if arr.ndim != 2:
+            raise ValueError(f"prompts as an array must be [B, T], got shape {arr.shape}")
+        prompts = [list(r) for r in arr]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists (or a [B, T] array)")
+    if all(isinstance(p, (int, np.integer)) for p in prompts):
+        raise ValueError("prompts must be a list of prompts (a list of token-id lists); wrap a single prompt in []")
+    rows = []
+    for i, p in enumerate(prompts):
+        a = np.asarray(p)
+        if a.ndim != 1 or a.size == 0:
+            raise ValueError(f"prompt {i} must be a non-empty 1-D sequence of token ids, got shape {a.shape}")
+        if not np.issubdtype(a.dtype, np.integer):
+            raise TypeError(f"prompt {i} must hold integer token ids, got dtype {a.dtype}")
+        if a.min() < 0 or a.max() >= cfg.vocab_size:
+            bad = int(a[(a < 0) | (a >= cfg.vocab_size)][0])
+            raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {cfg.vocab_size})")
+        rows.append(a.astype(np.int32))
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
+        raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    longest = max(len(r) for r in rows)
+    need = longest + int(max_new_tokens) + extra_slots
+    if need > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt of {longest} tokens + max_new_tokens {max_new_tokens}"
+            + (f" + {extra_slots} speculative slots" if extra_slots else "")
+            + f" = {need} exceeds the context of {cfg.max_position_embeddings} positions")
+    t_pad = _next_pow2(longest)
+    tokens = np.zeros((len(rows), t_pad), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    return Request(tokens=tokens, lengths=np.array([len(r) for r in rows], np.int32), max_new=int(max_new_tokens),
+                   cache_len=_round_up(max(t_pad, need), 64), temperature=float(temperature),
+                   eos_id=-1 if eos_id is None else int(eos_id))
+
+
+def _unpack(params, cfg, prompts, drafter):
+    """Accept generate(model, prompts) as well as generate(params, cfg, prompts)."""
+    if hasattr(params, "params") and hasattr(params, "cfg"):
+        model = params
+        if prompts is None and cfg is not None and not isinstance(cfg, ModelConfig):
+            prompts, cfg = cfg, None
+        if cfg is not None and cfg != model.cfg:
+            raise ValueError("a loaded model carries its own cfg; do not pass a different one")
+        return model.params, model.cfg, prompts, drafter if drafter is not None else getattr(model, "drafter", None)
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"generate(params, cfg, prompts, ...) needs a ModelConfig as cfg, got {type(cfg).__name__}")
+    return params, cfg, prompts, drafter
+
+
+def _histogram_stats(accepted: np.ndarray, steps: int) -> dict:
+    hist = accepted.sum(axis=0)  # [N + 1]: count of (row, step) pairs that committed i tokens
+    total_steps = int(hist.sum())
+    tau = float((hist * np.arange(len(hist))).sum() / total_steps) if total_steps else 0.0
+    last = int(np.nonzero(hist)[0].max()) + 1 if hist.any() else 1
+    return {"steps": steps, "tau": tau, "tau_histogram": hist[:last].tolist()}
+
+
+def generate(params: Params | Any, cfg: ModelConfig | None = None, prompts=None, *, max_new_tokens: int = 64,
+             method: str = "ar", drafter=None, budget: int = 64, temperature: float = 0.0, seed: int = 0,
+             eos_id: int | None = None) -> GenerateOutput:
+    """Generate up to `max_new_tokens` tokens for each prompt (a list of token-id lists of any lengths).
+
+    `generate(params, cfg, prompts, ...)` or `generate(model, prompts, ...)` with a loaded model. Greedy at
+    temperature 0, else sampling at that temperature with `seed`. A row stops after `eos_id` (kept in its
+    output). `method`: "ar", or "chain" / "ddtree" with a `drafter` and, for ddtree, a node `budget`.
+    """
+    params, cfg, prompts, drafter = _unpack(params, cfg, prompts, drafter)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method != "ar":
+        from . import ddtree
+
+        return ddtree.generate_speculative(params, cfg, prompts, max_new_tokens=max_new_tokens, method=method,
+                                           drafter=drafter, budget=budget, temperature=temperature, seed=seed,
+                                           eos_id=eos_id)
+    req = prepare(cfg, prompts, max_new_tokens, temperature, eos_id)
+    args = (params, cfg, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed),
+            jnp.float32(req.temperature or 1.0), jnp.int32(req.eos_id))
+    static = dict(cache_len=req.cache_len, max_new=req.max_new, greedy=req.temperature == 0)
+    state, timing = run_compiled(_ar_generate, args, static)
+    return finish(state, timing, method="ar", budget=None)
+
+
+_COMPILED: dict = {}
+
+
+def run_compiled(fn, args: tuple, static: dict):
+    """Compile fn for these argument shapes (cached), then run it; returns (result, {compile_s, wall_s})."""
+    flat, tree = jax.tree.flatten((args, static), is_leaf=lambda x: isinstance(x, ModelConfig))
+    sig = (fn, tree, tuple((x.shape, str(x.dtype)) if hasattr(x, "shape") else x for x in flat))
+    t0 = time.perf_counter()
+    compiled = _COMPILED.get(sig)
+    if compiled is None:
+        compiled = fn.lower(*args, **static).compile()
+        _COMPILED[sig] = compiled
+    t1 = time.perf_counter()
+    dyn = tuple(a for a in args if not isinstance(a, ModelConfig))
+    result = jax.block_until_ready(compiled(*dyn))
+    t2 = time.perf_counter()
+    return result, {"compile_s": t1 - t0, "wall_s": t2 - t1}
+
+
+def finish(state, timing: dict, method: str, budget: int | None) -> GenerateOutput:
+    """Host-side result: per-row token lists and the stats."""
+    out, num = np.asarray(state.out), np.asarray(state.num_out)
+    tokens = [out[i, :num[i]].tolist() for i in range(out.shape[0])]
+    stats = _histogram_stats(np.asarray(state.accepted), int(state.steps))
+    total = int(num.sum())
+    stats.update(timing, method=method, budget=budget, new_tokens=total,
+                 tokens_per_s=total / timing["wall_s"] if timing["wall_s"] > 0 else float("nan"))
+    return GenerateOutput(tokens=tokens, stats=stats)
+
+
+def stream_ar(params, cfg: ModelConfig, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0,
+              seed: int = 0, eos_id: int | None = None, chunk: int = 16) -> Iterator[list[int]]:
+    """Yield the tokens of one prompt in chunks of up to `chunk` decode steps (for the CLI's streaming output).
+
+    The same jitted prefill and decode loop as `generate`, resumed every `chunk` steps from the donated state.
+    """
+    req = prepare(cfg, [prompt], max_new_tokens, temperature, eos_id)
+    greedy, temp, eos = req.temperature == 0, jnp.float32(req.temperature or 1.0), jnp.int32(req.eos_id)
+    state = _ar_start_jit(params, cfg, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed),
+                          cache_len=req.cache_len, max_new=req.max_new, temperature=temp, eos_id=eos, greedy=greedy)
+    shown = 0
+    while True:
+        n = int(state.num_out[0])
+        if n > shown:
+            yield np.asarray(state.out[0, shown:n]).tolist()
+            shown = n
+        if bool(state.done[0]):
+            return
+        state = _ar_advance_jit(params, cfg, state, state.steps + chunk, temp, eos, greedy)

@@ -1,0 +1,561 @@
+"""The Kimi K2.x / DeepSeek-V3 model, functional, in one file.
+
+Math: ../shared/reference/k2_arch.md §2. Layout of this file:
+  1. weight declarations (`ArrayInfo`, one place per weight) and the weight pytrees; `init_params`
+  2. the latent KV cache
+  3. blocks: RMSNorm, YaRN rope, MLA (naive for prefill, absorbed for decode and tree verify), router, MoE
+  4. `forward` (teacher-forced logits) and `step` (one cached forward over new tokens, optionally a tree)
+
+Einsum letters: b batch, t new tokens (queries), s cache slots, u new tokens as keys, d model width,
+h heads, q q-LoRA rank, r kv-LoRA rank (latent), n nope head dim, p rope head dim, v value head dim,
+f MLP width, e experts, v (in the vocabulary matmul only) vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig
+from .quant import Int4Array, quantize_int4
+
+# --------------------------------------------------------------------------------------------------------------
+# 1. Weights: declared once (shape, dtype, logical axes, initializer); init, abstract shapes and shardings
+#    are all derived from the declarations.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+    """Declaration of one weight: logical shape, dtype, logical axis names and initializer."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    axes: tuple[str | None, ...]
+    init: str = "fan_in"  # "fan_in" (normal, std 1/sqrt(fan_in)), "ones", "small" (normal, std 0.02), "int4"
+    fan_in_axes: tuple[int, ...] = (0,)  # which axes are the matmul's input (for "fan_in")
+
+
+def pytree_dataclass(cls):
+    """A frozen dataclass registered as a pytree (every field is a child)."""
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+@pytree_dataclass
+class Attention:
+    q_a: jax.Array | None  # [D, Rq]            (None when q_lora_rank is None)
+    q_a_norm: jax.Array | None  # [Rq]
+    q_b: jax.Array  # [Rq or D, H, dn + dr]
+    kv_a: jax.Array  # [D, R + dr]           latent and the shared rope key
+    kv_a_norm: jax.Array  # [R]
+    k_b: jax.Array  # [R, H, dn]            W_UK: latent -> per-head nope key
+    v_b: jax.Array  # [R, H, dv]            W_UV: latent -> per-head value
+    o: jax.Array  # [H, dv, D]
+
+
+@pytree_dataclass
+class MLP:
+    gate: jax.Array  # [D, F]
+    up: jax.Array  # [D, F]
+    down: jax.Array  # [F, D]
+
+
+@pytree_dataclass
+class MoE:
+    router: jax.Array  # f32 [D, E]
+    router_bias: jax.Array  # f32 [E]            e_score_correction_bias: selection only
+    we_gate: jax.Array | Int4Array  # [E, F, D]   routed experts, [out, in] per expert (checkpoint order)
+    we_up: jax.Array | Int4Array  # [E, F, D]
+    we_down: jax.Array | Int4Array  # [E, D, F]
+    shared: MLP  # F = moe_intermediate_size * n_shared_experts
+
+
+@pytree_dataclass
+class Layer:
+    attn_norm: jax.Array  # [D]
+    attn: Attention
+    mlp_norm: jax.Array  # [D]
+    mlp: MLP | MoE
+
+
+@pytree_dataclass
+class Params:
+    embed: jax.Array  # [V, D]
+    dense_layers: Layer | None  # every leaf stacked: [L_dense, ...]
+    moe_layers: Layer | None  # every leaf stacked: [L_moe, ...]
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array  # [D, V]
+
+
+def _mlp_info(cfg: ModelConfig, width: int) -> MLP:
+    dt, d = cfg.jnp_dtype, cfg.hidden_size
+    return MLP(gate=ArrayInfo((d, width), dt, ("embed", "mlp")),
+               up=ArrayInfo((d, width), dt, ("embed", "mlp")),
+               down=ArrayInfo((width, d), dt, ("mlp", "embed")))
+
+
+def _attention_info(cfg: ModelConfig) -> Attention:
+    dt, d, h = cfg.jnp_dtype, cfg.hidden_size, cfg.num_attention_heads
+    rq, r, dn, dr, dv = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    q_in = rq if rq is not None else d
+    return Attention(
+        q_a=ArrayInfo((d, rq), dt, ("embed", "q_lora")) if rq is not None else None,
+        q_a_norm=ArrayInfo((rq,), dt, ("q_lora",), "ones") if rq is not None else None,
+        q_b=ArrayInfo((q_in, h, dn + dr), dt, ("q_lora", "heads", None)),
+        kv_a=ArrayInfo((d, r + dr), dt, ("embed", "kv_lora")),
+        kv_a_norm=ArrayInfo((r,), dt, ("kv_lora",), "ones"),
+        k_b=ArrayInfo((r, h, dn), dt, ("kv_lora", "heads", None)),
+        v_b=ArrayInfo((r, h, dv), dt, ("kv_lora", "heads", None)),
+        o=ArrayInfo((h, dv, d), dt, ("heads", None, "embed"), fan_in_axes=(0, 1)),
+    )
+
+
+def _moe_info(cfg: ModelConfig) -> MoE:
+    dt, d, e, f = cfg.jnp_dtype, cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    kind = "int4" if cfg.expert_format == "int4" else "fan_in"
+    return MoE(router=ArrayInfo((d, e), jnp.float32, ("embed", None), "small"),
+               router_bias=ArrayInfo((e,), jnp.float32, (None,), "small"),
+               we_gate=ArrayInfo((e, f, d), dt, ("experts", "expert_mlp", "embed"), kind, fan_in_axes=(2,)),
+               we_up=ArrayInfo((e, f, d), dt, ("experts", "expert_mlp", "embed"), kind, fan_in_axes=(2,)),
+               we_down=ArrayInfo((e, d, f), dt, ("experts", "embed", "expert_mlp"), kind, fan_in_axes=(2,)),
+               shared=_mlp_info(cfg, f * cfg.n_shared_experts))
+
+
+def _layer_info(cfg: ModelConfig, moe: bool) -> Layer:
+    dt, d = cfg.jnp_dtype, cfg.hidden_size
+    return Layer(attn_norm=ArrayInfo((d,), dt, ("embed",), "ones"), attn=_attention_info(cfg),
+                 mlp_norm=ArrayInfo((d,), dt, ("embed",), "ones"),
+                 mlp=_moe_info(cfg) if moe else _mlp_info(cfg, cfg.intermediate_size))
+
+
+def _is_info(x) -> bool:
+    return isinstance(x, ArrayInfo)
+
+
+def _stack(info: Layer, n: int) -> Layer | None:
+    """Prefix every declaration with a layer axis of length n (None when there are no such layers)."""
+    if n == 0:
+        return None
+    return jax.tree.map(lambda a: dataclasses.replace(a, shape=(n, *a.shape), axes=("layers", *a.axes),
+                                                      fan_in_axes=tuple(i + 1 for i in a.fan_in_axes)),
+                        info, is_leaf=_is_info)
+
+
+def param_info(cfg: ModelConfig) -> Params:
+    """The declaration of every weight of the model (a Params pytree of ArrayInfo)."""
+    dt, d, v = cfg.jnp_dtype, cfg.hidden_size, cfg.vocab_size
+    return Params(embed=ArrayInfo((v, d), dt, ("vocab", "embed"), "small"),
+                  dense_layers=_stack(_layer_info(cfg, moe=False), cfg.num_dense_layers),
+                  moe_layers=_stack(_layer_info(cfg, moe=True), cfg.num_moe_layers),
+                  final_norm=ArrayInfo((d,), dt, ("embed",), "ones"),
+                  lm_head=ArrayInfo((d, v), dt, ("embed", "vocab")))
+
+
+def _int4_struct(a: ArrayInfo, group: int) -> Int4Array:
+    *lead, n_in = a.shape
+    return Int4Array(packed=jax.ShapeDtypeStruct((*lead, n_in // 8), jnp.int32),
+                     scale=jax.ShapeDtypeStruct((*lead, n_in // group), jnp.bfloat16))
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+    """ShapeDtypeStructs of every weight (INT4 experts as Int4Array of structs), without allocating."""
+    return jax.tree.map(lambda a: _int4_struct(a, cfg.group_size) if a.init == "int4"
+                        else jax.ShapeDtypeStruct(a.shape, a.dtype), param_info(cfg), is_leaf=_is_info)
+
+
+def _init_one(a: ArrayInfo, key, group: int):
+    if a.init == "ones":
+        return jnp.ones(a.shape, a.dtype)
+    if a.init == "small":
+        return (0.02 * jax.random.normal(key, a.shape, jnp.float32)).astype(a.dtype)
+    fan_in = math.prod(a.shape[i] for i in a.fan_in_axes)
+    w = jax.random.normal(key, a.shape, jnp.float32) / math.sqrt(fan_in)
+    return quantize_int4(w, group) if a.init == "int4" else w.astype(a.dtype)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+    """Random weights with the exact pytree layout, shapes and dtypes of a loaded checkpoint.
+
+    Matmul weights are normal with std 1/sqrt(fan_in) (activations keep their scale through the layers),
+    norms are ones, the router and its selection bias are small random values (a zero bias would never test
+    the biased selection). INT4 experts are random weights quantized with `quantize_int4`.
+    """
+    infos, treedef = jax.tree.flatten(param_info(cfg), is_leaf=_is_info)
+    keys = jax.random.split(key, len(infos))
+    leaves = [jax.jit(partial(_init_one, a, group=cfg.group_size))(k) for a, k in zip(infos, keys)]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 2. The latent KV cache: 512 + 64 values per token per layer for K2 (never expanded per head).
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytree_dataclass
+class KVCache:
+    latent: jax.Array  # [L, B, S, R]   RMSNorm_kva(c_kv) of every cached token
+    k_pe: jax.Array  # [L, B, S, dr]  rope(k_pe) at the token's position (= its slot)
+    lengths: jax.Array  # int32 [B]      committed tokens per row; slots >= lengths[b] are free
+
+    @property
+    def max_len(self) -> int:
+        return self.latent.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+    """An empty cache of `max_len` slots per row. Token positions equal their slot index."""
+    layers = cfg.num_hidden_layers
+    return KVCache(latent=jnp.zeros((layers, batch, max_len, cfg.kv_lora_rank), cfg.jnp_dtype),
+                   k_pe=jnp.zeros((layers, batch, max_len, cfg.qk_rope_head_dim), cfg.jnp_dtype),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 3. Blocks
+# --------------------------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """w * normalize(x), normalized in fp32 and cast back before the weight (as Hugging Face does)."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * y.astype(x.dtype)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [dr/2] and the cos/sin multiplier ("attention factor") of YaRN or plain rope."""
+    d, theta = cfg.qk_rope_head_dim, cfg.rope_theta
+    extra = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float32) / d)
+    if cfg.rope_type == "default":
+        return extra, 1.0
+    f = cfg.rope_factor
+    inter = extra / f
+
+    def corr(rot):
+        return d * math.log(cfg.rope_original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(corr(cfg.rope_beta_fast or 32.0)), 0)
+    high = min(math.ceil(corr(cfg.rope_beta_slow or 1.0)), d - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    inv_freq = inter * ramp + extra * (1 - ramp)
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        factor = _yarn_mscale(f, cfg.rope_mscale) / _yarn_mscale(f, cfg.rope_mscale_all_dim)
+    else:
+        factor = _yarn_mscale(f)
+    return inv_freq.astype(np.float32), float(factor)
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """(dn + dr)^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN."""
+    scale = cfg.qk_head_dim ** -0.5
+    if cfg.rope_type == "yarn" and cfg.rope_mscale_all_dim:
+        scale *= _yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
+    return scale
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, dr/2] in fp32 for integer positions [B, T]."""
+    inv_freq, factor = rope_frequencies(cfg)
+    angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, dr/2]
+    return jnp.cos(angle) * factor, jnp.sin(angle) * factor
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, T, (H,) dr]; the output keeps the interleaved order."""
+    if x.ndim == 4:  # per-head queries: broadcast the tables over heads
+        cos, sin = cos[:, :, None], sin[:, :, None]
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    x1, x2 = pairs[..., 0].astype(jnp.float32), pairs[..., 1].astype(jnp.float32)
+    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def _mask_softmax(scores: jax.Array, visible: jax.Array, axis: int = -1) -> jax.Array:
+    """Softmax over `axis` of fp32 scores where `visible`; a row with nothing visible gives zeros, not NaN."""
+    scores = jnp.where(visible, scores, -jnp.inf)
+    peak = jnp.max(scores, axis=axis, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    p = jnp.where(visible, jnp.exp(scores - peak), 0.0)
+    total = jnp.sum(p, axis=axis, keepdims=True)
+    return p / jnp.where(total == 0, 1.0, total)
+
+
+def mla_absorbed_attention(q_lat, q_pe, latent, k_pe, lengths, tree_mask, scale):
+    """Absorbed MLA over the latent cache, each new token seeing the committed prefix and its tree ancestors.
+
+    q_lat [B, T, H, R] (q_nope @ W_UK), q_pe [B, T, H, dr], latent [B, S, R], k_pe [B, S, dr] with the T new
+    tokens already written at slots lengths[b] .. lengths[b] + T - 1, lengths [B], tree_mask bool [B, T, T]
+    (query t sees new token u). Returns the latent output [B, T, H, R] in fp32 (softmax and sums in fp32).
+    This is the function of the `mla_verify` custom call.
+    """
+    t = q_lat.shape[1]
+    f32 = jnp.float32
+    with jax.named_scope("prefix"):
+        s_pre = (jnp.einsum("bthr,bsr->bths", q_lat, latent, preferred_element_type=f32)
+                 + jnp.einsum("bthp,bsp->bths", q_pe, k_pe, preferred_element_type=f32)) * scale
+        seen = jnp.arange(latent.shape[1])[None, :] < lengths[:, None]  # [B, S]
+    with jax.named_scope("tree"):
+        take = jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, t, axis=0))
+        lat_new, pe_new = take(latent, lengths), take(k_pe, lengths)  # [B, T, R], [B, T, dr]
+        s_new = (jnp.einsum("bthr,bur->bthu", q_lat, lat_new, preferred_element_type=f32)
+                 + jnp.einsum("bthp,bup->bthu", q_pe, pe_new, preferred_element_type=f32)) * scale
+    scores = jnp.concatenate([s_pre, s_new], axis=-1)  # [B, T, H, S + T]
+    visible = jnp.concatenate([jnp.broadcast_to(seen[:, None, None, :], s_pre.shape),
+                               jnp.broadcast_to(tree_mask[:, :, None, :], s_new.shape)], axis=-1)
+    p = _mask_softmax(scores, visible)
+    s = latent.shape[1]
+    out = jnp.einsum("bths,bsr->bthr", p[..., :s], latent.astype(f32))
+    return out + jnp.einsum("bthu,bur->bthr", p[..., s:], lat_new.astype(f32))
+
+
+def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+    """cache [B, S, C] with new [B, T, C] written at slots starts[b] .. starts[b] + T - 1 of each row."""
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0))(cache, new, starts)
+
+
+def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None, lengths=None, tree_mask=None):
+    """Multi-head latent attention of x [B, T, D]. Returns (out [B, T, D], (latent, k_pe) for the cache).
+
+    mode "prefill": the naive form over the T tokens alone, causal (the cache, if any, starts empty).
+    mode "absorbed": the absorbed form over the cache (committed prefix) plus the T new tokens seen through
+    tree_mask [B, T, T]; the new latents are written at lengths[b] first.
+    """
+    dt, f32 = x.dtype, jnp.float32
+    dn, scale = cfg.qk_nope_head_dim, softmax_scale(cfg)
+    with jax.named_scope("q"):
+        cq = rms_norm(x @ p.q_a, p.q_a_norm, cfg.rms_norm_eps) if p.q_a is not None else x  # [B, T, Rq]
+        q = jnp.einsum("btq,qhk->bthk", cq, p.q_b)  # [B, T, H, dn + dr]
+        q_nope, q_pe = q[..., :dn], apply_rope(q[..., dn:], cos, sin)
+    with jax.named_scope("kv"):
+        kv = x @ p.kv_a  # [B, T, R + dr]
+        c_kv = rms_norm(kv[..., :cfg.kv_lora_rank], p.kv_a_norm, cfg.rms_norm_eps)  # [B, T, R]
+        k_pe = apply_rope(kv[..., cfg.kv_lora_rank:], cos, sin)  # [B, T, dr]
+    if mode == "prefill":
+        with jax.named_scope("naive_attention"):
+            k_nope = jnp.einsum("btr,rhn->bthn", c_kv, p.k_b)  # [B, T, H, dn]
+            v = jnp.einsum("btr,rhv->bthv", c_kv, p.v_b)  # [B, T, H, dv]
+            s = (jnp.einsum("bthn,buhn->bhtu", q_nope, k_nope, preferred_element_type=f32)
+                 + jnp.einsum("bthp,bup->bhtu", q_pe, k_pe, preferred_element_type=f32)) * scale
+            t = x.shape[1]
+            causal = jnp.tril(jnp.ones((t, t), bool))
+            probs = _mask_softmax(s, causal[None, None])
+            o = jnp.einsum("bhtu,buhv->bthv", probs.astype(dt), v)  # [B, T, H, dv]
+        new_cache = None
+        if cache_layer is not None:
+            zeros = jnp.zeros_like(lengths)
+            new_cache = (_write_rows(cache_layer[0], c_kv, zeros), _write_rows(cache_layer[1], k_pe, zeros))
+    else:
+        with jax.named_scope("absorbed_attention"):
+            latent, pe = _write_rows(cache_layer[0], c_kv, lengths), _write_rows(cache_layer[1], k_pe, lengths)
+            q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, p.k_b)  # [B, T, H, R]
+            attend = mla_absorbed_attention
+            if cfg.kernels == "ffi":
+                from .kernels import mla_verify as attend
+            o_lat = attend(q_lat, q_pe, latent, pe, lengths, tree_mask, scale)  # [B, T, H, R]
+            o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(dt), p.v_b)  # [B, T, H, dv]
+            new_cache = (latent, pe)
+    with jax.named_scope("o"):
+        out = jnp.einsum("bthv,hvd->btd", o.astype(dt), p.o)
+    return out, new_cache
+
+
+def swiglu(p: MLP, x: jax.Array) -> jax.Array:
+    return (jax.nn.silu(x @ p.gate) * (x @ p.up)) @ p.down
+
+
+def route(p: MoE, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """The sigmoid noaux_tc router on x [M, D]: (expert ids [M, k] int32, weights [M, k] fp32).
+
+    The correction bias only chooses the experts; the weights are the unbiased sigmoid scores, normalized
+    (norm_topk_prob) and scaled by routed_scaling_factor. With n_group > 1, only the topk_group groups with the
+    largest sum of their two best biased scores compete.
+    """
+    logits = x.astype(jnp.float32) @ p.router.astype(jnp.float32)  # [M, E]
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + p.router_bias  # [M, E]
+    if cfg.n_group > 1:
+        m, e = choice.shape
+        grouped = choice.reshape(m, cfg.n_group, e // cfg.n_group)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [M, G]
+        _, keep = jax.lax.top_k(group_scores, cfg.topk_group)  # [M, topk_group]
+        group_mask = jnp.zeros_like(group_scores, bool).at[jnp.arange(m)[:, None], keep].set(True)
+        choice = jnp.where(jnp.repeat(group_mask, e // cfg.n_group, axis=-1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)  # [M, k]
+    w = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.norm_topk_prob:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), w * cfg.routed_scaling_factor
+
+
+def moe_experts_ref(x, ids, weights, we_gate, we_up, we_down):
+    """Routed experts in pure JAX: sum_k weights[m, k] * down_e(silu(gate_e(x)) * up_e(x)), e = ids[m, k].
+
+    x [M, D], ids/weights [M, k], expert weights [E, F, D], [E, F, D], [E, D, F] (float, or Int4Array
+    dequantized here). Tokens are sorted by expert and multiplied with `jax.lax.ragged_dot`. This is the
+    function of the `marlin_moe` custom call.
+    """
+    dt = x.dtype
+    m, k = ids.shape
+    deq = lambda w: (w.dequantize(dt) if isinstance(w, Int4Array) else w)
+    g, u, dn = deq(we_gate), deq(we_up), deq(we_down)
+    n_exp = g.shape[0]
+    flat = ids.reshape(-1)  # [M k]
+    order = jnp.argsort(flat, stable=True)
+    rows = order // k  # token of each sorted slot
+    xs = x[rows]  # [M k, D]
+    sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)  # [E]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, jnp.swapaxes(g, 1, 2), sizes)) * jax.lax.ragged_dot(
+        xs, jnp.swapaxes(u, 1, 2), sizes)  # [M k, F]
+    y = jax.lax.ragged_dot(h.astype(dt), jnp.swapaxes(dn, 1, 2), sizes)  # [M k, D]
+    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((m, x.shape[1]), jnp.float32).at[rows].add(y).astype(dt)
+
+
+def moe(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Routed experts (top-k of the sigmoid router) plus the shared expert, for x [B, T, D]."""
+    b, t, d = x.shape
+    flat = x.reshape(b * t, d)
+    with jax.named_scope("router"):
+        ids, w = route(p, flat, cfg)
+    with jax.named_scope("experts"):
+        experts = moe_experts_ref
+        if cfg.kernels == "ffi":
+            from .kernels import marlin_moe as experts
+        y = experts(flat, ids, w, p.we_gate, p.we_up, p.we_down)
+    with jax.named_scope("shared_expert"):
+        y = y + swiglu(p.shared, flat)
+    return y.reshape(b, t, d)
+
+
+def _layer(h, lp: Layer, cos, sin, cfg: ModelConfig, mode: str, cache_layer, lengths, tree_mask):
+    with jax.named_scope("attention"):
+        a, new_cache = mla(lp.attn, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps), cos, sin, cfg, mode,
+                           cache_layer, lengths, tree_mask)
+        h = h + a
+    with jax.named_scope("ffn"):
+        x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
+        h = h + (moe(lp.mlp, x, cfg) if isinstance(lp.mlp, MoE) else swiglu(lp.mlp, x))
+    return h, new_cache
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 4. Forward passes
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytree_dataclass
+class StepOutput:
+    logits: jax.Array  # f32 [B, T, V]
+    hidden: jax.Array  # [L, B, T, D] output of every layer (before the final norm)
+    cache: KVCache | None
+
+
+def _run_layers(params: Params, cfg: ModelConfig, h, cos, sin, mode, cache: KVCache | None, tree_mask):
+    """Scan the dense then the MoE layers. Returns (h, every layer's output [L, B, T, D], updated cache)."""
+    outs, lat_out, pe_out = [], [], []
+    offset = 0
+    for stack in (params.dense_layers, params.moe_layers):
+        if stack is None:
+            continue
+        n = jax.tree.leaves(stack)[0].shape[0]
+        if cache is None:
+            def body(h, lp):
+                h, _ = _layer(h, lp, cos, sin, cfg, mode, None, None, None)
+                return h, h
+            h, hs = jax.lax.scan(body, h, stack)
+        else:
+            def body(h, xs):
+                lp, lat, pe = xs
+                h, (lat, pe) = _layer(h, lp, cos, sin, cfg, mode, (lat, pe), cache.lengths, tree_mask)
+                return h, (h, lat, pe)
+            sl = slice(offset, offset + n)
+            h, (hs, lat, pe) = jax.lax.scan(body, h, (stack, cache.latent[sl], cache.k_pe[sl]))
+            lat_out.append(lat)
+            pe_out.append(pe)
+        outs.append(hs)
+        offset += n
+    new_cache = None
+    if cache is not None:
+        new_cache = dataclasses.replace(cache, latent=jnp.concatenate(lat_out), k_pe=jnp.concatenate(pe_out))
+    return h, jnp.concatenate(outs), new_cache
+
+
+def _logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    with jax.named_scope("lm_head"):
+        x = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
+        return jnp.einsum("btd,dv->btv", x, params.lm_head, preferred_element_type=jnp.float32)
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    return params.embed[tokens]  # [B, T, D]
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, return_hidden: bool = False):
+    """Teacher-forced logits: tokens [B, T] int32 -> logits [B, T, V] float32 (positions 0 .. T-1, causal).
+
+    With `return_hidden`, returns (logits, hidden [L, B, T, D]) with every decoder layer's output.
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    out = _forward_jit(params, cfg, tokens)
+    return (out.logits, out.hidden) if return_hidden else out.logits
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _forward_jit(params: Params, cfg: ModelConfig, tokens: jax.Array) -> StepOutput:
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    cos, sin = rope_tables(cfg, positions)
+    h, hidden, _ = _run_layers(params, cfg, embed(params, tokens), cos, sin, "prefill", None, None)
+    return StepOutput(logits=_logits(params, cfg, h), hidden=hidden, cache=None)
+
+
+def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array, cache: KVCache) -> StepOutput:
+    """Run right-padded prompts tokens [B, T] (row b holds lengths[b] real tokens) into an empty cache.
+
+    Writes all T slots (the padding slots stay invisible: attention only sees slots < lengths) and sets
+    cache.lengths = lengths. Logits [B, T, V]; the next-token logits of row b are at lengths[b] - 1.
+    """
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    cos, sin = rope_tables(cfg, positions)
+    cache = dataclasses.replace(cache, lengths=jnp.zeros_like(lengths))
+    h, hidden, cache = _run_layers(params, cfg, embed(params, tokens), cos, sin, "prefill", cache, None)
+    cache = dataclasses.replace(cache, lengths=lengths.astype(jnp.int32))
+    return StepOutput(logits=_logits(params, cfg, h), hidden=hidden, cache=cache)
+
+
+def step(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache, depths: jax.Array | None = None,
+         tree_mask: jax.Array | None = None) -> StepOutput:
+    """One cached forward over T new tokens [B, T] placed after each row's committed prefix.
+
+    Token t of row b is written at slot cache.lengths[b] + t and has position cache.lengths[b] + depths[b, t]
+    (default depths = t: a plain causal continuation). tree_mask bool [B, T, T] says which new tokens each one
+    sees (default: causal). cache.lengths is NOT advanced: the caller commits what it accepts.
+    """
+    b, t = tokens.shape
+    if depths is None:
+        depths = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if tree_mask is None:
+        tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    cos, sin = rope_tables(cfg, cache.lengths[:, None] + depths)
+    h, hidden, cache = _run_layers(params, cfg, embed(params, tokens), cos, sin, "absorbed", cache, tree_mask)
+    return StepOutput(logits=_logits(params, cfg, h), hidden=hidden, cache=cache)
+
+
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """One greedy-ready decode step: tokens [B] -> (logits [B, V] f32, cache with lengths + 1). Donates cache."""
+    out = step(params, cfg, tokens[:, None], cache)
+    cache = dataclasses.replace(out.cache, lengths=out.cache.lengths + 1)
+    return out.logits[:, 0], cache
+
