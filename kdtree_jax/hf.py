@@ -1,0 +1,153 @@
+"""Hugging Face tensor names -> this project's weight pytree, one layer at a time.
+
+The functions take `get(name) -> np.ndarray` and `has(name) -> bool` over the checkpoint's tensor names
+(without any `language_model.` prefix; FP8 already dequantized by the caller). Linear weights are stored
+[out, in] by Hugging Face and computed as x @ W.T; here they are [in, out] (or split per head), except the
+routed experts, which keep [out, in] so that INT4 values are repacked bit-exactly, never requantized.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from .config import ModelConfig
+from .model import MLP, Attention, Layer, MoE, Params
+from .quant import Int4Array, quantize_int4
+
+Getter = Callable[[str], np.ndarray]
+
+
+class CheckpointError(ValueError):
+    """A tensor is missing, has the wrong shape, or cannot be read."""
+
+
+def _np_dtype(cfg: ModelConfig):
+    return np.float32 if cfg.dtype == "float32" else ml_dtypes.bfloat16
+
+
+def checked(get: Getter, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """get(name), with a CheckpointError naming the tensor when it is missing or has another shape."""
+    try:
+        a = get(name)
+    except KeyError:
+        raise CheckpointError(f"missing tensor {name!r}") from None
+    if tuple(a.shape) != tuple(shape):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+    return a
+
+
+def _linear(get: Getter, name: str, n_out: int, n_in: int, dt) -> np.ndarray:
+    """HF Linear weight [out, in] -> [in, out] in dtype dt."""
+    return np.ascontiguousarray(checked(get, name, (n_out, n_in)).astype(np.float32).T).astype(dt)
+
+
+def _vec(get: Getter, name: str, n: int, dt) -> np.ndarray:
+    return checked(get, name, (n,)).astype(dt)
+
+
+def _mlp(get: Getter, prefix: str, d: int, f: int, dt) -> MLP:
+    return MLP(gate=_linear(get, f"{prefix}.gate_proj.weight", f, d, dt),
+               up=_linear(get, f"{prefix}.up_proj.weight", f, d, dt),
+               down=_linear(get, f"{prefix}.down_proj.weight", d, f, dt))
+
+
+def _attention(get: Getter, prefix: str, cfg: ModelConfig, dt) -> Attention:
+    d, h, rq, r = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    if rq is None:
+        q_a = q_a_norm = None
+        q_b = _linear(get, f"{prefix}.q_proj.weight", h * (dn + dr), d, dt).reshape(d, h, dn + dr)
+    else:
+        q_a = _linear(get, f"{prefix}.q_a_proj.weight", rq, d, dt)
+        q_a_norm = _vec(get, f"{prefix}.q_a_layernorm.weight", rq, dt)
+        q_b = _linear(get, f"{prefix}.q_b_proj.weight", h * (dn + dr), rq, dt).reshape(rq, h, dn + dr)
+    kv_b = checked(get, f"{prefix}.kv_b_proj.weight", (h * (dn + dv), r)).astype(np.float32).reshape(h, dn + dv, r)
+    o = _linear(get, f"{prefix}.o_proj.weight", d, h * dv, dt).reshape(h, dv, d)
+    return Attention(q_a=q_a, q_a_norm=q_a_norm, q_b=q_b,
+                     kv_a=_linear(get, f"{prefix}.kv_a_proj_with_mqa.weight", r + dr, d, dt),
+                     kv_a_norm=_vec(get, f"{prefix}.kv_a_layernorm.weight", r, dt),
+                     k_b=np.ascontiguousarray(kv_b[:, :dn, :].transpose(2, 0, 1)).astype(dt),
+                     v_b=np.ascontiguousarray(kv_b[:, dn:, :].transpose(2, 0, 1)).astype(dt), o=o)
+
+
+def expert_weight(get: Getter, has: Callable[[str], bool], name: str, n_out: int, n_in: int, cfg: ModelConfig):
+    """One routed expert's projection `name` (without suffix) in the model's expert format, [out, in].
+
+    INT4 sources (`weight_packed` int32 [out, in/8], `weight_scale` [out, in/32]) are kept bit-exactly when the
+    target format is int4 and dequantized for bf16; float sources are quantized for int4.
+    """
+    g = cfg.group_size
+    if has(f"{name}.weight_packed"):
+        packed = checked(get, f"{name}.weight_packed", (n_out, n_in // 8))
+        scale = checked(get, f"{name}.weight_scale", (n_out, n_in // g))
+        if has(f"{name}.weight_shape"):
+            ws = tuple(int(v) for v in np.asarray(get(f"{name}.weight_shape")).reshape(-1))
+            if ws != (n_out, n_in):
+                raise CheckpointError(f"tensor {name}.weight_shape says {ws}, expected {(n_out, n_in)}")
+        q = Int4Array(packed=np.ascontiguousarray(packed.view(np.int32)), scale=scale.astype(ml_dtypes.bfloat16))
+        if cfg.expert_format == "int4":
+            return q
+        return np.asarray(q.dequantize(jnp.float32)).astype(_np_dtype(cfg))
+    w = checked(get, f"{name}.weight", (n_out, n_in))
+    if cfg.expert_format == "int4":
+        q = quantize_int4(jnp.asarray(w.astype(np.float32)), g)
+        return Int4Array(packed=np.asarray(q.packed), scale=np.asarray(q.scale))
+    return w.astype(_np_dtype(cfg))
+
+
+def _stack_experts(items):
+    if isinstance(items[0], Int4Array):
+        return Int4Array(packed=np.stack([x.packed for x in items]), scale=np.stack([x.scale for x in items]))
+    return np.stack(items)
+
+
+def _moe(get: Getter, has, prefix: str, cfg: ModelConfig, dt) -> MoE:
+    d, e, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    experts = {proj: _stack_experts([expert_weight(get, has, f"{prefix}.experts.{j}.{proj}_proj", *shape, cfg)
+                                     for j in range(e)])
+               for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f)))}
+    return MoE(router=_linear(get, f"{prefix}.gate.weight", e, d, np.float32),
+               router_bias=(_vec(get, f"{prefix}.gate.e_score_correction_bias", e, np.float32)
+                            if has(f"{prefix}.gate.e_score_correction_bias") else np.zeros((e,), np.float32)),
+               we_gate=experts["gate"], we_up=experts["up"], we_down=experts["down"],
+               shared=_mlp(get, f"{prefix}.shared_experts", d, f * cfg.n_shared_experts, dt))
+
+
+def layer_from_hf(get: Getter, has: Callable[[str], bool], cfg: ModelConfig, i: int) -> Layer:
+    """Decoder layer i as numpy arrays (unstacked)."""
+    dt, d, p = _np_dtype(cfg), cfg.hidden_size, f"model.layers.{i}"
+    mlp = (_mlp(get, f"{p}.mlp", d, cfg.intermediate_size, dt) if i < cfg.num_dense_layers
+           else _moe(get, has, f"{p}.mlp", cfg, dt))
+    return Layer(attn_norm=_vec(get, f"{p}.input_layernorm.weight", d, dt),
+                 attn=_attention(get, f"{p}.self_attn", cfg, dt),
+                 mlp_norm=_vec(get, f"{p}.post_attention_layernorm.weight", d, dt), mlp=mlp)
+
+
+def top_from_hf(get: Getter, has: Callable[[str], bool], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The embedding, final norm and lm_head (the embedding when the head is tied)."""
+    dt, d, v = _np_dtype(cfg), cfg.hidden_size, cfg.vocab_size
+    embed = checked(get, "model.embed_tokens.weight", (v, d)).astype(dt)
+    if cfg.tie_word_embeddings and not has("lm_head.weight"):
+        head = np.ascontiguousarray(embed.T)
+    else:
+        head = _linear(get, "lm_head.weight", v, d, dt)
+    return {"embed": embed, "final_norm": _vec(get, "model.norm.weight", d, dt), "lm_head": head}
+
+
+def stack_layers(layers: list[Layer]) -> Layer | None:
+    if not layers:
+        return None
+    return jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *layers)
+
+
+def params_from_hf(get: Getter, has: Callable[[str], bool], cfg: ModelConfig) -> Params:
+    """The whole model in memory (small models and tests; `kdtree-convert` streams large ones)."""
+    layers = [layer_from_hf(get, has, cfg, i) for i in range(cfg.num_hidden_layers)]
+    top = {k: jnp.asarray(v) for k, v in top_from_hf(get, has, cfg).items()}
+    return Params(dense_layers=stack_layers(layers[:cfg.num_dense_layers]),
+                  moe_layers=stack_layers(layers[cfg.num_dense_layers:]), **top)
