@@ -7,7 +7,8 @@ from . import configs
 from .config import ConfigError, ModelConfig
 from .model import KVCache, Params, decode_step, forward, init_cache, init_params, prefill
 from .generate import GenerateOutput, generate
+from .sharding import make_mesh, shard_params
 
 __all__ = ["ConfigError", "GenerateOutput", "KVCache", "ModelConfig", "Params", "configs", "decode_step",
-           "forward", "generate", "init_cache", "init_params", "prefill"]
+           "forward", "generate", "init_cache", "init_params", "make_mesh", "prefill", "shard_params"]
 __version__ = "0.1.0"

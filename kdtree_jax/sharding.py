@@ -1,0 +1,113 @@
+"""Sharding: one mesh, one table of logical axis -> mesh axes, and the weight shardings derived from it.
+
+Mesh axes: "dp" (batch), "ep" (experts), "tp" (tensor). Attention heads, the dense MLP width and the
+vocabulary are split over every model-parallel device ("ep" x "tp"); routed experts over "ep" and each
+expert's width over "tp". The MLA latent cache is replicated over the model axes (every head reads all of it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .config import ModelConfig
+from .model import ArrayInfo, param_info
+from .quant import Int4Array
+
+MESH_AXES = ("dp", "ep", "tp")
+
+# logical axis -> mesh axes (a tuple shards over their product); absent or None = replicated
+RULES: dict[str, tuple[str, ...] | None] = {
+    "batch": ("dp",),
+    "heads": ("ep", "tp"),
+    "mlp": ("ep", "tp"),
+    "vocab": ("ep", "tp"),
+    "experts": ("ep",),
+    "expert_mlp": ("tp",),
+    "embed": None,
+    "q_lora": None,
+    "kv_lora": None,
+    "layers": None,
+}
+
+
+class ShardingError(ValueError):
+    """A mesh that cannot hold the model (an axis not divisible, colliding rules, unknown axes)."""
+
+
+def make_mesh(tp: int = 1, ep: int = 1, dp: int = 1, devices=None) -> Mesh:
+    """A Mesh of shape (dp, ep, tp) over `devices` (default: all of jax.devices(), local or global)."""
+    devices = list(jax.devices() if devices is None else devices)
+    for name, n in (("tp", tp), ("ep", ep), ("dp", dp)):
+        if not isinstance(n, int) or n < 1:
+            raise ShardingError(f"{name} must be an integer >= 1, got {n!r}")
+    if dp * ep * tp != len(devices):
+        raise ShardingError(f"dp * ep * tp = {dp}*{ep}*{tp} = {dp * ep * tp} does not match the {len(devices)} "
+                            f"devices")
+    return Mesh(np.array(devices).reshape(dp, ep, tp), MESH_AXES)
+
+
+def logical_to_spec(axes: tuple[str | None, ...]) -> P:
+    """PartitionSpec for logical axes under RULES; a mesh axis used twice in one array is an error."""
+    used, spec = set(), []
+    for ax in axes:
+        mesh_axes = RULES.get(ax) if ax is not None else None
+        if ax is not None and ax not in RULES:
+            raise ShardingError(f"logical axis {ax!r} has no sharding rule")
+        if mesh_axes:
+            clash = used.intersection(mesh_axes)
+            if clash:
+                raise ShardingError(f"logical axes {axes} map mesh axis {sorted(clash)} twice")
+            used.update(mesh_axes)
+            spec.append(mesh_axes if len(mesh_axes) > 1 else mesh_axes[0])
+        else:
+            spec.append(None)
+    return P(*spec)
+
+
+def _axis_size(mesh: Mesh, entry) -> int:
+    if entry is None:
+        return 1
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh.shape[n] for n in names)
+
+
+def _checked_sharding(mesh: Mesh, shape, spec: P, what: str) -> NamedSharding:
+    for dim, entry in zip(shape, spec):
+        n = _axis_size(mesh, entry)
+        if dim % n:
+            raise ShardingError(f"{what}: dimension {dim} is not divisible by the {n} devices of mesh axes {entry}")
+    return NamedSharding(mesh, spec)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh):
+    """A Params-shaped pytree of NamedSharding (Int4Array nodes: packed and scale split like the weight)."""
+
+    def one(a: ArrayInfo):
+        spec = logical_to_spec(a.axes)
+        if a.init == "int4":
+            *lead, n_in = a.shape
+            g = cfg.group_size
+            return Int4Array(packed=_checked_sharding(mesh, (*lead, n_in // 8), spec, f"INT4 weight {a.shape}"),
+                             scale=_checked_sharding(mesh, (*lead, n_in // g), spec, f"INT4 scale {a.shape}"))
+        return _checked_sharding(mesh, a.shape, spec, f"weight {a.shape} axes {a.axes}")
+
+    _check_model_fits(cfg, mesh)
+    return jax.tree.map(one, param_info(cfg), is_leaf=lambda x: isinstance(x, ArrayInfo))
+
+
+def _check_model_fits(cfg: ModelConfig, mesh: Mesh) -> None:
+    model_par = mesh.shape["ep"] * mesh.shape["tp"]
+    if cfg.num_attention_heads % model_par:
+        raise ShardingError(f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by ep*tp "
+                            f"({model_par})")
+    if cfg.num_moe_layers and cfg.n_routed_experts % mesh.shape["ep"]:
+        raise ShardingError(f"n_routed_experts ({cfg.n_routed_experts}) is not divisible by ep ({mesh.shape['ep']})")
+
+
+def shard_params(params, cfg: ModelConfig, mesh: Mesh):
+    """Place (or re-place) params onto the mesh according to the rules."""
+    return jax.device_put(params, param_shardings(cfg, mesh))
