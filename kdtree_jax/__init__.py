@@ -6,9 +6,10 @@ Public API (see DESIGN.md): ModelConfig, configs, init_params, forward, init_dra
 from . import configs
 from .config import ConfigError, ModelConfig
 from .model import KVCache, Params, decode_step, forward, init_cache, init_params, prefill
+from .drafter import Drafter, OracleDrafter, init_drafter
 from .generate import GenerateOutput, generate
 from .sharding import make_mesh, shard_params
 
-__all__ = ["ConfigError", "GenerateOutput", "KVCache", "ModelConfig", "Params", "configs", "decode_step",
+__all__ = ["ConfigError", "Drafter", "OracleDrafter", "init_drafter", "GenerateOutput", "KVCache", "ModelConfig", "Params", "configs", "decode_step",
            "forward", "generate", "init_cache", "init_params", "make_mesh", "prefill", "shard_params"]
 __version__ = "0.1.0"

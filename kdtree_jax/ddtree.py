@@ -1,0 +1,222 @@
+"""DDTree speculative decoding (Ringel & Romano, arXiv:2604.12989) with the DFlash drafter, in one jitted loop.
+
+One step, a pure function of the loop state:
+  1. the drafter reads the block [bonus, MASK, ...] and gives per-depth distributions q_1 .. q_L;
+  2. `tree_build` keeps the `budget` prefixes with the largest summed log-probability (DDTree Algorithm 1);
+     "chain" takes the drafter's argmax at each depth instead (DFlash's linear draft);
+  3. the target verifies all budget + 1 nodes in one forward: node i at position prefix + depth(i), seeing the
+     prefix and its ancestors; its latent KV is written into the cache right after the prefix;
+  4. the target's token at each node (argmax, or a sample at temperature > 0) and `tree_accept` give the
+     longest root path the target agrees with, and the next bonus token;
+  5. the accepted nodes' latents are moved to contiguous slots, and their hidden states become drafter context.
+Every committed token is the target's own choice given the committed prefix, so greedy decoding returns exactly
+the autoregressive tokens, and sampling draws from the target's distribution (../shared/reference/ddtree.md §1.4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+from .drafter import Drafter, DraftCache, OracleDrafter, append_context, draft, init_draft_cache
+from .generate import _commit, choose, finish, prepare, run_compiled
+from .kernels import tree_accept, tree_build
+from .model import KVCache, Params, init_cache, prefill, pytree_dataclass, step
+
+
+@pytree_dataclass
+class SpecState:
+    """The loop carry of speculative decoding."""
+
+    cache: KVCache  # target latent cache; lengths[b] = committed tokens (the bonus is not in it yet)
+    dcache: DraftCache | None  # drafter context keys/values for the same committed slots (None: oracle)
+    out: jax.Array  # int32 [B, N]   generated tokens; -1 beyond num_out
+    num_out: jax.Array  # int32 [B]
+    done: jax.Array  # bool [B]
+    last: jax.Array  # int32 [B]      the bonus token: emitted, not yet verified into the cache
+    key: jax.Array
+    steps: jax.Array  # int32 []       verify steps run
+    accepted: jax.Array  # int32 [B, L + 2] histogram: tokens accepted per step (bonus included)
+
+
+class DraftTree(NamedTuple):
+    tokens: jax.Array  # int32 [B, N]     node tokens, node 0 = the bonus (root)
+    parents: jax.Array  # int32 [B, N]     parent index, -1 for the root; parents[i] < i
+    depths: jax.Array  # int32 [B, N]     0 for the root
+    visibility: jax.Array  # bool [B, N, N]  ancestors, self included
+
+
+def chain_tree(draft_logits: jax.Array, bonus: jax.Array) -> DraftTree:
+    """DFlash's linear draft: the argmax token at every depth, each node the child of the previous one."""
+    b, depth, _ = draft_logits.shape
+    toks = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)  # [B, L]
+    n = depth + 1
+    idx = jnp.arange(n, dtype=jnp.int32)
+    return DraftTree(tokens=jnp.concatenate([bonus[:, None], toks], axis=1),
+                     parents=jnp.broadcast_to(idx - 1, (b, n)), depths=jnp.broadcast_to(idx, (b, n)),
+                     visibility=jnp.broadcast_to(idx[None, :] <= idx[:, None], (b, n, n)))
+
+
+def ddtree_tree(draft_logits: jax.Array, bonus: jax.Array, budget: int, impl: str) -> DraftTree:
+    """The DDTree draft tree of `budget` nodes below the bonus root (Algorithm 1, via `tree_build`)."""
+    t = tree_build(draft_logits, budget, impl=impl)
+    b = bonus.shape[0]
+    zero = jnp.zeros((b, 1), jnp.int32)
+    return DraftTree(tokens=jnp.concatenate([bonus[:, None], t.tokens], axis=1),
+                     parents=jnp.concatenate([zero - 1, t.parents], axis=1),
+                     depths=jnp.concatenate([zero, t.depths], axis=1), visibility=t.visibility)
+
+
+def _take_rows(x: jax.Array, starts: jax.Array, n: int) -> jax.Array:
+    """x [B, S, ...] -> [B, n, ...]: slots starts[b] .. starts[b] + n - 1 of each row."""
+    return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, n, axis=0))(x, starts)
+
+
+def _put_rows(x: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+    return jax.vmap(lambda r, u, s: jax.lax.dynamic_update_slice_in_dim(r, u, s, axis=0))(x, new, starts)
+
+
+def compact(cache: KVCache, starts: jax.Array, path: jax.Array, n_nodes: int) -> KVCache:
+    """Move the accepted nodes' latents (tree slots starts + path[b, j]) to slots starts + j, every layer.
+
+    path [B, P] lists node indices in root-to-leaf order (padding -1: whatever lands past the accepted length
+    is never read). Positions stay right: node path[j] has depth j and was roped at position starts + j.
+    """
+    idx = jnp.clip(path, 0, n_nodes - 1)  # [B, P]
+
+    def move(c):  # c [B, S, C]
+        tree = _take_rows(c, starts, n_nodes)  # [B, N, C]
+        return _put_rows(c, jnp.take_along_axis(tree, idx[:, :, None], axis=1), starts)
+
+    return dataclasses.replace(cache, latent=jax.vmap(move)(cache.latent), k_pe=jax.vmap(move)(cache.k_pe))
+
+
+def oracle_draft(params: Params, cfg: ModelConfig, oracle: OracleDrafter, s: SpecState) -> jax.Array:
+    """The target's own logits [B, L, V] along its greedy continuation of the bonus (plus optional noise)."""
+
+    def one(carry, _):
+        cache, tok = carry
+        res = step(params, cfg, tok[:, None], cache)
+        logits = res.logits[:, 0]
+        cache = dataclasses.replace(res.cache, lengths=res.cache.lengths + 1)
+        return (cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)), logits
+
+    _, logits = jax.lax.scan(one, (s.cache, s.last), None, length=oracle.depth)
+    logits = jnp.moveaxis(logits, 0, 1) * oracle.sharpness  # [B, L, V]
+    if oracle.noise:
+        logits = logits + oracle.noise * jax.random.normal(jax.random.fold_in(s.key, 1), logits.shape)
+    return logits
+
+
+def spec_step(params: Params, cfg: ModelConfig, drafter: Drafter, s: SpecState, method: str, budget: int,
+              temperature, eos_id, greedy: bool) -> SpecState:
+    """One draft -> build -> verify -> accept -> compact step for every row (rows already done stay frozen)."""
+    impl = "ffi" if cfg.kernels == "ffi" else "xla"
+    oracle = isinstance(drafter, OracleDrafter)
+    lengths = s.cache.lengths
+    bs = drafter.block_size if oracle else drafter.cfg.block_size
+    with jax.named_scope("draft"):
+        if oracle:
+            dlogits = oracle_draft(params, cfg, drafter, s)
+        else:
+            dlogits = draft(drafter, params, s.dcache, lengths, s.last)  # [B, L, V]
+    with jax.named_scope("tree_build"):
+        tree = chain_tree(dlogits, s.last) if method == "chain" else ddtree_tree(dlogits, s.last, budget, impl)
+    n = tree.tokens.shape[1]
+    with jax.named_scope("verify"):
+        res = step(params, cfg, tree.tokens, s.cache, depths=tree.depths, tree_mask=tree.visibility)
+        key, sub = jax.random.split(s.key)
+        target = choose(res.logits, sub, temperature, greedy)  # [B, N]
+    with jax.named_scope("accept"):
+        acc = tree_accept(tree.tokens, tree.parents, target, impl=impl)
+        width = min(n, bs)  # a path holds at most L + 1 = block_size nodes, and at most N
+        path = acc.path[:, :width]  # [B, P]
+        path_tokens = jnp.take_along_axis(tree.tokens, jnp.clip(path, 0, n - 1), axis=1)  # [B, P]
+        col = jnp.arange(width)[None, :]
+        emitted = jnp.where(col == acc.length[:, None] - 1, acc.bonus[:, None],
+                            jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1))
+        active = ~s.done
+        out, num_out, done, _ = _commit(s.out, s.num_out, s.done, emitted, acc.length, eos_id, s.out.shape[1])
+    with jax.named_scope("compact"):
+        cache = compact(res.cache, lengths, path, n)
+        dcache = None
+        if not oracle:
+            hidden = jnp.take_along_axis(res.hidden, jnp.clip(path, 0, n - 1)[None, :, :, None], axis=2)  # [L,B,P,D]
+            dcache = append_context(drafter, s.dcache, hidden, lengths)
+        grow = jnp.where(active, acc.length, 0)
+        cache = dataclasses.replace(cache, lengths=lengths + grow)
+    accepted = s.accepted.at[jnp.arange(lengths.shape[0]), acc.length].add(active.astype(jnp.int32))
+    return SpecState(cache=cache, dcache=dcache, out=out, num_out=num_out, done=done,
+                     last=jnp.where(active, acc.bonus, s.last), key=key, steps=s.steps + 1, accepted=accepted)
+
+
+def _spec_start(params, cfg, drafter: Drafter, tokens, lengths, key, temperature, eos_id, *, cache_len: int,
+                max_new: int, greedy: bool) -> SpecState:
+    b = tokens.shape[0]
+    res = prefill(params, cfg, tokens, lengths, init_cache(cfg, b, cache_len))
+    last_logits = jnp.take_along_axis(res.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    key, sub = jax.random.split(key)
+    first = choose(last_logits, sub, temperature, greedy)
+    if isinstance(drafter, OracleDrafter):
+        dcache, block = None, drafter.block_size
+    else:
+        dcache = append_context(drafter, init_draft_cache(drafter.cfg, b, cache_len), res.hidden,
+                                jnp.zeros_like(lengths))
+        block = drafter.cfg.block_size
+    out = jnp.full((b, max_new), -1, jnp.int32)
+    out, num_out, done, _ = _commit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
+                                    jnp.ones((b,), jnp.int32), eos_id, max_new)
+    return SpecState(cache=res.cache, dcache=dcache, out=out, num_out=num_out, done=done, last=first, key=key,
+                     steps=jnp.zeros((), jnp.int32), accepted=jnp.zeros((b, block + 1), jnp.int32))
+
+
+@partial(jax.jit, static_argnames=("cfg", "cache_len", "max_new", "greedy", "method", "budget"))
+def _spec_generate(params, cfg, drafter, tokens, lengths, key, temperature, eos_id, *, cache_len, max_new, greedy,
+                   method, budget):
+    state = _spec_start(params, cfg, drafter, tokens, lengths, key, temperature, eos_id, cache_len=cache_len,
+                        max_new=max_new, greedy=greedy)
+
+    def cond(s):
+        return ~jnp.all(s.done)
+
+    def body(s):
+        return spec_step(params, cfg, drafter, s, method, budget, temperature, eos_id, greedy)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+def check_spec_args(cfg: ModelConfig, drafter, method: str, budget) -> int:
+    """Validate the speculative arguments; returns the number of tree nodes per step (root included)."""
+    if isinstance(drafter, OracleDrafter):
+        depth = drafter.depth
+    elif isinstance(drafter, Drafter):
+        drafter.cfg.check_target(cfg)
+        depth = drafter.cfg.depth
+    else:
+        raise ValueError(f"method={method!r} needs a drafter (kj.init_drafter or a loaded model's), got "
+                         f"{type(drafter).__name__}")
+    if method == "chain":
+        return depth + 1
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+    if budget > depth * cfg.vocab_size:
+        raise ValueError(f"budget {budget} exceeds the {depth} x {cfg.vocab_size} distinct (depth, token) choices")
+    return budget + 1
+
+
+def generate_speculative(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, method: str, drafter,
+                         budget: int, temperature: float, seed: int, eos_id):
+    """`generate(method="ddtree" | "chain")`: see kdtree_jax.generate.generate."""
+    n_nodes = check_spec_args(cfg, drafter, method, budget)
+    req = prepare(cfg, prompts, max_new_tokens, temperature, eos_id, extra_slots=n_nodes)
+    args = (params, cfg, drafter, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed),
+            jnp.float32(req.temperature or 1.0), jnp.int32(req.eos_id))
+    static = dict(cache_len=req.cache_len, max_new=req.max_new, greedy=req.temperature == 0, method=method,
+                  budget=n_nodes - 1)
+    state, timing = run_compiled(_spec_generate, args, static)
+    return finish(state, timing, method=method, budget=n_nodes - 1)

@@ -1,0 +1,254 @@
+"""The DFlash block-diffusion drafter (z-lab/dflash, arXiv:2602.06036), as published.
+
+A few Qwen3-style decoder layers (GQA attention with q/k RMSNorm, rope, SwiGLU) with no embedding or lm_head
+of their own: the block [bonus, MASK x (block_size - 1)] is embedded with the target's table, and the outputs
+go through the drafter's own final norm, then the target's lm_head.
+Conditioning: the outputs of a few evenly spaced target layers, concatenated and fused by a linear layer + RMSNorm
+(`fc`, `hidden_norm`), are projected by every drafter layer into extra keys and values ("KV injection"). The
+block attends bidirectionally to itself and to all of that context. One forward gives the per-depth
+distributions q_1 .. q_{block_size - 1} that DDTree builds its tree from (../shared/reference/ddtree.md §2).
+
+The context keys and values are cached per drafter layer (`DraftCache`) and appended as the target commits
+tokens, so each step costs O(block x context), not a recomputation of the context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from .config import ConfigError, ModelConfig
+from .model import ArrayInfo, Params, _init_one, _is_info, _stack, pytree_dataclass, rms_norm
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """Static shape of a DFlash drafter and the target it was built for."""
+
+    num_layers: int
+    block_size: int  # the block [bonus, MASK x (block_size - 1)]: tree depth L = block_size - 1
+    hidden_size: int  # = the target's hidden size (shared embedding and lm_head)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_layer_ids: tuple[int, ...]  # target layers whose outputs condition the drafter
+    mask_token_id: int
+    vocab_size: int  # the target's
+    target_num_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    dtype: str = "float32"
+
+    @property
+    def depth(self) -> int:
+        return self.block_size - 1
+
+    def check_target(self, cfg: ModelConfig) -> None:
+        """Raise ValueError when this drafter was built for another target than cfg."""
+        for mine, theirs, what in ((self.hidden_size, cfg.hidden_size, "hidden_size"),
+                                   (self.vocab_size, cfg.vocab_size, "vocab_size"),
+                                   (self.target_num_layers, cfg.num_hidden_layers, "num_hidden_layers")):
+            if mine != theirs:
+                raise ValueError(f"the drafter was built for a target with {what}={mine}, this target has {theirs}")
+        if max(self.target_layer_ids) >= cfg.num_hidden_layers:
+            raise ValueError(f"drafter target_layer_ids {self.target_layer_ids} exceed the target's layers")
+
+
+@pytree_dataclass
+class DraftLayer:
+    attn_norm: jax.Array  # [D]
+    q: jax.Array  # [D, Hq, hd]
+    k: jax.Array  # [D, Hkv, hd]
+    v: jax.Array  # [D, Hkv, hd]
+    q_norm: jax.Array  # [hd]
+    k_norm: jax.Array  # [hd]
+    o: jax.Array  # [Hq, hd, D]
+    mlp_norm: jax.Array  # [D]
+    gate: jax.Array  # [D, F]
+    up: jax.Array  # [D, F]
+    down: jax.Array  # [F, D]
+
+
+@pytree_dataclass
+class DrafterParams:
+    fc: jax.Array  # [n_ctx * D, D]  fuses the concatenated target hidden states
+    hidden_norm: jax.Array  # [D]
+    layers: DraftLayer  # stacked [Ld, ...]
+    norm: jax.Array  # [D]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """A drafter: its static config and its weights (a pytree; the config rides along as static data)."""
+
+    params: DrafterParams
+    cfg: DrafterConfig = dataclasses.field(metadata=dict(static=True))
+
+
+@pytree_dataclass
+class DraftCache:
+    k: jax.Array  # [Ld, B, S, Hkv, hd]  context keys (k_norm, rope at the token's position)
+    v: jax.Array  # [Ld, B, S, Hkv, hd]  context values
+
+
+def target_layer_ids(num_target_layers: int, num_ctx: int) -> tuple[int, ...]:
+    """`num_ctx` target layers spread evenly from layer 1 to layer L - 3 (DFlash's choice)."""
+    if num_ctx == 1:
+        return (num_target_layers // 2,)
+    lo, hi = min(1, num_target_layers - 1), max(num_target_layers - 3, 1)
+    return tuple(min(round(lo + i * (hi - lo) / (num_ctx - 1)), num_target_layers - 1) for i in range(num_ctx))
+
+
+def drafter_info(d: DrafterConfig) -> DrafterParams:
+    dt, h, f = jnp.dtype(d.dtype), d.hidden_size, d.intermediate_size
+    hq, hk, hd = d.num_heads, d.num_kv_heads, d.head_dim
+    layer = DraftLayer(attn_norm=ArrayInfo((h,), dt, ("embed",), "ones"),
+                       q=ArrayInfo((h, hq, hd), dt, ("embed", "heads", None)),
+                       k=ArrayInfo((h, hk, hd), dt, ("embed", None, None)),
+                       v=ArrayInfo((h, hk, hd), dt, ("embed", None, None)),
+                       q_norm=ArrayInfo((hd,), dt, (None,), "ones"), k_norm=ArrayInfo((hd,), dt, (None,), "ones"),
+                       o=ArrayInfo((hq, hd, h), dt, ("heads", None, "embed"), fan_in_axes=(0, 1)),
+                       mlp_norm=ArrayInfo((h,), dt, ("embed",), "ones"),
+                       gate=ArrayInfo((h, f), dt, ("embed", "mlp")), up=ArrayInfo((h, f), dt, ("embed", "mlp")),
+                       down=ArrayInfo((f, h), dt, ("mlp", "embed")))
+    n_ctx = len(d.target_layer_ids)
+    return DrafterParams(fc=ArrayInfo((n_ctx * h, h), dt, (None, "embed")),
+                         hidden_norm=ArrayInfo((h,), dt, ("embed",), "ones"),
+                         layers=_stack(layer, d.num_layers), norm=ArrayInfo((h,), dt, ("embed",), "ones"))
+
+
+def init_drafter(cfg: ModelConfig, key: jax.Array, num_layers: int = 1, block_size: int = 8, *,
+                 num_heads: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 intermediate_size: int | None = None, mask_token_id: int | None = None,
+                 layer_ids: tuple[int, ...] | None = None) -> Drafter:
+    """A random DFlash drafter for target `cfg` (decoding with it stays lossless; only acceptance suffers).
+
+    Defaults follow the published drafters: the target's head count, 8x fewer KV heads, the target's dense MLP
+    width, as many context layers as drafter layers, mask token = the last vocabulary id (a reserved id).
+    """
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
+    if not isinstance(block_size, int) or not 2 <= block_size <= 17:
+        raise ValueError(f"block_size must be an integer in 2..17 (tree depth 1..16), got {block_size!r}")
+    hq = num_heads or cfg.num_attention_heads
+    hk = num_kv_heads or max(1, hq // 8)
+    if hq % hk:
+        raise ConfigError(f"num_heads ({hq}) must be a multiple of num_kv_heads ({hk})")
+    hd = head_dim or cfg.hidden_size // hq
+    d = DrafterConfig(num_layers=num_layers, block_size=block_size, hidden_size=cfg.hidden_size, num_heads=hq,
+                      num_kv_heads=hk, head_dim=hd, intermediate_size=intermediate_size or cfg.intermediate_size,
+                      target_layer_ids=tuple(layer_ids or target_layer_ids(cfg.num_hidden_layers, num_layers)),
+                      mask_token_id=cfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
+                      vocab_size=cfg.vocab_size, target_num_layers=cfg.num_hidden_layers,
+                      rms_norm_eps=cfg.rms_norm_eps, dtype=cfg.dtype)
+    d.check_target(cfg)
+    infos, treedef = jax.tree.flatten(drafter_info(d), is_leaf=_is_info)
+    keys = jax.random.split(key, len(infos))
+    leaves = [jax.jit(partial(_init_one, a, group=cfg.group_size))(k) for a, k in zip(infos, keys)]
+    return Drafter(params=jax.tree.unflatten(treedef, leaves), cfg=d)
+
+
+def init_draft_cache(d: DrafterConfig, batch: int, max_len: int) -> DraftCache:
+    shape = (d.num_layers, batch, max_len, d.num_kv_heads, d.head_dim)
+    return DraftCache(k=jnp.zeros(shape, jnp.dtype(d.dtype)), v=jnp.zeros(shape, jnp.dtype(d.dtype)))
+
+
+def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Qwen3 rope (rotate-half layout) of x [B, T, H, hd] at integer positions [B, T]."""
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+    ang = positions.astype(jnp.float32)[..., None, None] * inv  # [B, T, 1, hd/2]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    x1, x2 = x[..., :hd // 2].astype(jnp.float32), x[..., hd // 2:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _kv(lp: DraftLayer, x: jax.Array, positions: jax.Array, d: DrafterConfig):
+    k = rms_norm(jnp.einsum("btd,dhk->bthk", x, lp.k), lp.k_norm, d.rms_norm_eps)
+    v = jnp.einsum("btd,dhk->bthk", x, lp.v)
+    return _rope(k, positions, d.rope_theta), v
+
+
+def fuse_context(p: DrafterParams, d: DrafterConfig, target_hidden: jax.Array) -> jax.Array:
+    """Target layer outputs [L_target, B, T, D] -> the drafter's context features [B, T, D]."""
+    sel = target_hidden[jnp.asarray(d.target_layer_ids)]  # [n_ctx, B, T, D]
+    cat = jnp.moveaxis(sel, 0, -2).reshape(*sel.shape[1:3], -1)  # [B, T, n_ctx * D]
+    return rms_norm(cat @ p.fc, p.hidden_norm, d.rms_norm_eps)
+
+
+def append_context(drafter: Drafter, cache: DraftCache, target_hidden: jax.Array, starts: jax.Array) -> DraftCache:
+    """Project target hidden states [L_target, B, T, D] of T committed tokens at slots starts[b] + t into every
+    drafter layer's context keys and values."""
+    p, d = drafter.params, drafter.cfg
+    ctx = fuse_context(p, d, target_hidden)  # [B, T, D]
+    t = ctx.shape[1]
+    positions = starts[:, None] + jnp.arange(t)[None, :]
+    k, v = jax.vmap(lambda lp: _kv(lp, ctx, positions, d))(p.layers)  # [Ld, B, T, Hkv, hd]
+    write = jax.vmap(jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0),
+                              in_axes=(0, 0, 0)), in_axes=(0, 0, None))
+    return DraftCache(k=write(cache.k, k, starts), v=write(cache.v, v, starts))
+
+
+def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Array, bonus: jax.Array) -> jax.Array:
+    """Per-depth draft logits [B, block_size - 1, V] (f32) for the tokens after `bonus` [B].
+
+    The block [bonus, MASK, ...] sits at positions lengths[b] .. lengths[b] + block_size - 1 and sees the
+    context slots < lengths[b] of `cache` plus the whole block (bidirectional).
+    """
+    p, d = drafter.params, drafter.cfg
+    b, bs = bonus.shape[0], d.block_size
+    block = jnp.concatenate([bonus[:, None], jnp.full((b, bs - 1), d.mask_token_id, jnp.int32)], axis=1)
+    x = target.embed[block]  # [B, bs, D]
+    positions = lengths[:, None] + jnp.arange(bs)[None, :]
+    seen = jnp.arange(cache.k.shape[2])[None, :] < lengths[:, None]  # [B, S]
+    rep = d.num_heads // d.num_kv_heads
+    scale = 1.0 / math.sqrt(d.head_dim)
+
+    def layer(x, xs):
+        lp, ck, cv = xs
+        h = rms_norm(x, lp.attn_norm, d.rms_norm_eps)
+        q = _rope(rms_norm(jnp.einsum("btd,dhk->bthk", h, lp.q), lp.q_norm, d.rms_norm_eps), positions, d.rope_theta)
+        kb, vb = _kv(lp, h, positions, d)  # [B, bs, Hkv, hd]
+        q = q.reshape(b, bs, d.num_kv_heads, rep, d.head_dim)
+        f32 = jnp.float32
+        s_ctx = jnp.einsum("btgrk,bsgk->btgrs", q, ck, preferred_element_type=f32) * scale
+        s_blk = jnp.einsum("btgrk,bugk->btgru", q, kb, preferred_element_type=f32) * scale
+        s_ctx = jnp.where(seen[:, None, None, None, :], s_ctx, -jnp.inf)
+        probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
+        s = ck.shape[1]
+        o = (jnp.einsum("btgrs,bsgk->btgrk", probs[..., :s].astype(x.dtype), cv)
+             + jnp.einsum("btgru,bugk->btgrk", probs[..., s:].astype(x.dtype), vb))
+        x = x + jnp.einsum("bthk,hkd->btd", o.reshape(b, bs, d.num_heads, d.head_dim), lp.o)
+        h = rms_norm(x, lp.mlp_norm, d.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ lp.gate) * (h @ lp.up)) @ lp.down
+        return x, None
+
+    with jax.named_scope("drafter"):
+        x, _ = jax.lax.scan(layer, x, (p.layers, cache.k, cache.v))
+        x = rms_norm(x[:, 1:], p.norm, d.rms_norm_eps)  # positions 1 .. bs-1 predict depths 1 .. bs-1
+        return jnp.einsum("btd,dv->btv", x, target.lm_head, preferred_element_type=jnp.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OracleDrafter:
+    """A research stand-in for a drafter: at each depth it proposes the target's OWN distribution along the
+    target's greedy continuation (computed by running the target itself), its logits multiplied by `sharpness`
+    and blurred by Gaussian noise of std `noise`. Sharp and noiseless, it is a perfect greedy drafter: greedy
+    decoding then accepts the whole block every step (an upper bound for tau, and a check that accepted tokens
+    are really used rather than recomputed)."""
+
+    block_size: int = dataclasses.field(default=8, metadata=dict(static=True))
+    sharpness: float = dataclasses.field(default=1.0, metadata=dict(static=True))
+    noise: float = dataclasses.field(default=0.0, metadata=dict(static=True))
+
+    @property
+    def depth(self) -> int:
+        return self.block_size - 1

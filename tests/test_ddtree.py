@@ -1,0 +1,139 @@
+"""DDTree and chain speculative decoding: lossless against AR, acceptance really used, sampling exact."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdtree_jax as kj
+from kdtree_jax.ddtree import _spec_generate
+from kdtree_jax.drafter import OracleDrafter
+from kdtree_jax.generate import prepare
+
+PROMPTS = {1: [[5, 17, 99, 3, 250]], 4: [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7], list(range(60, 74))]}
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = kj.configs.tiny()
+    params = kj.init_params(cfg, jax.random.key(0))
+    drafter = kj.init_drafter(cfg, jax.random.key(1), num_layers=1, block_size=8)
+    ar = {b: kj.generate(params, cfg, PROMPTS[b], max_new_tokens=20).tokens for b in PROMPTS}
+    return cfg, params, drafter, ar
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("method, budget", [("chain", None), ("ddtree", 1), ("ddtree", 4), ("ddtree", 32),
+                                            ("ddtree", 128)])
+def test_lossless_with_random_drafter(model, method, budget, batch):
+    cfg, params, drafter, ar = model
+    out = kj.generate(params, cfg, PROMPTS[batch], max_new_tokens=20, method=method, drafter=drafter,
+                      budget=budget or 64)
+    assert out.tokens == ar[batch]
+    assert out.stats["steps"] >= 1 and out.stats["tau"] >= 1.0
+
+
+@pytest.mark.parametrize("method, budget", [("chain", None), ("ddtree", 8), ("ddtree", 48)])
+def test_lossless_with_partial_acceptance(model, method, budget):
+    """A noisy oracle drafter accepts 1..8 tokens per step: every mix of accepts and rejects stays exact."""
+    cfg, params, _, ar = model
+    out = kj.generate(params, cfg, PROMPTS[4], max_new_tokens=20, method=method, drafter=OracleDrafter(8, 4.0, 4.0),
+                      budget=budget or 64)
+    assert out.tokens == ar[4]
+    hist = out.stats["tau_histogram"]
+    assert hist[1] > 0 and sum(hist[2:]) > 0  # both rejections and multi-token accepts happened
+
+
+@pytest.mark.parametrize("method", ["chain", "ddtree"])
+def test_oracle_drafter_reaches_full_depth(model, method):
+    """A perfect drafter's block is accepted whole: tau = block size, so accepted tokens are really used."""
+    cfg, params, _, ar = model
+    out = kj.generate(params, cfg, PROMPTS[1], max_new_tokens=20, method=method, drafter=OracleDrafter(8, 30.0),
+                      budget=16)
+    assert out.tokens == ar[1]
+    # 20 tokens: the prefill gives 1, then steps of 8 accepted tokens (the last one cut at max_new_tokens)
+    assert out.stats["steps"] == 3
+    assert out.stats["tau_histogram"][8] == 3 and out.stats["tau"] == 8.0
+
+
+def test_eos_and_context_limit(model):
+    cfg, params, drafter, ar = model
+    eos = ar[4][1][6]
+    ref = kj.generate(params, cfg, PROMPTS[4], max_new_tokens=20, eos_id=eos).tokens
+    out = kj.generate(params, cfg, PROMPTS[4], max_new_tokens=20, method="ddtree", drafter=OracleDrafter(8, 4.0, 4.0),
+                      budget=8, eos_id=eos)
+    assert out.tokens == ref and any(len(r) < 20 for r in ref)
+    small = dataclasses.replace(cfg, max_position_embeddings=64)
+    prompt = [list(range(100, 110))]
+    fits = 64 - 10 - 9  # prompt + new tokens + the 9 tree nodes of budget 8 fill the context exactly
+    a = kj.generate(params, small, prompt, max_new_tokens=fits).tokens
+    b = kj.generate(params, small, prompt, max_new_tokens=fits, method="ddtree", drafter=drafter, budget=8).tokens
+    assert a == b and len(a[0]) == fits
+    with pytest.raises(ValueError, match="exceeds the context"):
+        kj.generate(params, small, prompt, max_new_tokens=fits + 1, method="ddtree", drafter=drafter, budget=8)
+
+
+def _chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson chi-square p-value, merging categories whose expected count is below 5 into one bin."""
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    return float(jax.scipy.special.gammaincc((len(obs) - 1) / 2.0, stat / 2.0))
+
+
+def test_sampling_matches_target_distribution(model):
+    """At temperature 1, the second generated token (the first one produced by a tree verify step) follows the
+    target's marginal sum_t1 p(t1 | prompt) p(t2 | prompt, t1). Chi-square, fixed seed, alarm at p < 1e-3."""
+    cfg, params, _, _ = model
+    prompt = [9, 8, 7, 6]
+    n = 3000
+    out = kj.generate(params, cfg, [prompt] * n, max_new_tokens=2, method="ddtree", drafter=OracleDrafter(8),
+                      budget=16, temperature=1.0, seed=123)
+    toks = np.array(out.tokens)
+    assert toks.shape == (n, 2)
+    v = cfg.vocab_size
+    p1 = np.asarray(jax.nn.softmax(kj.forward(params, cfg, jnp.array([prompt]))[0, -1]), np.float64)
+    seqs = jnp.array([prompt + [t] for t in range(v)])
+    p2_given = np.asarray(jax.nn.softmax(kj.forward(params, cfg, seqs)[:, -1], axis=-1), np.float64)  # [V, V]
+    p2 = p1 @ p2_given
+    assert _chi2_pvalue(np.bincount(toks[:, 0], minlength=v), n * p1) > 1e-3
+    assert _chi2_pvalue(np.bincount(toks[:, 1], minlength=v), n * p2) > 1e-3
+    assert out.stats["tau_histogram"][2] > n // 10  # the tree's nodes were accepted often, not just the bonus
+
+
+def test_loop_makes_no_host_transfers(model):
+    cfg, params, drafter, _ = model
+    req = prepare(cfg, PROMPTS[4], 12, 0.0, None, extra_slots=17)
+    args = jax.device_put((params, drafter, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(0),
+                           jnp.float32(1.0), jnp.int32(-1)))
+    p, d, toks, lens, key, temp, eos = args
+    static = dict(cache_len=req.cache_len, max_new=req.max_new, greedy=True, method="ddtree", budget=16)
+    _spec_generate(p, cfg, d, toks, lens, key, temp, eos, **static)  # compile outside the guard
+    with jax.transfer_guard("disallow"):
+        state = _spec_generate(p, cfg, d, toks, lens, key, temp, eos, **static)
+        state = jax.block_until_ready(state)
+    assert int(state.steps) >= 1
+
+
+def test_bad_speculative_input(model):
+    cfg, params, drafter, _ = model
+    gen = lambda **kw: kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=4, **kw)
+    with pytest.raises(ValueError, match="budget"):
+        gen(method="ddtree", drafter=drafter, budget=0)
+    with pytest.raises(ValueError, match="budget"):
+        gen(method="ddtree", drafter=drafter, budget=7 * cfg.vocab_size + 1)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        gen(method="chain")
+    other = kj.init_drafter(dataclasses.replace(cfg, num_hidden_layers=4), jax.random.key(2))
+    with pytest.raises(ValueError, match="built for a target"):
+        gen(method="ddtree", drafter=other)
+    small = dataclasses.replace(cfg, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="speculative slots"):
+        kj.generate(params, small, [[1, 2, 3]], max_new_tokens=4, method="ddtree", drafter=drafter, budget=100)
+    with pytest.raises(ValueError, match="block_size"):
+        kj.init_drafter(cfg, jax.random.key(3), block_size=1)
