@@ -17,7 +17,7 @@ import jax
 
 DTYPES = ("float32", "bfloat16")
 EXPERT_FORMATS = ("bf16", "int4")
-KERNELS = ("xla", "ffi")
+KERNELS = ("xla", "ffi", "dense")
 
 
 class ConfigError(ValueError):
@@ -33,7 +33,8 @@ class ModelConfig:
     the weights and activations ("float32" or "bfloat16"); attention softmax, router and norms run in fp32.
     `expert_format` says how routed experts are held: "bf16" (dense arrays in `dtype`) or "int4"
     (compressed-tensors symmetric group-32 values, see `kdtree_jax.quant`). `kernels` selects the custom
-    calls ("ffi") or their pure-JAX references ("xla").
+    calls ("ffi") or their pure-JAX references ("xla"); "dense" is "xla" with every routed expert evaluated on
+    every token (the same function, plain dense matmuls: for training small models).
     """
 
     vocab_size: int = 163840

@@ -423,6 +423,22 @@ def moe_experts_ref(x, ids, weights, we_gate, we_up, we_down):
     return jnp.zeros((m, x.shape[1]), jnp.float32).at[rows].add(y).astype(dt)
 
 
+def moe_experts_dense(x, ids, weights, we_gate, we_up, we_down):
+    """The same function as `moe_experts_ref`, computed by running every expert on every token and combining
+    with a [M, E] weight matrix that is zero off the top-k: E / k times the work, but plain dense matmuls
+    (used for training the embedded model, and as a second reference)."""
+    dt = x.dtype
+    deq = lambda w: (w.dequantize(dt) if isinstance(w, Int4Array) else w)
+    g, u, dn = deq(we_gate), deq(we_up), deq(we_down)
+    combine = jnp.zeros((x.shape[0], g.shape[0]), jnp.float32).at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
+    h = jax.nn.silu(jnp.einsum("md,efd->mef", x, g)) * jnp.einsum("md,efd->mef", x, u)  # [M, E, F]
+    y = jnp.einsum("mef,edf->med", h, dn)  # [M, E, D]
+    return jnp.einsum("med,me->md", y.astype(jnp.float32), combine).astype(dt)
+
+
+_EXPERTS = {"xla": moe_experts_ref, "dense": moe_experts_dense}
+
+
 def moe(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Routed experts (top-k of the sigmoid router) plus the shared expert, for x [B, T, D]."""
     b, t, d = x.shape
@@ -430,9 +446,10 @@ def moe(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     with jax.named_scope("router"):
         ids, w = route(p, flat, cfg)
     with jax.named_scope("experts"):
-        experts = moe_experts_ref
         if cfg.kernels == "ffi":
             from .kernels import marlin_moe as experts
+        else:
+            experts = _EXPERTS[cfg.kernels]
         y = experts(flat, ids, w, p.we_gate, p.we_up, p.we_down)
     with jax.named_scope("shared_expert"):
         y = y + swiglu(p.shared, flat)

@@ -175,3 +175,11 @@ def test_config_errors_name_the_key():
     wrapped = kj.ModelConfig.from_hf({"model_type": "kimi_k25", "text_config": {**good, "rope_theta": 5e4}})
     assert wrapped.rope_theta == 5e4
     assert kj.configs.k2_6().kv_cache_dim == 576
+
+
+def test_dense_experts_equal_routed_experts(tiny):
+    cfg, params = tiny
+    tokens = np.random.default_rng(8).integers(0, cfg.vocab_size, size=(2, 16))
+    a = kj.forward(params, cfg, tokens)
+    b = kj.forward(params, dataclasses.replace(cfg, kernels="dense"), tokens)
+    assert rel_err(b, a) <= 1e-5

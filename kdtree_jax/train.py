@@ -1,0 +1,386 @@
+"""Training the embedded default model: a small K2-architecture target and its DFlash drafter.
+
+Corpus: the Python standard library's own source files (`Lib/` of the running interpreter), split
+deterministically into train and held-out files by a hash of their relative path; bytes as tokens (see README).
+
+1. `train_target`: next-byte cross-entropy with AdamW; the MoE router's `e_score_correction_bias` is trained the
+   DeepSeek-V3 way (no auxiliary loss: after each step, bias += rate * sign(mean load - expert load)).
+2. `export_int4`: routed experts quantized to symmetric INT4 with group-32 bf16 scales (the K2.6 format).
+3. `distill_drafter`: the target's own greedy continuations of held-in prompts are the labels; random anchor
+   positions in the continuation, one masked block per anchor, cross-entropy per depth k weighted by
+   exp(-(k - 1) / gamma), as in the published DFlash recipe (../shared/reference/ddtree.md §2).
+
+Run `python -m kdtree_jax.train --out DIR` (on a GPU: a few minutes); `--help` lists the knobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig
+from .configs import TINY_BOS, TINY_EOS, TINY_MASK
+from .drafter import Drafter, append_context, draft, init_draft_cache, init_drafter
+from .model import (MoE, Params, _forward_jit, _logits, embed, init_params, mla, moe_experts_dense, rms_norm, rope_tables, route,
+                    swiglu)
+from .quant import Int4Array, quantize_int4
+
+HELDOUT_PERCENT = 10
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Corpus
+# --------------------------------------------------------------------------------------------------------------
+
+
+def corpus_split(root: str | None = None) -> tuple[list[Path], list[Path]]:
+    """(train files, held-out files) among the .py files of the standard library, by md5 of the relative path."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+    train, held = [], []
+    for p in files:
+        h = int(hashlib.md5(str(p.relative_to(root)).encode()).hexdigest(), 16)
+        (held if h % 100 < HELDOUT_PERCENT else train).append(p)
+    return train, held
+
+
+def load_tokens(files: list[Path]) -> np.ndarray:
+    """Byte tokens of the files, each file preceded by BOS: int32 [n]."""
+    parts = []
+    for p in files:
+        data = np.frombuffer(p.read_bytes(), np.uint8).astype(np.int32)
+        parts.append(np.concatenate([[TINY_BOS], data]))
+    return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+
+
+def windows(tokens: np.ndarray, rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+    """`batch` random windows of `length` tokens: int32 [batch, length]."""
+    starts = rng.integers(0, len(tokens) - length, size=batch)
+    return np.stack([tokens[s:s + length] for s in starts])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The embedded model's shape
+# --------------------------------------------------------------------------------------------------------------
+
+
+def builtin_config(**overrides) -> ModelConfig:
+    """The embedded target: every K2 feature at a few MB (MLA with LoRA queries, YaRN, 1 dense + 3 MoE layers of
+    16 routed experts top-4 plus a shared expert, INT4 experts). Byte vocabulary (264 = 256 bytes + specials)."""
+    cfg = dict(vocab_size=264, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
+               num_hidden_layers=4, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
+               qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
+               n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, rms_norm_eps=1e-6,
+               rope_theta=10000.0, rope_type="yarn", rope_factor=4.0, rope_beta_fast=32.0, rope_beta_slow=1.0,
+               rope_mscale=1.0, rope_mscale_all_dim=1.0, rope_original_max_position_embeddings=512,
+               max_position_embeddings=2048, bos_token_id=TINY_BOS, eos_token_id=TINY_EOS, dtype="float32",
+               expert_format="bf16", kernels="dense")
+    return ModelConfig(**{**cfg, **overrides})
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Optimizer (AdamW with warmup and cosine decay; no dependency beyond jax)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["m", "v", "count"], meta_fields=[])
+@dataclasses.dataclass
+class AdamState:
+    m: object
+    v: object
+    count: jax.Array
+
+
+def adam_init(params) -> AdamState:
+    zeros = lambda p: jnp.zeros_like(p, jnp.float32)
+    return AdamState(m=jax.tree.map(zeros, params), v=jax.tree.map(zeros, params), count=jnp.zeros((), jnp.int32))
+
+
+def lr_at(step, peak: float, warmup: int, total: int):
+    warm = peak * (step + 1) / warmup
+    frac = jnp.clip((step - warmup) / max(total - warmup, 1), 0.0, 1.0)
+    return jnp.where(step < warmup, warm, peak * (0.1 + 0.45 * (1 + jnp.cos(math.pi * frac))))
+
+
+def adam_update(params, grads, state: AdamState, lr, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, clip=1.0):
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+    scale = jnp.minimum(1.0, clip / (norm + 1e-6))
+    count = state.count + 1
+    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g * scale, state.m, grads)
+    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * jnp.square(g * scale), state.v, grads)
+    c1, c2 = 1 - b1 ** count, 1 - b2 ** count
+
+    def upd(p, m, v):
+        decay = wd if p.ndim >= 2 else 0.0  # no decay on norms and biases
+        return (p - lr * (m / c1 / (jnp.sqrt(v / c2) + eps) + decay * p)).astype(p.dtype)
+
+    return jax.tree.map(upd, params, m, v), AdamState(m=m, v=v, count=count), norm
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Target training
+# --------------------------------------------------------------------------------------------------------------
+
+
+def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array):
+    """Teacher-forced logits [B, T, V] (the model's function, see test) and each MoE layer's expert load [L_moe, E].
+
+    The same blocks as `model.forward`, written out so the router's choices can be counted for bias balancing.
+    """
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    cos, sin = rope_tables(cfg, positions)
+    h = embed(params, tokens)
+    loads = []
+    for stack in (params.dense_layers, params.moe_layers):
+        if stack is None:
+            continue
+
+        def body(h, lp):
+            a, _ = mla(lp.attn, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps), cos, sin, cfg, "prefill")
+            h = h + a
+            x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
+            if not isinstance(lp.mlp, MoE):
+                return h + swiglu(lp.mlp, x), jnp.zeros((cfg.n_routed_experts,), jnp.float32)
+            flat = x.reshape(-1, x.shape[-1])
+            ids, w = route(lp.mlp, flat, cfg)
+            y = moe_experts_dense(flat, ids, w, lp.mlp.we_gate, lp.mlp.we_up, lp.mlp.we_down)
+            y = y + swiglu(lp.mlp.shared, flat)
+            load = jnp.bincount(ids.reshape(-1), length=cfg.n_routed_experts) / ids.size
+            return h + y.reshape(x.shape), load
+
+        h, load = jax.lax.scan(body, h, stack)
+        if isinstance(stack.mlp, MoE):
+            loads.append(load)
+    return _logits(params, cfg, h), (jnp.concatenate(loads) if loads else None)
+
+
+def lm_loss(params: Params, cfg: ModelConfig, tokens: jax.Array):
+    logits, loads = train_forward(params, cfg, tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.mean(nll), loads
+
+
+@partial(jax.jit, static_argnames=("cfg", "warmup", "total", "peak_lr", "bias_rate"), donate_argnums=(0, 1))
+def target_step(params, opt, tokens, step, cfg, warmup, total, peak_lr, bias_rate):
+    (loss, loads), grads = jax.value_and_grad(lm_loss, has_aux=True)(params, cfg, tokens)
+    params, opt, gnorm = adam_update(params, grads, opt, lr_at(step, peak_lr, warmup, total))
+    if params.moe_layers is not None:  # aux-loss-free balancing of the selection bias
+        mlp = params.moe_layers.mlp
+        bias = mlp.router_bias + bias_rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)
+        params = dataclasses.replace(params, moe_layers=dataclasses.replace(
+            params.moe_layers, mlp=dataclasses.replace(mlp, router_bias=bias)))
+    return params, opt, loss, gnorm
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def eval_loss(params, cfg, tokens):
+    return lm_loss(params, cfg, tokens)[0]
+
+
+def heldout_loss(params, cfg, held: np.ndarray, batches: int = 8, batch: int = 32, length: int = 257,
+                 seed: int = 1) -> float:
+    """Mean next-byte cross-entropy (nats) on fixed random windows of the held-out files."""
+    rng = np.random.default_rng(seed)
+    return float(np.mean([eval_loss(params, cfg, jnp.asarray(windows(held, rng, batch, length)))
+                          for _ in range(batches)]))
+
+
+def train_target(cfg: ModelConfig, train: np.ndarray, held: np.ndarray, *, steps: int, batch: int, length: int,
+                 peak_lr: float, seed: int, log=print) -> Params:
+    params = init_params(cfg, jax.random.key(seed))
+    opt = adam_init(params)
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        toks = jnp.asarray(windows(train, rng, batch, length + 1))
+        params, opt, loss, gnorm = target_step(params, opt, toks, jnp.int32(i), cfg=cfg, warmup=min(200, steps // 10),
+                                               total=steps, peak_lr=peak_lr, bias_rate=1e-3)
+        if i % max(steps // 20, 1) == 0 or i == steps - 1:
+            log(f"target step {i:5d}  loss {float(loss):.4f}  grad-norm {float(gnorm):.2f}  "
+                f"{time.perf_counter() - t0:.0f}s")
+    return params
+
+
+def export_int4(params: Params, cfg: ModelConfig) -> tuple[Params, ModelConfig]:
+    """Routed experts to INT4 group-32 (the checkpoint format), everything else in the config's dtype."""
+    mlp = params.moe_layers.mlp
+    q = {name: quantize_int4(getattr(mlp, name), cfg.group_size) for name in ("we_gate", "we_up", "we_down")}
+    params = dataclasses.replace(params, moe_layers=dataclasses.replace(params.moe_layers,
+                                                                        mlp=dataclasses.replace(mlp, **q)))
+    return params, dataclasses.replace(cfg, expert_format="int4", kernels="xla")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Drafter distillation
+# --------------------------------------------------------------------------------------------------------------
+
+
+def greedy_continuations(params, cfg: ModelConfig, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
+    """prompts [N, P] -> [N, P + new_tokens]: each prompt followed by the target's greedy continuation."""
+    from .generate import generate
+
+    out = generate(params, cfg, prompts, max_new_tokens=new_tokens)  # no EOS: always new_tokens
+    return np.concatenate([prompts, np.array(out.tokens, np.int32)], axis=1)
+
+
+def drafter_loss(dparams, dcfg, target: Params, cfg: ModelConfig, seqs, anchors, gamma: float):
+    """DFlash loss on seqs [B, T] with anchors [B, A]: block [x_a, MASK...] predicts x_{a+1} .. x_{a+bs-1}."""
+    drafter = Drafter(params=dparams, cfg=dcfg)
+    b, t = seqs.shape
+    a = anchors.shape[1]
+    hidden = jax.lax.stop_gradient(_forward_jit(target, cfg, seqs).hidden)  # [L, B, T, D]
+    ctx = append_context(drafter, init_draft_cache(dcfg, b, t), hidden, jnp.zeros((b,), jnp.int32))
+    rep = lambda x: jnp.repeat(x, a, axis=1)  # [Ld, B, ...] -> [Ld, B*A, ...]
+    ctx = jax.tree.map(rep, ctx)
+    flat = anchors.reshape(-1)
+    rows = jnp.repeat(jnp.arange(b), a)
+    logits = draft(drafter, target, ctx, flat, seqs[rows, flat])  # [B*A, bs-1, V]
+    depth = dcfg.block_size - 1
+    labels = seqs[rows[:, None], flat[:, None] + 1 + jnp.arange(depth)[None, :]]  # [B*A, bs-1]
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), labels[..., None], axis=-1)[..., 0]
+    w = jnp.exp(-jnp.arange(depth) / gamma)
+    acc = jnp.mean(jnp.argmax(logits, -1) == labels, axis=0)  # [bs-1] top-1 accuracy per depth
+    return jnp.sum(jnp.mean(nll, axis=0) * w) / jnp.sum(w), acc
+
+
+@partial(jax.jit, static_argnames=("dcfg", "cfg", "warmup", "total", "peak_lr", "gamma"), donate_argnums=(0, 1))
+def drafter_step(dparams, opt, target, seqs, anchors, step, dcfg, cfg, warmup, total, peak_lr, gamma):
+    (loss, acc), grads = jax.value_and_grad(drafter_loss, has_aux=True)(dparams, dcfg, target, cfg, seqs, anchors,
+                                                                        gamma)
+    dparams, opt, _ = adam_update(dparams, grads, opt, lr_at(step, peak_lr, warmup, total))
+    return dparams, opt, loss, acc
+
+
+def distill_drafter(target: Params, cfg: ModelConfig, train: np.ndarray, *, num_layers: int, block_size: int,
+                    prompts: int, prompt_len: int, new_tokens: int, steps: int, batch: int, anchors: int,
+                    peak_lr: float, gamma: float, seed: int, log=print) -> Drafter:
+    rng = np.random.default_rng(seed + 7)
+    t0 = time.perf_counter()
+    chunks = []
+    for i in range(0, prompts, 512):
+        chunks.append(greedy_continuations(target, cfg, windows(train, rng, min(512, prompts - i), prompt_len),
+                                           new_tokens))
+    seqs = np.concatenate(chunks)
+    log(f"drafter data: {seqs.shape[0]} greedy continuations of {new_tokens} tokens, {time.perf_counter() - t0:.0f}s")
+    drafter = init_drafter(cfg, jax.random.key(seed + 11), num_layers=num_layers, block_size=block_size,
+                           mask_token_id=TINY_MASK, intermediate_size=2 * cfg.hidden_size)
+    dparams, dcfg = drafter.params, drafter.cfg
+    opt = adam_init(dparams)
+    lo, hi = prompt_len - 1, seqs.shape[1] - block_size  # anchors whose labels are all target continuations
+    for i in range(steps):
+        idx = rng.integers(0, len(seqs), size=batch)
+        anc = rng.integers(lo, hi + 1, size=(batch, anchors)).astype(np.int32)
+        dparams, opt, loss, acc = drafter_step(dparams, opt, target, jnp.asarray(seqs[idx]), jnp.asarray(anc),
+                                               jnp.int32(i), dcfg=dcfg, cfg=cfg, warmup=min(100, steps // 10),
+                                               total=steps, peak_lr=peak_lr, gamma=gamma)
+        if i % max(steps // 20, 1) == 0 or i == steps - 1:
+            log(f"drafter step {i:5d}  loss {float(loss):.4f}  top-1 acc by depth "
+                f"{np.round(np.asarray(acc), 2).tolist()}  {time.perf_counter() - t0:.0f}s")
+    return Drafter(params=dparams, cfg=dcfg)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Saving (flat .npz of the pytree leaves by key path, plus the configs)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _flat(tree) -> dict[str, np.ndarray]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        key = jax.tree_util.keystr(path)
+        arr = np.asarray(leaf)
+        out[key] = arr.view(np.uint16) if arr.dtype == jnp.bfloat16 else arr
+    return out
+
+
+def save_npz(path: str, tree) -> None:
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **_flat(tree))
+    os.replace(tmp, path)
+
+
+def load_npz(path: str, like):
+    """Load leaves saved by save_npz into the structure (and dtypes) of `like` (arrays or ShapeDtypeStructs)."""
+    data = np.load(path)
+    leaves = []
+    for p, ref in jax.tree_util.tree_flatten_with_path(like)[0]:
+        key = jax.tree_util.keystr(p)
+        if key not in data:
+            raise KeyError(f"{path} has no array {key}")
+        arr = data[key]
+        if ref.dtype == jnp.bfloat16:
+            arr = arr.view(jnp.bfloat16)
+        if tuple(arr.shape) != tuple(ref.shape):
+            raise ValueError(f"{path}: {key} has shape {arr.shape}, expected {tuple(ref.shape)}")
+        leaves.append(jnp.asarray(arr, ref.dtype))
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kdtree_jax.train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="directory for target.npz, drafter.npz, configs and the log")
+    ap.add_argument("--steps", type=int, default=3000, help="target training steps (default 3000)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--length", type=int, default=256, help="training window in tokens")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--drafter-steps", type=int, default=2000)
+    ap.add_argument("--drafter-layers", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=4096, help="greedy continuations for distillation")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--small", action="store_true", help="a tiny run for smoke tests (CPU)")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    logf = open(os.path.join(args.out, "train_log.txt"), "a")
+
+    def log(msg):
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    cfg = builtin_config()
+    if args.small:
+        cfg = builtin_config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, q_lora_rank=32,
+                             kv_lora_rank=32)
+    train_files, held_files = corpus_split()
+    train, held = load_tokens(train_files), load_tokens(held_files)
+    log(f"python {sys.version.split()[0]} stdlib: {len(train_files)} train files ({len(train) / 1e6:.1f}M bytes), "
+        f"{len(held_files)} held-out files ({len(held) / 1e6:.1f}M bytes); devices {jax.devices()}")
+    t0 = time.perf_counter()
+    params = train_target(cfg, train, held, steps=args.steps, batch=args.batch, length=args.length, peak_lr=args.lr,
+                          seed=args.seed, log=log)
+    log(f"target trained in {time.perf_counter() - t0:.0f}s; held-out loss {heldout_loss(params, cfg, held):.4f} "
+        f"nats/byte (float experts)")
+    qparams, qcfg = export_int4(params, cfg)
+    log(f"held-out loss with INT4 experts {heldout_loss(qparams, qcfg, held):.4f} nats/byte")
+    drafter = distill_drafter(qparams, dataclasses.replace(qcfg, kernels="dense"), train, num_layers=args.drafter_layers, block_size=args.block_size,
+                              prompts=args.prompts if not args.small else 64, prompt_len=128,
+                              new_tokens=64, steps=args.drafter_steps, batch=32, anchors=16, peak_lr=2e-3,
+                              gamma=7.0, seed=args.seed, log=log)
+    save_npz(os.path.join(args.out, "target.npz"), qparams)
+    save_npz(os.path.join(args.out, "drafter.npz"), drafter.params)
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(qcfg.to_dict(), f, indent=1)
+    with open(os.path.join(args.out, "drafter_config.json"), "w") as f:
+        json.dump(dataclasses.asdict(drafter.cfg), f, indent=1)
+    log(f"saved to {args.out} in {time.perf_counter() - t0:.0f}s total")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
