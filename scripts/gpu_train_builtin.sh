@@ -6,5 +6,6 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/device.txt"
-pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
+# Pure Python: no build needed (the image's pip cannot import scikit-build-core as a build backend).
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -m kdtree_jax.train --out "$OUT" "$@"
