@@ -99,11 +99,15 @@ class DraftCache:
 
 
 def target_layer_ids(num_target_layers: int, num_ctx: int) -> tuple[int, ...]:
-    """`num_ctx` target layers spread evenly from layer 1 to layer L - 3 (DFlash's choice)."""
+    """`num_ctx` target layers spread evenly from layer 1 to layer L - 3 (DFlash's choice); small targets, where
+    that range holds fewer than `num_ctx` layers, spread over all their layers instead."""
+    n_layers = num_target_layers
     if num_ctx == 1:
-        return (num_target_layers // 2,)
-    lo, hi = min(1, num_target_layers - 1), max(num_target_layers - 3, 1)
-    return tuple(min(round(lo + i * (hi - lo) / (num_ctx - 1)), num_target_layers - 1) for i in range(num_ctx))
+        return (n_layers // 2,)
+    lo, hi = 1, n_layers - 3
+    if hi - lo + 1 < num_ctx:
+        lo, hi = (1 if n_layers > num_ctx else 0), n_layers - 1
+    return tuple(min(round(lo + i * (hi - lo) / (num_ctx - 1)), n_layers - 1) for i in range(num_ctx))
 
 
 def drafter_info(d: DrafterConfig) -> DrafterParams:

@@ -19,6 +19,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .model import KVCache, Params, init_cache, prefill, pytree_dataclass, step
+from .sharding import use_mesh_of
 
 METHODS = ("ar", "chain", "ddtree")
 
@@ -246,11 +247,13 @@ _COMPILED: dict = {}
 def run_compiled(fn, args: tuple, static: dict):
     """Compile fn for these argument shapes (cached), then run it; returns (result, {compile_s, wall_s})."""
     flat, tree = jax.tree.flatten((args, static), is_leaf=lambda x: isinstance(x, ModelConfig))
-    sig = (fn, tree, tuple((x.shape, str(x.dtype)) if hasattr(x, "shape") else x for x in flat))
+    sig = (fn, tree, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) if hasattr(x, "shape") else x
+                           for x in flat))
     t0 = time.perf_counter()
     compiled = _COMPILED.get(sig)
     if compiled is None:
-        compiled = fn.lower(*args, **static).compile()
+        with use_mesh_of(args):  # sharded params: trace with their mesh current (expert parallelism)
+            compiled = fn.lower(*args, **static).compile()
         _COMPILED[sig] = compiled
     t1 = time.perf_counter()
     dyn = tuple(a for a in args if not isinstance(a, ModelConfig))

@@ -403,8 +403,9 @@ def moe_experts_ref(x, ids, weights, we_gate, we_up, we_down):
     """Routed experts in pure JAX: sum_k weights[m, k] * down_e(silu(gate_e(x)) * up_e(x)), e = ids[m, k].
 
     x [M, D], ids/weights [M, k], expert weights [E, F, D], [E, F, D], [E, D, F] (float, or Int4Array
-    dequantized here). Tokens are sorted by expert and multiplied with `jax.lax.ragged_dot`. This is the
-    function of the `marlin_moe` custom call.
+    dequantized here). Tokens are sorted by expert and multiplied with `jax.lax.ragged_dot`. An id >= E means
+    "not one of these experts" and contributes nothing (expert parallelism passes each shard's non-local slots
+    that way). This is the function of the `marlin_moe` custom call.
     """
     dt = x.dtype
     m, k = ids.shape
@@ -415,11 +416,12 @@ def moe_experts_ref(x, ids, weights, we_gate, we_up, we_down):
     order = jnp.argsort(flat, stable=True)
     rows = order // k  # token of each sorted slot
     xs = x[rows]  # [M k, D]
-    sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)  # [E]
+    sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)  # [E]; ids >= E (not here) are dropped
     h = jax.nn.silu(jax.lax.ragged_dot(xs, jnp.swapaxes(g, 1, 2), sizes)) * jax.lax.ragged_dot(
         xs, jnp.swapaxes(u, 1, 2), sizes)  # [M k, F]
     y = jax.lax.ragged_dot(h.astype(dt), jnp.swapaxes(dn, 1, 2), sizes)  # [M k, D]
-    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    kept = (flat[order] < n_exp)[:, None]  # slots sent to no local expert (expert parallelism) add nothing
+    y = jnp.where(kept, y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
     return jnp.zeros((m, x.shape[1]), jnp.float32).at[rows].add(y).astype(dt)
 
 
@@ -430,7 +432,8 @@ def moe_experts_dense(x, ids, weights, we_gate, we_up, we_down):
     dt = x.dtype
     deq = lambda w: (w.dequantize(dt) if isinstance(w, Int4Array) else w)
     g, u, dn = deq(we_gate), deq(we_up), deq(we_down)
-    combine = jnp.zeros((x.shape[0], g.shape[0]), jnp.float32).at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
+    rows = jnp.arange(x.shape[0])[:, None]
+    combine = jnp.zeros((x.shape[0], g.shape[0]), jnp.float32).at[rows, ids].add(weights, mode="drop")  # [M, E]
     h = jax.nn.silu(jnp.einsum("md,efd->mef", x, g)) * jnp.einsum("md,efd->mef", x, u)  # [M, E, F]
     y = jnp.einsum("mef,edf->med", h, dn)  # [M, E, D]
     return jnp.einsum("med,me->md", y.astype(jnp.float32), combine).astype(dt)
@@ -450,7 +453,12 @@ def moe(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
             from .kernels import marlin_moe as experts
         else:
             experts = _EXPERTS[cfg.kernels]
-        y = experts(flat, ids, w, p.we_gate, p.we_up, p.we_down)
+        from .sharding import current_mesh, moe_expert_parallel
+
+        if current_mesh() is not None:
+            y = moe_expert_parallel(experts, flat, ids, w, p.we_gate, p.we_up, p.we_down)
+        else:
+            y = experts(flat, ids, w, p.we_gate, p.we_up, p.we_down)
     with jax.named_scope("shared_expert"):
         y = y + swiglu(p.shared, flat)
     return y.reshape(b, t, d)
@@ -524,8 +532,11 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, return_hidden: 
 
     With `return_hidden`, returns (logits, hidden [L, B, T, D]) with every decoder layer's output.
     """
+    from .sharding import use_mesh_of
+
     tokens = jnp.asarray(tokens, jnp.int32)
-    out = _forward_jit(params, cfg, tokens)
+    with use_mesh_of(params):
+        out = _forward_jit(params, cfg, tokens)
     return (out.logits, out.hidden) if return_hidden else out.logits
 
 

@@ -7,9 +7,11 @@ expert's width over "tp". The MLA latent cache is replicated over the model axes
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -111,3 +113,50 @@ def _check_model_fits(cfg: ModelConfig, mesh: Mesh) -> None:
 def shard_params(params, cfg: ModelConfig, mesh: Mesh):
     """Place (or re-place) params onto the mesh according to the rules."""
     return jax.device_put(params, param_shardings(cfg, mesh))
+
+
+def mesh_of(tree) -> Mesh | None:
+    """The mesh the arrays of `tree` are placed on (None when they are not on a multi-device mesh)."""
+    for leaf in jax.tree.leaves(tree):
+        sh = getattr(leaf, "sharding", None)
+        if isinstance(sh, NamedSharding) and sh.mesh.size > 1:
+            return sh.mesh
+    return None
+
+
+def use_mesh_of(tree):
+    """A context that makes the mesh of `tree` current while tracing (a no-op for unsharded trees)."""
+    mesh = mesh_of(tree)
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+def current_mesh():
+    """The mesh set while tracing, when it is one of ours and splits the model (else None)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or set(mesh.axis_names) != set(MESH_AXES) or mesh.shape["ep"] * mesh.shape["tp"] == 1:
+        return None
+    return mesh
+
+
+def moe_expert_parallel(experts, x, ids, weights, we_gate, we_up, we_down):
+    """Routed experts under expert parallelism, dispatch and combine written out in shard_map.
+
+    x [M, D] and the routing (ids, weights [M, k]) are replicated; each "ep" shard holds E/ep experts, each "tp"
+    shard a slice of every expert's width F. A shard runs `experts` (the reference or the custom call) on the
+    slots routed to its own experts (the others get the id E_local: nothing), and the partial outputs are summed
+    over "ep" and "tp" with one psum.
+    """
+    mesh = current_mesh()
+    up, down = P("ep", "tp", None), P("ep", None, "tp")
+    spec = lambda w, s: Int4Array(packed=s, scale=s) if isinstance(w, Int4Array) else s
+
+    def local(x, ids, weights, g, u, d):
+        e_loc = g.shape[0]
+        lid = ids - jax.lax.axis_index("ep") * e_loc
+        mine = (lid >= 0) & (lid < e_loc)
+        y = experts(x, jnp.where(mine, lid, e_loc), jnp.where(mine, weights, 0.0), g, u, d)
+        return jax.lax.psum(y.astype(jnp.float32), ("ep", "tp")).astype(x.dtype)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), spec(we_gate, up), spec(we_up, up),
+                                                     spec(we_down, down)), out_specs=P(), check_vma=False)(
+        x, ids, weights, we_gate, we_up, we_down)

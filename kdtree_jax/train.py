@@ -34,9 +34,10 @@ import numpy as np
 from .config import ModelConfig
 from .configs import TINY_BOS, TINY_EOS, TINY_MASK
 from .drafter import Drafter, append_context, draft, init_draft_cache, init_drafter
-from .model import (MoE, Params, _forward_jit, _logits, embed, init_params, mla, moe_experts_dense, rms_norm, rope_tables, route,
-                    swiglu)
-from .quant import Int4Array, quantize_int4
+from .model import (MoE, Params, _forward_jit, _logits, abstract_params, embed, init_params, mla, moe_experts_dense,
+                    rms_norm, rope_tables, route, swiglu)
+from .builtin import from_shipping, load_npz, save_npz, to_shipping
+from .quant import quantize_int4
 
 HELDOUT_PERCENT = 10
 
@@ -293,43 +294,6 @@ def distill_drafter(target: Params, cfg: ModelConfig, train: np.ndarray, *, num_
     return Drafter(params=dparams, cfg=dcfg)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Saving (flat .npz of the pytree leaves by key path, plus the configs)
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _flat(tree) -> dict[str, np.ndarray]:
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        key = jax.tree_util.keystr(path)
-        arr = np.asarray(leaf)
-        out[key] = arr.view(np.uint16) if arr.dtype == jnp.bfloat16 else arr
-    return out
-
-
-def save_npz(path: str, tree) -> None:
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, **_flat(tree))
-    os.replace(tmp, path)
-
-
-def load_npz(path: str, like):
-    """Load leaves saved by save_npz into the structure (and dtypes) of `like` (arrays or ShapeDtypeStructs)."""
-    data = np.load(path)
-    leaves = []
-    for p, ref in jax.tree_util.tree_flatten_with_path(like)[0]:
-        key = jax.tree_util.keystr(p)
-        if key not in data:
-            raise KeyError(f"{path} has no array {key}")
-        arr = data[key]
-        if ref.dtype == jnp.bfloat16:
-            arr = arr.view(jnp.bfloat16)
-        if tuple(arr.shape) != tuple(ref.shape):
-            raise ValueError(f"{path}: {key} has shape {arr.shape}, expected {tuple(ref.shape)}")
-        leaves.append(jnp.asarray(arr, ref.dtype))
-    return jax.tree.unflatten(jax.tree.structure(like), leaves)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kdtree_jax.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -344,6 +308,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=4096, help="greedy continuations for distillation")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="a tiny run for smoke tests (CPU)")
+    ap.add_argument("--resume-target", default=None, help="a directory with a trained target (skip its training)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "train_log.txt"), "a")
@@ -362,18 +327,26 @@ def main(argv=None) -> int:
     log(f"python {sys.version.split()[0]} stdlib: {len(train_files)} train files ({len(train) / 1e6:.1f}M bytes), "
         f"{len(held_files)} held-out files ({len(held) / 1e6:.1f}M bytes); devices {jax.devices()}")
     t0 = time.perf_counter()
-    params = train_target(cfg, train, held, steps=args.steps, batch=args.batch, length=args.length, peak_lr=args.lr,
-                          seed=args.seed, log=log)
-    log(f"target trained in {time.perf_counter() - t0:.0f}s; held-out loss {heldout_loss(params, cfg, held):.4f} "
-        f"nats/byte (float experts)")
-    qparams, qcfg = export_int4(params, cfg)
-    log(f"held-out loss with INT4 experts {heldout_loss(qparams, qcfg, held):.4f} nats/byte")
+    if args.resume_target:
+        qcfg = ModelConfig.from_dict(json.load(open(os.path.join(args.resume_target, "config.json"))))
+        like = abstract_params(dataclasses.replace(qcfg, dtype="bfloat16"))
+        qparams = from_shipping(load_npz(os.path.join(args.resume_target, "target.npz"), like), jnp.float32)
+        log(f"target loaded from {args.resume_target}")
+    else:
+        params = train_target(cfg, train, held, steps=args.steps, batch=args.batch, length=args.length,
+                              peak_lr=args.lr, seed=args.seed, log=log)
+        log(f"target trained in {time.perf_counter() - t0:.0f}s; held-out loss "
+            f"{heldout_loss(params, cfg, held):.4f} nats/byte (float experts)")
+        qparams, qcfg = export_int4(params, cfg)
+        qparams = from_shipping(to_shipping(qparams), jnp.float32)  # exactly the weights the package ships
+    log(f"held-out loss with INT4 experts and bf16 weights (as shipped): {heldout_loss(qparams, qcfg, held):.4f} "
+        f"nats/byte")
     drafter = distill_drafter(qparams, dataclasses.replace(qcfg, kernels="dense"), train, num_layers=args.drafter_layers, block_size=args.block_size,
                               prompts=args.prompts if not args.small else 64, prompt_len=128,
                               new_tokens=64, steps=args.drafter_steps, batch=32, anchors=16, peak_lr=2e-3,
                               gamma=7.0, seed=args.seed, log=log)
-    save_npz(os.path.join(args.out, "target.npz"), qparams)
-    save_npz(os.path.join(args.out, "drafter.npz"), drafter.params)
+    save_npz(os.path.join(args.out, "target.npz"), to_shipping(qparams))
+    save_npz(os.path.join(args.out, "drafter.npz"), to_shipping(drafter.params))
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(qcfg.to_dict(), f, indent=1)
     with open(os.path.join(args.out, "drafter_config.json"), "w") as f:
