@@ -1,0 +1,11 @@
+"""XLA FFI custom calls (C++ on CPU, CUDA on GPU), one module per call, each with a pure-JAX `*_ref`.
+
+`impl="ffi"` runs the custom call and `impl="xla"` the reference; the model picks one with `ModelConfig.kernels`.
+The FFI libraries are built from `ffi/` by the package's CMake build and registered on first use
+(`_registry.register`).
+"""
+
+from .tree_accept import Accepted, tree_accept, tree_accept_ref
+from .tree_build import Tree, tree_build, tree_build_ref
+
+__all__ = ["Accepted", "Tree", "tree_accept", "tree_accept_ref", "tree_build", "tree_build_ref"]

@@ -1,0 +1,103 @@
+"""Finds the FFI libraries built from `ffi/`, loads them with ctypes and registers their targets with XLA, once.
+
+`libkdtree_jax_cpu.so` (C++ handlers) is always built; `libkdtree_jax_cuda.so` (CUDA handlers, sm_90a) only where
+nvcc was found at build time. When the CUDA library is missing or does not load, every CUDA target is registered to
+a stub that fails with a readable message when it runs (instead of an unregistered-target error), and the reason is
+kept in `cuda_status()`. The libraries are looked up in $KDTREE_JAX_FFI_DIR (if set), then next to the package.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.resources
+import os
+import warnings
+
+import jax
+
+CPU_LIBRARY = "libkdtree_jax_cpu.so"
+CUDA_LIBRARY = "libkdtree_jax_cuda.so"
+
+# target name -> exported handler symbol
+CPU_TARGETS = {
+    "kdtree_tree_build": "KdTreeBuildCpu",
+    "kdtree_tree_build_levels": "KdTreeBuildLevelsCpu",
+    "kdtree_tree_accept": "KdTreeAcceptCpu",
+}
+CUDA_TARGETS = {
+    "kdtree_tree_build": "KdTreeBuildCuda",
+    "kdtree_tree_accept": "KdTreeAcceptCuda",
+}
+
+_cuda_error: str | None = None
+
+
+def _candidates(name: str) -> list[str]:
+    paths = []
+    if os.environ.get("KDTREE_JAX_FFI_DIR"):
+        paths.append(os.path.join(os.environ["KDTREE_JAX_FFI_DIR"], name))
+    paths.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name))
+    try:  # the installed package (editable installs keep the built libraries apart from the sources)
+        paths.append(str(importlib.resources.files("kdtree_jax").joinpath(name)))
+    except (ModuleNotFoundError, TypeError, ValueError):
+        pass
+    return list(dict.fromkeys(paths))
+
+
+def _find(name: str) -> str | None:
+    return next((p for p in _candidates(name) if os.path.isfile(p)), None)
+
+
+@functools.cache
+def cpu_library() -> ctypes.CDLL:
+    """The C++ handlers; raises RuntimeError if the package was installed without building them."""
+    path = _find(CPU_LIBRARY)
+    if path is None:
+        raise RuntimeError(
+            f"kdtree-jax: {CPU_LIBRARY} not found (looked in {_candidates(CPU_LIBRARY)}). Install the package with "
+            "pip (which runs the CMake build of ffi/), set KDTREE_JAX_FFI_DIR, or pass impl='xla'.")
+    lib = ctypes.CDLL(path)
+    lib.KdTreeBuildWorkspaceBytes.restype = ctypes.c_int64
+    lib.KdTreeBuildWorkspaceBytes.argtypes = [ctypes.c_int64] * 4
+    return lib
+
+
+@functools.cache
+def cuda_library() -> ctypes.CDLL | None:
+    """The CUDA handlers, or None (the reason is in `cuda_status()`)."""
+    global _cuda_error
+    path = _find(CUDA_LIBRARY)
+    if path is None:
+        _cuda_error = f"{CUDA_LIBRARY} was not built (no nvcc at build time?)"
+        return None
+    try:
+        return ctypes.CDLL(path)
+    except OSError as e:
+        _cuda_error = f"{path} failed to load: {e}"
+        return None
+
+
+def cuda_status() -> str:
+    """'ok', or why the CUDA handlers are unavailable."""
+    return "ok" if cuda_library() is not None else str(_cuda_error)
+
+
+@functools.cache
+def register() -> None:
+    """Registers every target for platform "cpu" and "CUDA" (idempotent)."""
+    cpu = cpu_library()
+    for name, symbol in CPU_TARGETS.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(cpu, symbol)), platform="cpu")
+    cuda = cuda_library()
+    if cuda is None and any(d.platform == "gpu" for d in jax.devices()):
+        warnings.warn(f"kdtree-jax: CUDA custom calls unavailable: {cuda_status()}; they will fail if run "
+                      "(use impl='xla').", RuntimeWarning, stacklevel=3)
+    for name, symbol in CUDA_TARGETS.items():
+        fn = getattr(cuda, symbol) if cuda is not None else cpu.KdCudaUnavailable
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="CUDA")
+
+
+def tree_build_workspace_bytes(b: int, l: int, v: int, budget: int) -> int:
+    """Bytes of scratch the CUDA tree_build handler needs (its last output), from the C++ plan in ffi/common.h."""
+    return int(cpu_library().KdTreeBuildWorkspaceBytes(b, l, v, budget))
