@@ -24,10 +24,12 @@ CPU_TARGETS = {
     "kdtree_tree_build": "KdTreeBuildCpu",
     "kdtree_tree_build_levels": "KdTreeBuildLevelsCpu",
     "kdtree_tree_accept": "KdTreeAcceptCpu",
+    "kdtree_mla_verify": "KdMlaVerifyCpu",
 }
 CUDA_TARGETS = {
     "kdtree_tree_build": "KdTreeBuildCuda",
     "kdtree_tree_accept": "KdTreeAcceptCuda",
+    "kdtree_mla_verify": "KdMlaVerifyCuda",
 }
 
 _cuda_error: str | None = None

@@ -1,0 +1,145 @@
+"""MLA-absorbed attention over the latent cache with a tree mask, as a custom call (`impl="ffi"`:
+ffi/mla_verify.cc on CPU, ffi/mla_verify.cu on CUDA) or in pure JAX (`impl="xla"`, `mla_verify_ref`).
+
+One DDTree verify step (or, with N = 1, one plain decode step) of one layer: query token n of batch row b sees the
+committed prefix, slots 0 .. cache_lens[b] - 1 of the cache, and the tree tokens u with tree_mask[b, n, u], whose
+latents are already written at slots cache_lens[b] + u. Per head h:
+
+    s_k = scale * (q_nope_absorbed[b, n, h] . latent_cache[b, k] + q_pe[b, n, h] . pe_cache[b, k])
+    out[b, n, h] = sum_k softmax(s)_k latent_cache[b, k]          (zeros for a row that sees nothing)
+
+This is `kdtree_jax.model.mla_absorbed_attention` (including its clamping when cache_lens + N > S). Softmax and
+sums are fp32; the output has the queries' dtype.
+
+The CUDA handler's fast path takes bf16 with R = 512 and dr = 64 (Kimi K2): a flash-decoding kernel on the tensor
+cores that splits the keys over blocks when the batch alone does not fill the GPU; its fp32 partial results are
+extra outputs of the call, sized here (`plan_splits`). Every other dtype or size (R <= 1024, dr <= 256) runs a
+generic CUDA-core kernel: correct, not fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..model import mla_absorbed_attention
+from . import _registry
+
+FAST_RANK, FAST_ROPE = 512, 64  # the head sizes of the CUDA fast path (bf16 only)
+_ROWS, _KEYS = 64, 64  # the fast path's query rows per block and keys per tile
+
+
+def _check(q_nope_absorbed, q_pe, latent_cache, pe_cache, cache_lens, tree_mask, scale) -> tuple[int, ...]:
+    arrays = {"q_nope_absorbed": q_nope_absorbed, "q_pe": q_pe, "latent_cache": latent_cache,
+              "pe_cache": pe_cache, "cache_lens": cache_lens, "tree_mask": tree_mask}
+    for name, a in arrays.items():
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"mla_verify: {name} must be an array, got {type(a).__name__}")
+    ranks = {"q_nope_absorbed": (4, "[B, N, H, R]"), "q_pe": (4, "[B, N, H, dr]"), "latent_cache": (3, "[B, S, R]"),
+             "pe_cache": (3, "[B, S, dr]"), "cache_lens": (1, "[B]"), "tree_mask": (3, "[B, N, N]")}
+    for name, (rank, spec) in ranks.items():
+        if len(arrays[name].shape) != rank:
+            raise ValueError(f"mla_verify: {name} must be {spec}, got shape {tuple(arrays[name].shape)}")
+    b, n, h, r = (int(d) for d in q_nope_absorbed.shape)
+    dr, s = int(q_pe.shape[-1]), int(latent_cache.shape[1])
+    want = {"q_pe": (b, n, h, dr), "latent_cache": (b, s, r), "pe_cache": (b, s, dr), "cache_lens": (b,),
+            "tree_mask": (b, n, n)}
+    for name, shape in want.items():
+        if tuple(arrays[name].shape) != shape:
+            raise ValueError(f"mla_verify: {name} has shape {tuple(arrays[name].shape)}, expected {shape} from "
+                             f"q_nope_absorbed {(b, n, h, r)}, q_pe's last axis and latent_cache's S")
+    if min(b, n, h, r, dr) < 1:
+        raise ValueError(f"mla_verify: empty queries: B, N, H, R, dr = {(b, n, h, r, dr)}")
+    if s < n:
+        raise ValueError(f"mla_verify: the cache has S = {s} slots, fewer than the N = {n} tree tokens it must hold")
+    dtype = q_nope_absorbed.dtype
+    if dtype not in (jnp.float32, jnp.bfloat16):
+        raise TypeError(f"mla_verify: q_nope_absorbed must be float32 or bfloat16, got {dtype}")
+    for name in ("q_pe", "latent_cache", "pe_cache"):
+        if arrays[name].dtype != dtype:
+            raise TypeError(f"mla_verify: {name} is {arrays[name].dtype} but q_nope_absorbed is {dtype}; "
+                            "queries and caches must share one dtype")
+    if not jnp.issubdtype(cache_lens.dtype, jnp.integer):
+        raise TypeError(f"mla_verify: cache_lens must be integer, got {cache_lens.dtype}")
+    if tree_mask.dtype != jnp.bool_:
+        raise TypeError(f"mla_verify: tree_mask must be bool, got {tree_mask.dtype}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"mla_verify: scale must be a Python float (static), got {type(scale).__name__}")
+    return b, n, h, r, dr, s
+
+
+@functools.cache
+def _sm_count() -> int:
+    """Multiprocessors of the first GPU (132 on an H200 when none is visible): only sizes the key splits."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return 132
+    return int(getattr(gpus[0], "core_count", 132) or 132)
+
+
+def plan_splits(b: int, n: int, h: int, s: int, sms: int | None = None) -> int:
+    """Key splits per (batch row, 64-row query tile) of the CUDA fast path.
+
+    One block per multiprocessor (the kernel takes ~225 KB of shared memory), so the blocks (b, row tiles, splits)
+    should fill the GPU once; each split keeps at least 4 key tiles so that its fp32 partial (64 rows x 2 KB) stays
+    small next to the keys it streams.
+    """
+    sms = _sm_count() if sms is None else sms
+    work = b * math.ceil(n * h / _ROWS)
+    if work >= sms:
+        return 1
+    return max(1, min(math.ceil(sms / work), math.ceil(s / _KEYS) // 4))
+
+
+def mla_verify(q_nope_absorbed: jax.Array, q_pe: jax.Array, latent_cache: jax.Array, pe_cache: jax.Array,
+               cache_lens: jax.Array, tree_mask: jax.Array, scale: float, *, impl: str = "ffi",
+               num_splits: int | None = None) -> jax.Array:
+    """Attention of the absorbed queries over the latent cache; see the module docstring.
+
+    q_nope_absorbed [B, N, H, R] and q_pe [B, N, H, dr], latent_cache [B, S, R] and pe_cache [B, S, dr] (one dtype,
+    float32 or bfloat16; the N tree tokens already written at cache_lens[b] ..), cache_lens int [B], tree_mask bool
+    [B, N, N], scale a static float -> [B, N, H, R] in the queries' dtype.
+
+    impl="ffi" runs the custom call (C++ on CPU, CUDA on GPU, the reference on other platforms); impl="xla" runs
+    `mla_verify_ref`. num_splits overrides `plan_splits` for the CUDA fast path (benchmarks). No host sync.
+    """
+    b, n, h, r, dr, s = _check(q_nope_absorbed, q_pe, latent_cache, pe_cache, cache_lens, tree_mask, scale)
+    if impl == "xla":
+        return mla_verify_ref(q_nope_absorbed, q_pe, latent_cache, pe_cache, cache_lens, tree_mask, scale)
+    if impl != "ffi":
+        raise ValueError(f"mla_verify: impl must be 'ffi' or 'xla', got {impl!r}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer))
+                                   or not 1 <= num_splits <= 65535):
+        raise ValueError(f"mla_verify: num_splits must be an int in 1..65535, got {num_splits!r}")
+    _registry.register()
+    out = jax.ShapeDtypeStruct((b, n, h, r), q_nope_absorbed.dtype)
+    fast = q_nope_absorbed.dtype == jnp.bfloat16 and r == FAST_RANK and dr == FAST_ROPE
+    splits = (num_splits or plan_splits(b, n, h, s)) if fast else 1
+    rows = n * h if splits > 1 else 0
+    scratch = [jax.ShapeDtypeStruct((b, splits, rows, r), jnp.float32),  # normalized partial outputs
+               jax.ShapeDtypeStruct((b, splits, rows, 2), jnp.float32)]  # their (row max, row sum)
+    attrs = dict(scale=np.float32(scale))
+
+    def cpu(*args):
+        return jax.ffi.ffi_call("kdtree_mla_verify", out, vmap_method="sequential")(*args, **attrs)
+
+    def cuda(*args):
+        return jax.ffi.ffi_call("kdtree_mla_verify", [out, *scratch], vmap_method="sequential")(*args, **attrs)[0]
+
+    def other(*args):
+        return mla_verify_ref(*args, scale)
+
+    args = (q_nope_absorbed, q_pe, latent_cache, pe_cache, cache_lens.astype(jnp.int32), tree_mask)
+    return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda, default=other)
+
+
+def mla_verify_ref(q_nope_absorbed: jax.Array, q_pe: jax.Array, latent_cache: jax.Array, pe_cache: jax.Array,
+                   cache_lens: jax.Array, tree_mask: jax.Array, scale: float) -> jax.Array:
+    """Pure JAX (einsum + mask + softmax, `model.mla_absorbed_attention`), cast to the queries' dtype."""
+    out = mla_absorbed_attention(q_nope_absorbed, q_pe, latent_cache, pe_cache, cache_lens, tree_mask, scale)
+    return out.astype(q_nope_absorbed.dtype)
