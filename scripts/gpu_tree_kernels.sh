@@ -5,8 +5,8 @@
 #   OUT=<dir> KD_COMMIT=$(git rev-parse --short HEAD) scripts/gpu_tree_kernels.sh [LIBDIR]
 #
 # LIBDIR holds libkdtree_jax_cpu.so and libkdtree_jax_cuda.so built elsewhere (for example on a CPU machine with
-# nvcc); without it the script waits for its own build. Only kdtree_jax/kernels is imported (copied into a fresh
-# package), so unrelated work in progress elsewhere in kdtree_jax cannot break the run.
+# nvcc); without it the script waits for its own build. Only the tree kernel modules are imported (copied into a
+# fresh package), so unrelated work in progress elsewhere in kdtree_jax cannot break the run.
 # Environment: BENCH_ARGS (e.g. --quick), SKIP_TESTS=1, SKIP_BENCH=1.
 set -uo pipefail
 OUT=${OUT:-/tmp/kd_out}
@@ -35,9 +35,13 @@ export KDTREE_JAX_FFI_DIR=$(cd "$LIBDIR" && pwd)
 echo "FFI libraries from $KDTREE_JAX_FFI_DIR" | tee -a "$OUT/env.log"
 
 PKG=/tmp/kd_pkg
-rm -rf $PKG && mkdir -p $PKG/kdtree_jax
-cp -r "$ROOT/kdtree_jax/kernels" $PKG/kdtree_jax/
-echo '"""kdtree_jax.kernels alone (device run)."""' >$PKG/kdtree_jax/__init__.py
+rm -rf $PKG && mkdir -p $PKG/kdtree_jax/kernels
+cp "$ROOT"/kdtree_jax/kernels/{_registry,tree_build,tree_accept}.py $PKG/kdtree_jax/kernels/
+echo '"""The tree kernels alone (device run)."""' >$PKG/kdtree_jax/__init__.py
+cat >$PKG/kdtree_jax/kernels/__init__.py <<'PY'
+from .tree_accept import Accepted, tree_accept, tree_accept_ref
+from .tree_build import Tree, tree_build, tree_build_ref
+PY
 cp "$ROOT/tests/test_tree_kernels.py" "$ROOT/benchmarks/tree_build.py" $PKG/
 cd $PKG
 
