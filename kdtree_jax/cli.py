@@ -21,8 +21,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "(steps, tokens per step tau, tokens/s).")
     g.add_argument("--prompt", required=True, help="the text to continue")
     g.add_argument("--model", default=None,
-                   help="a converted checkpoint directory (kdtree-convert). Default: the embedded model if the "
-                        "package ships one, else a random tiny model with a byte tokenizer")
+                   help="a converted checkpoint directory (kdtree-convert), or 'builtin'. Default: the embedded "
+                        "model shipped in the package (else a random tiny model with a byte tokenizer)")
     g.add_argument("--method", choices=("ar", "chain", "ddtree"), default="ar",
                    help="ar: one token per step; chain: DFlash linear draft; ddtree: DDTree draft tree (default: ar)")
     g.add_argument("--budget", type=int, default=64, help="ddtree: draft tree nodes per step (default: 64)")
@@ -39,9 +39,15 @@ def _load(args):
     import kdtree_jax as kj
     from kdtree_jax.tokenizer import ByteTokenizer
 
+    from kdtree_jax import builtin
+
     if args.model is not None:
-        model = kj.load(args.model)
+        model = builtin.load_builtin() if args.model == "builtin" else kj.load(args.model)
         return model.params, model.cfg, model.tokenizer, model.drafter, f"model {args.model}"
+    if builtin.available():
+        model = builtin.load_builtin()
+        return (model.params, model.cfg, model.tokenizer, model.drafter,
+                "the embedded model (4M parameters, trained on the Python standard library, byte tokens)")
     cfg = kj.configs.tiny()
     params = kj.init_params(cfg, jax.random.key(args.seed))
     drafter = None

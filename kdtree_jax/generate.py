@@ -252,7 +252,10 @@ def run_compiled(fn, args: tuple, static: dict):
     t0 = time.perf_counter()
     compiled = _COMPILED.get(sig)
     if compiled is None:
-        with use_mesh_of(args):  # sharded params: trace with their mesh current (expert parallelism)
+        cfg = next(a for a in args if isinstance(a, ModelConfig))
+        # fp32 models compute in true fp32 (not TF32 on GPUs): verify and AR then round alike far more often
+        precision = jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default")
+        with use_mesh_of(args), precision:  # sharded params: trace with their mesh current (expert parallelism)
             compiled = fn.lower(*args, **static).compile()
         _COMPILED[sig] = compiled
     t1 = time.perf_counter()
