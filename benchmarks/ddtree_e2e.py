@@ -1,0 +1,165 @@
+"""Time per speculative step, split into its stages: drafter, tree build, verify, accept, compaction.
+
+A model of K2 widths with few layers (default: hidden 7168, 64 heads, MLA 1536/512, 1 dense + 1 MoE layer of
+E experts of width 2048 top-8, vocabulary 163,840; `--tiny` for a CPU smoke run), random weights, a random DFlash
+drafter of the K2.5-DFlash shape (block 8). For ar, chain and ddtree at each budget and batch size: each stage
+jitted alone and timed (median of repeats, inputs from a real step), the whole step jitted as in `generate`, and
+tokens/s = tau / step time for a given tau. Writes a table (.md) and the raw numbers (.json) into --out.
+
+    python benchmarks/ddtree_e2e.py --out benchmarks/results --kernels ffi      # on the GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import kdtree_jax as kj  # noqa: E402
+from kdtree_jax import ddtree  # noqa: E402
+from kdtree_jax.drafter import append_context, draft, init_draft_cache  # noqa: E402
+from kdtree_jax.generate import choose  # noqa: E402
+from kdtree_jax.kernels import tree_accept  # noqa: E402
+from kdtree_jax.model import init_cache, prefill, step  # noqa: E402
+
+
+def timeit(fn, *args, repeats: int = 20) -> float:
+    """Median wall time (s) of fn(*args) after a warm-up, synchronizing on the result."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def k2_widths(layers: int, experts: int, kernels: str) -> kj.ModelConfig:
+    return kj.configs.k2_6(num_hidden_layers=layers, n_routed_experts=experts, max_position_embeddings=8192,
+                           kernels=kernels)
+
+
+def tiny_widths(kernels: str) -> kj.ModelConfig:
+    return kj.configs.tiny(kernels=kernels)
+
+
+def bench(cfg, params, drafter, batch: int, prompt_len: int, method: str, budget: int, repeats: int) -> dict:
+    impl = "ffi" if cfg.kernels == "ffi" else "xla"
+    rng = np.random.default_rng(0)
+    bs = drafter.cfg.block_size
+    n = bs if method == "chain" else budget + 1
+    cache_len = prompt_len + n + 64
+    tokens = jnp.asarray(rng.integers(0, min(cfg.vocab_size, 50000), size=(batch, prompt_len)), jnp.int32)
+    lengths = jnp.full((batch,), prompt_len, jnp.int32)
+    pre = jax.jit(prefill, static_argnames="cfg")(params, cfg, tokens, lengths, init_cache(cfg, batch, cache_len))
+    bonus = jnp.argmax(pre.logits[:, -1], axis=-1).astype(jnp.int32)
+    dcache = jax.jit(append_context)(drafter, init_draft_cache(drafter.cfg, batch, cache_len), pre.hidden,
+                                     jnp.zeros_like(lengths))
+    cache = pre.cache
+    out = {"batch": batch, "method": method, "budget": None if method != "ddtree" else budget, "nodes": n}
+    if method == "ar":
+        f = jax.jit(lambda c, t: choose(step(params, cfg, t[:, None], c).logits[:, 0], None, 1.0, True))
+        out["verify_s"] = out["step_s"] = timeit(f, cache, bonus, repeats=repeats)
+        return out
+    f_draft = jax.jit(lambda dc, ln, b: draft(drafter, params, dc, ln, b))
+    dlogits = f_draft(dcache, cache.lengths, bonus)
+    out["draft_s"] = timeit(f_draft, dcache, cache.lengths, bonus, repeats=repeats)
+    if method == "chain":
+        f_tree = jax.jit(ddtree.chain_tree)
+    else:
+        f_tree = jax.jit(lambda dl, b: ddtree.ddtree_tree(dl, b, budget, impl))
+    tree = f_tree(dlogits, bonus)
+    out["tree_build_s"] = timeit(f_tree, dlogits, bonus, repeats=repeats)
+    f_verify = jax.jit(lambda c, t: (lambda r: (choose(r.logits, None, 1.0, True), r))(
+        step(params, cfg, t.tokens, c, depths=t.depths, tree_mask=t.visibility)))
+    target, res = f_verify(cache, tree)
+    out["verify_s"] = timeit(f_verify, cache, tree, repeats=repeats)
+    f_accept = jax.jit(lambda t, tt: tree_accept(t.tokens, t.parents, tt, impl=impl))
+    acc = f_accept(tree, target)
+    out["accept_s"] = timeit(f_accept, tree, target, repeats=repeats)
+    width = min(n, bs)
+
+    def compaction(c, dc, hidden, path):
+        path = path[:, :width]
+        c = ddtree.compact(c, c.lengths, path, n)
+        h = jnp.take_along_axis(hidden, jnp.clip(path, 0, n - 1)[None, :, :, None], axis=2)
+        return c, append_context(drafter, dc, h, c.lengths)
+
+    f_compact = jax.jit(compaction)
+    out["compaction_s"] = timeit(f_compact, res.cache, dcache, res.hidden, acc.path, repeats=repeats)
+    state = ddtree.SpecState(cache=cache, dcache=dcache, out=jnp.zeros((batch, 64), jnp.int32),
+                             num_out=jnp.zeros((batch,), jnp.int32), done=jnp.zeros((batch,), bool), last=bonus,
+                             key=jax.random.key(0), steps=jnp.zeros((), jnp.int32),
+                             accepted=jnp.zeros((batch, bs + 1), jnp.int32))
+    f_step = jax.jit(lambda s: ddtree.spec_step(params, cfg, drafter, s, method, max(budget, 1), jnp.float32(1.0),
+                                                jnp.int32(-1), True))
+    out["step_s"] = timeit(f_step, state, repeats=repeats)
+    out["overhead_share"] = (out["tree_build_s"] + out["accept_s"] + out["compaction_s"]) / out["step_s"]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--kernels", default="xla", choices=("xla", "ffi"))
+    ap.add_argument("--tiny", action="store_true", help="the tiny config (CPU smoke run)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=384)
+    ap.add_argument("--budgets", default="16,64,256,512")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--taus", default="4.4", help="tau values to turn step times into tokens/s (chain uses its own)")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    cfg = tiny_widths(args.kernels) if args.tiny else k2_widths(args.layers, args.experts, args.kernels)
+    params = kj.init_params(cfg, jax.random.key(0))
+    drafter = kj.init_drafter(cfg, jax.random.key(1), num_layers=1 if args.tiny else 6, block_size=8,
+                              num_kv_heads=None if args.tiny else 8)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        configs = [("ar", 0), ("chain", 0)] + [("ddtree", int(b)) for b in args.budgets.split(",")]
+        for method, budget in configs:
+            r = bench(cfg, params, drafter, batch, args.prompt_len, method, budget, args.repeats)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    device = str(jax.devices()[0].device_kind)
+    meta = dict(date=datetime.date.today().isoformat(), device=device, commit=os.environ.get("KDTREE_COMMIT", "?"),
+                jax=jax.__version__, kernels=args.kernels, cfg=dataclasses.asdict(cfg), drafter=str(drafter.cfg))
+    with open(os.path.join(args.out, f"ddtree_e2e_{args.kernels}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    tau = float(args.taus.split(",")[0])
+    ms = lambda r, k: f"{1e3 * r[k]:.3f}" if k in r else "-"
+    lines = [f"# DDTree step breakdown ({meta['date']}, {device}, commit {meta['commit']}, kernels={args.kernels})", "",
+             f"Model: {'tiny' if args.tiny else f'K2 widths, {args.layers} layers, {args.experts} experts'}; "
+             f"prompt {args.prompt_len}; times in ms (median of {args.repeats}). tokens/s assumes tau={tau} for "
+             f"ddtree, 1 for ar.", "",
+             "| batch | method | nodes | drafter | tree build | verify | accept | compaction | step | "
+             "build+accept+compact share | tokens/s at tau |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = 1.0 if r["method"] == "ar" else tau
+        lines.append(f"| {r['batch']} | {r['method']}{'' if r['budget'] is None else r['budget']} | {r['nodes']} | "
+                     f"{ms(r, 'draft_s')} | {ms(r, 'tree_build_s')} | {ms(r, 'verify_s')} | {ms(r, 'accept_s')} | "
+                     f"{ms(r, 'compaction_s')} | {ms(r, 'step_s')} | "
+                     f"{100 * r['overhead_share']:.1f}% |" if "overhead_share" in r else
+                     f"| {r['batch']} | {r['method']} | {r['nodes']} | - | - | {ms(r, 'verify_s')} | - | - | "
+                     f"{ms(r, 'step_s')} | - |")
+        lines[-1] += f" {r['batch'] * t / r['step_s']:.0f} |"
+    with open(os.path.join(args.out, f"ddtree_e2e_{args.kernels}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
