@@ -37,9 +37,8 @@ def _load(args):
     import jax
 
     import kdtree_jax as kj
-    from kdtree_jax.tokenizer import ByteTokenizer
-
     from kdtree_jax import builtin
+    from kdtree_jax.tokenizer import ByteTokenizer
 
     if args.model is not None:
         model = builtin.load_builtin() if args.model == "builtin" else kj.load(args.model)

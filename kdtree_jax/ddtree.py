@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .drafter import Drafter, DraftCache, OracleDrafter, append_context, draft, init_draft_cache
+from .drafter import DraftCache, Drafter, OracleDrafter, append_context, draft, init_draft_cache
 from .generate import _commit, choose, finish, prepare, run_compiled
 from .kernels import tree_accept, tree_build
 from .model import KVCache, Params, init_cache, prefill, pytree_dataclass, step

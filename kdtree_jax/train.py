@@ -31,12 +31,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .builtin import from_shipping, load_npz, save_npz, to_shipping
 from .config import ModelConfig
 from .configs import TINY_BOS, TINY_EOS, TINY_MASK
 from .drafter import Drafter, append_context, draft, init_draft_cache, init_drafter
-from .model import (MoE, Params, _forward_jit, _logits, abstract_params, embed, init_params, mla, moe_experts_dense,
-                    rms_norm, rope_tables, route, swiglu)
-from .builtin import from_shipping, load_npz, save_npz, to_shipping
+from .model import (
+    MoE,
+    Params,
+    _forward_jit,
+    _logits,
+    abstract_params,
+    embed,
+    init_params,
+    mla,
+    moe_experts_dense,
+    rms_norm,
+    rope_tables,
+    route,
+    swiglu,
+)
 from .quant import quantize_int4
 
 HELDOUT_PERCENT = 10
@@ -341,7 +354,8 @@ def main(argv=None) -> int:
         qparams = from_shipping(to_shipping(qparams), jnp.float32)  # exactly the weights the package ships
     log(f"held-out loss with INT4 experts and bf16 weights (as shipped): {heldout_loss(qparams, qcfg, held):.4f} "
         f"nats/byte")
-    drafter = distill_drafter(qparams, dataclasses.replace(qcfg, kernels="dense"), train, num_layers=args.drafter_layers, block_size=args.block_size,
+    drafter = distill_drafter(qparams, dataclasses.replace(qcfg, kernels="dense"), train,
+                              num_layers=args.drafter_layers, block_size=args.block_size,
                               prompts=args.prompts if not args.small else 64, prompt_len=128,
                               new_tokens=64, steps=args.drafter_steps, batch=32, anchors=16, peak_lr=2e-3,
                               gamma=7.0, seed=args.seed, log=log)

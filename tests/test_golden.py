@@ -2,13 +2,12 @@
 
 import numpy as np
 import pytest
+from conftest import rel_err
+from hf_models import VARIANTS, build_hf_model, hf_layer_outputs, save_hf_model
 from safetensors.numpy import load_file
 
 import kdtree_jax as kj
 from kdtree_jax.hf import params_from_hf
-
-from conftest import rel_err
-from hf_models import VARIANTS, build_hf_model, hf_layer_outputs, save_hf_model
 
 pytest.importorskip("transformers")
 

@@ -6,12 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import rel_err
 
 import kdtree_jax as kj
 from kdtree_jax.model import KVCache, init_cache, prefill, step
 from kdtree_jax.quant import Int4Array, pack_int4, quantize_int4, unpack_int4
-
-from conftest import rel_err
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,10 @@
 import jax
 import numpy as np
 import pytest
+from conftest import rel_err
 
 import kdtree_jax as kj
 from kdtree_jax.sharding import ShardingError, current_mesh, param_shardings
-
-from conftest import rel_err
 
 MESHES = [dict(tp=8), dict(tp=2, ep=4), dict(ep=8), dict(dp=2, ep=2, tp=2)]
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
