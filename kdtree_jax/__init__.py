@@ -9,7 +9,8 @@ from .model import KVCache, Params, decode_step, forward, init_cache, init_param
 from .drafter import Drafter, OracleDrafter, init_drafter
 from .generate import GenerateOutput, generate
 from .sharding import make_mesh, shard_params
+from .checkpoint import Model, load
 
 __all__ = ["ConfigError", "Drafter", "OracleDrafter", "init_drafter", "GenerateOutput", "KVCache", "ModelConfig", "Params", "configs", "decode_step",
-           "forward", "generate", "init_cache", "init_params", "make_mesh", "prefill", "shard_params"]
+           "forward", "generate", "init_cache", "init_params", "make_mesh", "prefill", "shard_params", "Model", "load"]
 __version__ = "0.1.0"

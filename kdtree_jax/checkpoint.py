@@ -1,0 +1,292 @@
+"""This project's checkpoint on disk (what `kdtree-convert` writes) and `load`, which restores it onto a mesh.
+
+A checkpoint is a directory:
+
+    config.json        ModelConfig.to_dict()
+    manifest.json      what it was converted from: source files and sizes, tensor count, format, skipped tensors
+    params/top         item: embed [V, D], final_norm [D], lm_head [D, V]
+    params/layer_000   item: decoder layer 0, unstacked (the fields of model.Layer as nested dicts)
+    ...                one item per decoder layer
+    tiktoken.model, tokenizer_config.json   the tokenizer files, when the source had them
+
+An item is a directory of orbax checkpoints `part_000`, `part_001`, ... that together hold its arrays: the arrays
+are written in parts of about PART_BYTES (a larger array alone), each freed once written, because orbax buffers
+about half of what one save writes. Layers are stored one item each so that the converter streams (one layer in
+memory) and resumes per layer; `load` restores each layer straight into its sharding and writes it into the
+stacked arrays of `model.Params` in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from orbax.checkpoint import type_handlers
+
+from .config import ModelConfig
+from .hf import CheckpointError
+from .model import Params, abstract_params, param_info
+from .tokenizer import load_tokenizer
+
+FORMAT = "kdtree-jax-checkpoint"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+MANIFEST_FILE = "manifest.json"
+PARAMS_DIR = "params"
+TOP_ITEM = "top"
+TOP_FIELDS = ("embed", "final_norm", "lm_head")
+
+# Orbax write settings: uncompressed (weights do not compress), chunks of at most 64 MiB in OCDBT data files of
+# 256 MiB, and routed experts stored one expert per chunk, so that a device restoring its experts (split over
+# the "ep" mesh axis) reads just those.
+CHUNK_BYTES = 64 << 20
+OCDBT_FILE_BYTES = 256 << 20
+PART_BYTES = 1 << 30
+PART_PREFIX = "part_"
+
+
+def layer_item(i: int) -> str:
+    """The item name of decoder layer i."""
+    return f"layer_{i:03d}"
+
+
+def item_names(cfg: ModelConfig) -> list[str]:
+    return [TOP_ITEM] + [layer_item(i) for i in range(cfg.num_hidden_layers)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pytrees <-> the nested dicts orbax stores
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _key_name(k) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    raise TypeError(f"unexpected pytree key {k!r}")
+
+
+Path = tuple[str, ...]
+
+
+def flatten(tree) -> dict[Path, Any]:
+    """{path of field names: leaf} of a pytree (a Layer, an Int4Array, nested dicts)."""
+    return {tuple(_key_name(k) for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def nest(flat: dict[Path, Any]) -> dict:
+    """Nested dicts from {path: leaf}, the form orbax stores."""
+    out: dict = {}
+    for path, leaf in flat.items():
+        d = out
+        for k in path[:-1]:
+            d = d.setdefault(k, {})
+        d[path[-1]] = leaf
+    return out
+
+
+def from_flat(flat: dict[Path, Any], like):
+    """The leaves of `flat`, arranged in the structure of `like` (whose paths are the keys)."""
+    return jax.tree.unflatten(jax.tree.structure(like), [flat[p] for p in flatten(like)])
+
+
+def unstacked(stack):
+    """ShapeDtypeStructs of one layer of a stacked Layer (drop the leading layer axis)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack)
+
+
+def layer_struct(cfg: ModelConfig, i: int):
+    """ShapeDtypeStructs of decoder layer i as stored (a Layer pytree)."""
+    params = abstract_params(cfg)
+    return unstacked(params.dense_layers if i < cfg.num_dense_layers else params.moe_layers)
+
+
+def top_struct(cfg: ModelConfig) -> dict:
+    params = abstract_params(cfg)
+    return {k: getattr(params, k) for k in TOP_FIELDS}
+
+
+def _expert_arrays(cfg: ModelConfig, item: str) -> set[tuple[str, ...]]:
+    """Paths (in the item's nested dict) of the arrays whose first axis is the routed experts (from model.param_info;
+    an INT4 weight's path is the prefix of its packed and scale arrays)."""
+    info = param_info(cfg)
+    if item == TOP_ITEM:
+        return set()
+    stack = info.dense_layers if int(item.removeprefix("layer_")) < cfg.num_dense_layers else info.moe_layers
+    return {p for p, a in flatten(stack).items() if a.axes[1:2] == ("experts",)}
+
+
+def check_arrays(what: str, found: dict[Path, Any], expected: dict[Path, Any]) -> None:
+    """Raise CheckpointError naming the array when `found` ({path: anything with .shape and .dtype}) lacks an
+    array of `expected`, has one more, or has one of another shape or dtype."""
+    f, e = ({".".join(p): x for p, x in t.items()} for t in (found, expected))
+    for name in sorted(e.keys() - f.keys()):
+        raise CheckpointError(f"{what}: array {name!r} is missing")
+    for name in sorted(f.keys() - e.keys()):
+        raise CheckpointError(f"{what}: unexpected array {name!r}")
+    for name, want in e.items():
+        got = f[name]
+        if tuple(got.shape) != tuple(want.shape) or np.dtype(got.dtype) != np.dtype(want.dtype):
+            raise CheckpointError(f"{what}: array {name!r} has shape {tuple(got.shape)} {np.dtype(got.dtype)}, "
+                                  f"expected {tuple(want.shape)} {np.dtype(want.dtype)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing (used by kdtree_jax.convert)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _writer() -> ocp.Checkpointer:
+    # numpy arrays are written as they are, without orbax's defensive deep copy (the converter does not touch
+    # them while they are written): the copy would double the converter's peak memory.
+    registry = type_handlers.create_type_handler_registry(
+        (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, type_handlers.get_type_handler(jax.Array)))
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=registry))
+
+
+def _parts(flat: dict[Path, np.ndarray]) -> list[list[Path]]:
+    """The paths grouped, in order, into parts of at most PART_BYTES (an array larger than that alone)."""
+    parts: list[list[Path]] = [[]]
+    size = 0
+    for path, a in flat.items():
+        if parts[-1] and size + a.nbytes > PART_BYTES:
+            parts.append([])
+            size = 0
+        parts[-1].append(path)
+        size += a.nbytes
+    return parts
+
+
+def save_item(directory: str | os.PathLike, flat: dict[Path, np.ndarray], cfg: ModelConfig, item: str) -> None:
+    """Write one item ({path: numpy array}) as orbax checkpoints directory/part_000, ..., synchronously.
+
+    The arrays are written part by part and popped from `flat` once written: when `flat` holds the only
+    references, memory shrinks while the item is written. Orbax writes each part into a temporary directory and
+    renames it into place when complete.
+    """
+    experts = _expert_arrays(cfg, item)
+    os.makedirs(directory, exist_ok=True)
+    for k, paths in enumerate(_parts(flat)):
+        part = {p: flat.pop(p) for p in paths}
+        save_args = {p: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES,
+                                     shard_axes=(0,) if p in experts or p[:-1] in experts else ()) for p in paths}
+        _writer().save(os.path.join(directory, f"{PART_PREFIX}{k:03d}"),
+                       args=ocp.args.PyTreeSave(nest(part), save_args=nest(save_args),
+                                                ocdbt_target_data_file_size=OCDBT_FILE_BYTES))
+        del part
+
+
+def _part_dirs(directory: str) -> list[str]:
+    """The finished parts of an item (orbax renames a part into place when it is complete)."""
+    if not os.path.isdir(directory):
+        return []
+    return [os.path.join(directory, d) for d in sorted(os.listdir(directory))
+            if d.startswith(PART_PREFIX) and os.path.exists(os.path.join(directory, d, "_CHECKPOINT_METADATA"))]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A loaded checkpoint: config, weights (on the mesh when one was given), drafter, tokenizer and manifest."""
+
+    cfg: ModelConfig
+    params: Params
+    drafter: Any  # the DFlash drafter's weights; None until drafter conversion exists
+    tokenizer: Any  # TiktokenTokenizer, or ByteTokenizer when the checkpoint has no tokenizer files
+    manifest: dict
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None) -> Model:
+    """Load a checkpoint written by `kdtree-convert`.
+
+    Every array is checked against `model.abstract_params(cfg)` (shape and dtype) before it is read. With a mesh,
+    each array is restored straight into its sharding (`kdtree_jax.sharding.param_shardings`): every device
+    reads only its shard, and the stacked layer arrays are filled one layer at a time in place, so no device
+    ever holds a full copy. Without a mesh, everything goes to the first device.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(os.path.join(path, MANIFEST_FILE)):
+        raise CheckpointError(f"{path} is not a kdtree-jax checkpoint (no {MANIFEST_FILE}); "
+                              "convert a Hugging Face checkpoint with kdtree-convert")
+    manifest = read_json(os.path.join(path, MANIFEST_FILE))
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: unsupported checkpoint format {manifest.get('format')!r} version "
+                              f"{manifest.get('format_version')!r} (this is {FORMAT} {FORMAT_VERSION})")
+    cfg = ModelConfig.from_dict(read_json(os.path.join(path, CONFIG_FILE)))
+    abstract = abstract_params(cfg)
+    if mesh is None:
+        device = SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, abstract)
+    else:
+        from .sharding import param_shardings
+
+        shardings = param_shardings(cfg, mesh)
+    params_dir = os.path.join(path, PARAMS_DIR)
+    top = _restore(os.path.join(params_dir, TOP_ITEM), TOP_ITEM, {k: getattr(abstract, k) for k in TOP_FIELDS},
+                   {k: getattr(shardings, k) for k in TOP_FIELDS})
+    nd = cfg.num_dense_layers
+    dense = _restore_stack(params_dir, range(nd), abstract.dense_layers, shardings.dense_layers)
+    moe = _restore_stack(params_dir, range(nd, cfg.num_hidden_layers), abstract.moe_layers, shardings.moe_layers)
+    params = Params(dense_layers=dense, moe_layers=moe, **top)
+    return Model(cfg=cfg, params=params, drafter=None, tokenizer=load_tokenizer(path), manifest=manifest)
+
+
+def _restore(directory: str, what: str, expected, shardings):
+    """Restore one item into `shardings` after checking its arrays against `expected` (same structure)."""
+    parts = _part_dirs(directory)
+    if not parts:
+        raise CheckpointError(f"{what}: item {directory} is missing or incomplete")
+    reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    stored = [flatten(reader.metadata(p).item_metadata.tree) for p in parts]
+    check_arrays(what, {k: v for part in stored for k, v in part.items()}, flatten(expected))
+    want, where = flatten(expected), flatten(shardings)
+    out = {}
+    for part, paths in zip(parts, stored):
+        args = {p: ocp.ArrayRestoreArgs(sharding=where[p], global_shape=want[p].shape, dtype=want[p].dtype)
+                for p in paths}
+        out.update(flatten(reader.restore(part, args=ocp.args.PyTreeRestore(restore_args=nest(args)))))
+    return from_flat(out, expected)
+
+
+def _layer_sharding(s):
+    """The sharding of one layer of a stacked array with sharding s (the leading layer axis dropped)."""
+    if isinstance(s, NamedSharding):
+        return NamedSharding(s.mesh, PartitionSpec(*s.spec[1:]))
+    return s
+
+
+def _write_layer(stacked, layer, j):
+    """stacked with layer j replaced by `layer` (jitted with stacked donated: updated in place)."""
+    return jax.tree.map(lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x, j, 0), stacked, layer)
+
+
+def _restore_stack(params_dir: str, layers: range, abstract, shardings):
+    """The stacked Layer of `layers`: allocated sharded, then each restored layer written in place (donated)."""
+    if abstract is None:
+        return None
+    stacked = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
+                      out_shardings=shardings)()
+    write = jax.jit(_write_layer, donate_argnums=0, out_shardings=shardings)
+    one, one_sharding = unstacked(abstract), jax.tree.map(_layer_sharding, shardings)
+    for j, i in enumerate(layers):
+        layer = _restore(os.path.join(params_dir, layer_item(i)), layer_item(i), one, one_sharding)
+        stacked = write(stacked, layer, jnp.int32(j))
+        del layer
+    return stacked

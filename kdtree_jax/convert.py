@@ -1,0 +1,647 @@
+"""`kdtree-convert`: a Hugging Face Kimi K2.x / DeepSeek-V3 checkpoint -> this project's orbax checkpoint.
+
+Sources (../shared/reference/k2_arch.md §1, §3):
+  - bf16 / fp32 / fp16 weights, as `save_pretrained` writes them;
+  - FP8 e4m3 weights with fp32 `weight_scale_inv` per 128x128 block (Kimi-K2-Instruct, DeepSeek-V3), dequantized;
+  - compressed-tensors `pack-quantized` INT4 routed experts (K2-Thinking, K2.5, K2.6): kept bit-exactly with
+    `--experts int4` (never dequantized and requantized), dequantized with `--experts bf16`;
+  - the `language_model.` prefix of the K2.5 / K2.6 multimodal wrapper; `vision_tower.*`, `mm_projector.*` and other
+    non-language-model tensors, stale `rotary_emb.inv_freq` buffers and multi-token-prediction layers are skipped
+    and listed in the manifest.
+One `model.safetensors.index.json` with its shards, or the `*.safetensors` files of the directory, are read with
+a small header parser and positioned reads (no mmap, no torch): resident memory stays about one layer of the
+source. The tensor-name mapping is `kdtree_jax.hf`; the output layout is `kdtree_jax.checkpoint`.
+
+Work goes to a hidden sibling directory `.OUT_DIR.partial` that is renamed to OUT_DIR only when complete. Each
+item (the embedding/head, then one item per decoder layer) is recorded when written: a killed conversion resumes
+on rerun from the last finished item, and gives the same checkpoint as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from collections import Counter
+
+import jax
+import ml_dtypes
+import numpy as np
+from tqdm import tqdm
+
+from . import checkpoint as ckpt
+from .config import ConfigError, ModelConfig
+from .hf import CheckpointError, layer_from_hf, top_from_hf
+from .model import abstract_params
+from .tokenizer import TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE, load_tokenizer
+
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = (TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "chat_template.jinja")
+LM_PREFIX = "language_model."
+MAX_HEADER_BYTES = 100 << 20  # safetensors caps its JSON header at 100 MB
+# Test hook: SIGKILL the conversion right after it has written this many items (before recording the last one),
+# so that tests can check resuming from the worst moment. Unset in normal use.
+KILL_AFTER_ENV = "KDTREE_CONVERT_KILL_AFTER"
+
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+          "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
+          "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+FP8 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+
+LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# safetensors files: headers parsed here, tensors read with positioned reads into fresh numpy arrays
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """Where one tensor lies: its file, dtype, shape and absolute byte range."""
+
+    file: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def read_header(path: str) -> dict[str, Tensor]:
+    """The tensors of one safetensors file, with a CheckpointError for anything that is not a valid header."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: corrupt safetensors file ({size} bytes, shorter than its header length)")
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            raise CheckpointError(f"{path}: corrupt safetensors header (header length {n} but the file has {size} "
+                                  "bytes)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise TypeError("not a JSON object")
+    except (UnicodeDecodeError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    base, out = 8 + n, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}: {info!r}") from None
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+        dt = np.dtype(DTYPES[dtype])
+        if (not 0 <= begin <= end or base + end > size or end - begin != math.prod(shape) * dt.itemsize
+                or min(shape, default=0) < 0):
+            raise CheckpointError(f"{path}: corrupt safetensors header: tensor {name!r} {dtype}{list(shape)} has "
+                                  f"byte range [{begin}, {end}) in a data section of {size - base} bytes")
+        out[name] = Tensor(path, dt, shape, base + begin, end - begin)
+    return out
+
+
+def read_tensor(t: Tensor, fd: int) -> np.ndarray:
+    """Read tensor t from the open file descriptor fd into a new array."""
+    a = np.empty(t.shape, t.dtype)
+    buf, pos = memoryview(a.reshape(-1).view(np.uint8)), t.offset
+    while len(buf):
+        n = os.preadv(fd, [buf], pos)
+        if n == 0:
+            raise CheckpointError(f"{t.file}: file ends inside a tensor (truncated?)")
+        buf, pos = buf[n:], pos + n
+    return a
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The source checkpoint
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """What config.json's quantization_config says: method "none", "fp8" (block-scaled) or "int4"."""
+
+    method: str = "none"
+    group_size: int | None = None  # int4: the group along the input dimension
+    block: tuple[int, int] = (128, 128)  # fp8: weight_scale_inv block [out, in]
+
+
+def parse_quantization(q: dict | None) -> Quantization:
+    """Quantization from a quantization_config dict; CheckpointError for a method or scheme we do not read."""
+    if not q:
+        return Quantization()
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise CheckpointError(f"unsupported fp8 format {q.get('fmt')!r} (only e4m3)")
+        block = tuple(q.get("weight_block_size") or (128, 128))
+        if len(block) != 2:
+            raise CheckpointError(f"unsupported fp8 weight_block_size {block!r} (need [out, in])")
+        return Quantization("fp8", block=(int(block[0]), int(block[1])))
+    if method == "compressed-tensors":
+        if q.get("format") != "pack-quantized":
+            raise CheckpointError(f"unsupported compressed-tensors format {q.get('format')!r} (only pack-quantized)")
+        groups = {json.dumps(g.get("weights"), sort_keys=True) for g in (q.get("config_groups") or {}).values()}
+        if len(groups) != 1:
+            raise CheckpointError(f"compressed-tensors: expected one weight scheme, found {len(groups)}")
+        w = json.loads(groups.pop()) or {}
+        want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
+        bad = {k: w.get(k) for k, v in want.items() if w.get(k) != v}
+        if bad or not w.get("group_size"):
+            raise CheckpointError(f"unsupported compressed-tensors weight scheme {bad or w} (only 4-bit symmetric "
+                                  "int with a group_size)")
+        return Quantization("int4", group_size=int(w["group_size"]))
+    raise CheckpointError(f"unknown quantization method {method!r} in config.json quantization_config (supported: "
+                          "fp8 block-scaled e4m3, compressed-tensors pack-quantized int4)")
+
+
+class Source:
+    """A Hugging Face checkpoint directory, read lazily: config, tensor headers, the language-model view.
+
+    `tensors` maps every language-model tensor name, without the `language_model.` prefix, to where it lies;
+    `skipped` maps each skipped tensor (source name) to the reason.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.dir = os.path.abspath(path)
+        if not os.path.isdir(self.dir):
+            raise CheckpointError(f"{self.dir} is not a directory")
+        config_path = os.path.join(self.dir, "config.json")
+        if not os.path.exists(config_path):
+            raise ConfigError(f"no config.json in {self.dir}")
+        self.config = ckpt.read_json(config_path)
+        text = self.config.get("text_config", self.config)
+        self.quant = parse_quantization(text.get("quantization_config") or self.config.get("quantization_config"))
+        self.files = self._find_files()
+        everything = self._read_headers()
+        self.num_tensors = len(everything)
+        self.prefix = LM_PREFIX if any(n.startswith(LM_PREFIX) for n in everything) else ""
+        # DeepSeek-V3's multi-token-prediction modules are extra layers after the last one, with an eh_proj
+        n, n_mtp = text.get("num_hidden_layers") or 0, text.get("num_nextn_predict_layers") or 0
+        mtp = {f"model.layers.{i}." for i in range(n, n + n_mtp) if f"{self.prefix}model.layers.{i}.eh_proj.weight"
+               in everything}
+        self.tensors: dict[str, Tensor] = {}
+        self.skipped: dict[str, str] = {}
+        for name, t in everything.items():
+            lm = name[len(self.prefix):]
+            m = LAYER_RE.fullmatch(lm)
+            if not name.startswith(self.prefix) or not lm.startswith(("model.", "lm_head.")):
+                self.skipped[name] = "not part of the language model"
+            elif lm.endswith("rotary_emb.inv_freq"):
+                self.skipped[name] = "stale rotary_emb.inv_freq buffer"
+            elif m and f"model.layers.{m[1]}." in mtp:
+                self.skipped[name] = "multi-token-prediction layer"
+            else:
+                self.tensors[lm] = t
+
+    def _find_files(self) -> list[str]:
+        index = os.path.join(self.dir, INDEX_FILE)
+        if os.path.exists(index):
+            try:
+                weight_map = ckpt.read_json(index)["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            self._weight_map = weight_map
+            files = sorted(set(weight_map.values()))
+            for f in files:
+                if not os.path.exists(os.path.join(self.dir, f)):
+                    raise CheckpointError(f"shard {f} listed in {INDEX_FILE} is missing from {self.dir}")
+            return files
+        self._weight_map = None
+        files = sorted(f for f in os.listdir(self.dir) if f.endswith(".safetensors"))
+        if not files:
+            raise CheckpointError(f"no .safetensors files in {self.dir}")
+        return files
+
+    def _read_headers(self) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for f in self.files:
+            for name, t in read_header(os.path.join(self.dir, f)).items():
+                if name in out:
+                    raise CheckpointError(f"tensor {name!r} is in both {os.path.basename(out[name].file)} and {f}")
+                out[name] = t
+        if self._weight_map is not None:
+            for name, f in self._weight_map.items():
+                if name not in out or os.path.basename(out[name].file) != f:
+                    raise CheckpointError(f"missing tensor {name!r}: {INDEX_FILE} maps it to {f}, which does not "
+                                          "hold it")
+        return out
+
+    def source_name(self, name: str) -> str:
+        return self.prefix + name
+
+    @property
+    def has_int4_experts(self) -> bool:
+        return any(n.endswith(".weight_packed") for n in self.tensors)
+
+    @property
+    def format(self) -> str:
+        if self.quant.method == "int4" or self.has_int4_experts:
+            return "int4 compressed-tensors"
+        if self.quant.method == "fp8" or any(t.dtype in FP8 for t in self.tensors.values()):
+            return "fp8 block-scaled"
+        by_bytes = Counter()
+        for t in self.tensors.values():
+            by_bytes[t.dtype.name] += t.nbytes
+        return by_bytes.most_common(1)[0][0] if by_bytes else "empty"
+
+    def item_tensors(self, cfg: ModelConfig) -> dict[str, list[str]]:
+        """The language-model tensor names each output item reads from (by name: model.layers.i.* for layer i)."""
+        items: dict[str, list[str]] = {name: [] for name in ckpt.item_names(cfg)}
+        for name in self.tensors:
+            m = LAYER_RE.fullmatch(name)
+            item = ckpt.layer_item(int(m[1])) if m else ckpt.TOP_ITEM
+            items.setdefault(item, []).append(name)
+        return items
+
+
+def check_structure(src: Source, cfg: ModelConfig) -> None:
+    """Check the source against the config from the headers alone, before any tensor is read: the embedding's
+    shape, the layer count, the routed experts of each layer, and that the layers of each kind (dense, MoE) hold
+    the same tensor names with the same shapes. Exact shapes are checked per tensor as layers are converted."""
+    embed = src.tensors.get("model.embed_tokens.weight")
+    if embed is None:
+        raise CheckpointError(f"missing tensor {src.source_name('model.embed_tokens.weight')!r}")
+    if embed.shape != (cfg.vocab_size, cfg.hidden_size):
+        raise ConfigError(f"config.json (vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}) does not match "
+                          f"the tensors: {src.source_name('model.embed_tokens.weight')} is {list(embed.shape)}")
+    layers: dict[int, dict[str, Tensor]] = {}
+    for name, t in src.tensors.items():
+        m = LAYER_RE.fullmatch(name)
+        if m:
+            layers.setdefault(int(m[1]), {})[m[2]] = t
+    n = cfg.num_hidden_layers
+    if missing := [i for i in range(n) if i not in layers]:
+        raise ConfigError(f"config.json says num_hidden_layers={n}, but the checkpoint has no tensors for layer(s) "
+                          f"{_ids(missing)}")
+    if extra := sorted(i for i in layers if i >= n):
+        raise ConfigError(f"the checkpoint has tensors for layer(s) {_ids(extra)}, beyond config.json's "
+                          f"num_hidden_layers={n} (and not multi-token-prediction layers)")
+    for i, names in layers.items():
+        experts = sorted({int(m[1]) for s in names if (m := EXPERT_RE.match(s))})
+        if i < cfg.num_dense_layers and experts:
+            raise ConfigError(f"config.json says first_k_dense_replace={cfg.first_k_dense_replace}, but layer {i} "
+                              f"has routed experts")
+        if i >= cfg.num_dense_layers and experts != list(range(cfg.n_routed_experts)):
+            raise ConfigError(f"config.json says n_routed_experts={cfg.n_routed_experts} and first_k_dense_replace="
+                              f"{cfg.first_k_dense_replace}, but layer {i} has routed experts {_ids(experts)}")
+    for kind, ids in (("dense", range(cfg.num_dense_layers)), ("MoE", range(cfg.num_dense_layers, n))):
+        union = set().union(*(layers[i] for i in ids)) if ids else set()
+        for i in ids:
+            if missing := sorted(union - layers[i].keys()):
+                raise CheckpointError(f"missing tensor {src.source_name(f'model.layers.{i}.{missing[0]}')!r} (the "
+                                      f"other {kind} layers have it)")
+    shapes: dict[str, Counter] = {}
+    for names in layers.values():
+        for s, t in names.items():
+            shapes.setdefault(s, Counter())[t.shape] += 1
+    for i, names in sorted(layers.items()):
+        for s, t in names.items():
+            common, count = shapes[s].most_common(1)[0]
+            if t.shape != common:
+                raise CheckpointError(f"tensor {src.source_name(f'model.layers.{i}.{s}')!r} has shape "
+                                      f"{list(t.shape)}, expected {list(common)} (its shape in {count} other layers)")
+
+
+def _ids(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0..2, 5" (and "none")."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in runs) or "none"
+
+
+class _Reader:
+    """`get` / `has` over a Source for kdtree_jax.hf: reads on demand, dequantizes FP8, counts what it read."""
+
+    def __init__(self, src: Source, bar, tally: Counter):
+        self.src, self.bar, self.tally = src, bar, tally
+        self.fds: dict[str, int] = {}
+        self.read_names: set[str] = set()
+        self.bytes = 0
+        self.seconds = 0.0
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def has(self, name: str) -> bool:
+        return name in self.src.tensors
+
+    def _read(self, name: str) -> np.ndarray:
+        t = self.src.tensors[name]
+        if t.file not in self.fds:
+            self.fds[t.file] = os.open(t.file, os.O_RDONLY)
+        start = time.perf_counter()
+        a = read_tensor(t, self.fds[t.file])
+        self.seconds += time.perf_counter() - start
+        self.read_names.add(name)
+        self.bytes += t.nbytes
+        self.tally["read"] += 1
+        self.bar.update(t.nbytes)
+        self.bar.set_postfix_str(f"{self.tally['read']}/{self.tally['total']} tensors", refresh=False)
+        return a
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.src.tensors:
+            if name.endswith(".weight") and f"{name}_packed" in self.src.tensors:
+                raise CheckpointError(f"tensor {self.src.source_name(name)!r} is INT4-packed, but only routed "
+                                      "experts may be (compressed-tensors ignore list)")
+            raise KeyError(name)
+        a = self._read(name)
+        if a.dtype in FP8:
+            scale_name = f"{name}_scale_inv"
+            if scale_name not in self.src.tensors:
+                raise CheckpointError(f"FP8 tensor {self.src.source_name(name)!r} has no {scale_name!r}")
+            a = dequantize_fp8(a, self._read(scale_name), self.src.quant.block, self.src.source_name(name))
+        return a
+
+
+def prefetch(tensors: list[Tensor]) -> None:
+    """Ask the kernel to start reading these tensors into the page cache (posix_fadvise WILLNEED) and return: the
+    next item's reads then overlap this item's conversion and writes. Page cache is not resident memory."""
+    by_file: dict[str, list[Tensor]] = {}
+    for t in tensors:
+        by_file.setdefault(t.file, []).append(t)
+    for file, ts in by_file.items():
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            for t in ts:
+                os.posix_fadvise(fd, t.offset, t.nbytes, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the OS. glibc keeps what orbax's writer threads free in per-thread arenas; left
+    there, it adds about a layer's worth of resident memory by the second layer. No-op without glibc."""
+    trim = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], name: str) -> np.ndarray:
+    """W [out, in] = fp8 values x the fp32 `weight_scale_inv` of their [block_out, block_in] block (DeepSeek-V3's
+    `weight_dequant`), in fp32."""
+    (o, i), (bo, bi) = w.shape, block
+    want = (-(-o // bo), -(-i // bi))
+    if scale_inv.shape != want:
+        raise CheckpointError(f"tensor {name}_scale_inv has shape {list(scale_inv.shape)}, expected {list(want)} "
+                              f"(blocks of {bo}x{bi} over {list(w.shape)})")
+    s = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0), bi, axis=1)[:o, :i]
+    return w.astype(np.float32) * s
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Conversion
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _write_json(path: str, obj) -> None:
+    """Write JSON atomically (a reader, or a rerun after SIGKILL, sees the old or the new file, never half)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _check_replaceable(out: str) -> None:
+    if os.path.isdir(out) and (not os.listdir(out) or os.path.exists(os.path.join(out, ckpt.MANIFEST_FILE))):
+        return
+    raise CheckpointError(f"refusing to overwrite {out}: it is not an empty directory or a kdtree-jax checkpoint")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, experts: str | None = None,
+            dtype: str = "bfloat16", overwrite: bool = False, dry_run: bool = False, progress: bool = True,
+            log=print) -> dict:
+    """Convert the Hugging Face checkpoint in src_dir into a kdtree-jax checkpoint at out_dir.
+
+    experts: "int4" or "bf16" (dense arrays in `dtype`); default: int4 when the source's experts are INT4, else bf16.
+    dtype: "bfloat16" or "float32", for every weight except the router (fp32) and INT4 experts.
+    With dry_run, check the source from its headers and return the plan without reading tensors or writing.
+    Returns the manifest (dry run: the plan), with a "stats" entry: seconds spent reading, converting, writing.
+    Raises CheckpointError / ConfigError, leaving nothing in out_dir; other failures (a kill, a full disk) keep
+    the partial work next to out_dir for a rerun to resume.
+    """
+    out = os.path.abspath(out_dir)
+    if os.path.lexists(out):
+        if not overwrite:
+            raise CheckpointError(f"{out} already exists (pass --overwrite to replace it)")
+        _check_replaceable(out)
+    src = Source(src_dir)
+    if experts is None:
+        experts = "int4" if src.has_int4_experts else "bf16"
+    cfg = ModelConfig.from_hf(src.config, dtype=dtype, expert_format=experts, group_size=src.quant.group_size or 32)
+    check_structure(src, cfg)
+    items = src.item_tensors(cfg)
+    item_bytes = {k: sum(src.tensors[n].nbytes for n in v) for k, v in items.items()}
+    files = [{"name": f, "bytes": os.path.getsize(os.path.join(src.dir, f))} for f in src.files]
+    manifest = {
+        "format": ckpt.FORMAT, "format_version": ckpt.FORMAT_VERSION,
+        "source": {"dir": src.dir, "format": src.format, "files": files,
+                   "bytes": sum(f["bytes"] for f in files), "tensors": src.num_tensors,
+                   "language_model_tensors": len(src.tensors), "prefix": src.prefix,
+                   "largest_item_bytes": max(item_bytes.values())},
+        "converted": {"experts": experts, "dtype": dtype, "items": list(items),
+                      "bytes": sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize
+                                   for a in jax.tree.leaves(abstract_params(cfg)))},
+        "skipped": dict(sorted(src.skipped.items())),
+    }
+    if dry_run:
+        return manifest
+
+    work = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial")
+    job = {"source": manifest["source"], "converted": manifest["converted"],
+           "mtimes": [os.stat(os.path.join(src.dir, f)).st_mtime_ns for f in src.files]}
+    done = _prepare_work(work, job, log)
+    todo = [k for k in items if k not in done]
+    if done:
+        log(f"resuming {work}: {len(done)} of {len(items)} items already written")
+    kill_after = int(os.environ[KILL_AFTER_ENV]) if os.environ.get(KILL_AFTER_ENV) else None
+    stats = {"read_s": 0.0, "convert_s": 0.0, "write_s": 0.0}
+    start = time.perf_counter()
+    bar = tqdm(total=sum(item_bytes[k] for k in todo), unit="B", unit_scale=True, unit_divisor=1024,
+               desc="kdtree-convert", disable=not progress, mininterval=1.0, dynamic_ncols=True)
+    tally = Counter(total=sum(len(items[k]) for k in todo))
+    if todo:
+        prefetch([src.tensors[n] for n in items[todo[0]]])
+    try:
+        for n_written, item in enumerate(todo, 1):
+            reader = _Reader(src, bar, tally)
+            bar.set_description(f"kdtree-convert {item}")
+            t0 = time.perf_counter()
+            try:
+                if item == ckpt.TOP_ITEM:
+                    arrays, expected = ckpt.flatten(top_from_hf(reader.get, reader.has, cfg)), ckpt.top_struct(cfg)
+                else:
+                    i = int(item.removeprefix("layer_"))
+                    arrays = ckpt.flatten(layer_from_hf(reader.get, reader.has, cfg, i))
+                    expected = ckpt.layer_struct(cfg, i)
+            finally:
+                reader.close()
+            ckpt.check_arrays(item, arrays, ckpt.flatten(expected))
+            if n_written < len(todo):
+                prefetch([src.tensors[n] for n in items[todo[n_written]]])
+            t1 = time.perf_counter()
+            ckpt.save_item(os.path.join(work, ckpt.PARAMS_DIR, item), arrays, cfg, item)  # empties `arrays`
+            release_freed_memory()
+            stats["read_s"] += reader.seconds
+            stats["convert_s"] += t1 - t0 - reader.seconds
+            stats["write_s"] += time.perf_counter() - t1
+            if kill_after == n_written:
+                os.kill(os.getpid(), signal.SIGKILL)
+            done[item] = sorted(reader.read_names)
+            _write_json(os.path.join(work, "progress.json"), done)
+    except (CheckpointError, ConfigError):
+        bar.close()
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    except BaseException:
+        bar.close()
+        log(f"kdtree-convert: stopped; the finished items are kept in {work}: rerun the same command to resume")
+        raise
+    bar.close()
+    read = set().union(*map(set, done.values()))
+    for name in sorted(set(src.tensors) - read):
+        manifest["skipped"][src.source_name(name)] = "not used by the conversion"
+    manifest["skipped"] = dict(sorted(manifest["skipped"].items()))
+    _finish(src, cfg, work, out, manifest)
+    manifest["stats"] = {**stats, "total_s": time.perf_counter() - start}
+    return manifest
+
+
+def _prepare_work(work: str, job: dict, log) -> dict[str, list[str]]:
+    """Create the work directory, or reopen one of the same job: {finished item: tensor names it read}."""
+    job_file, progress_file = os.path.join(work, "job.json"), os.path.join(work, "progress.json")
+    if os.path.lexists(work):
+        if not os.path.exists(job_file):
+            raise CheckpointError(f"{work} exists but is not a kdtree-convert work directory: remove it")
+        if ckpt.read_json(job_file) == json.loads(json.dumps(job)):
+            done = ckpt.read_json(progress_file) if os.path.exists(progress_file) else {}
+            params = os.path.join(work, ckpt.PARAMS_DIR)
+            for entry in os.listdir(params):  # items written but not recorded, and orbax's temporary directories
+                if entry not in done:
+                    shutil.rmtree(os.path.join(params, entry))
+            return done
+        log(f"discarding {work}: a partial conversion of another source or with other options")
+        shutil.rmtree(work)
+    os.makedirs(os.path.join(work, ckpt.PARAMS_DIR))
+    _write_json(job_file, job)
+    return {}
+
+
+def _finish(src: Source, cfg: ModelConfig, work: str, out: str, manifest: dict) -> None:
+    """Add config, manifest and tokenizer files to the work directory, then move it to out."""
+    copied = []
+    for f in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(src.dir, f)):
+            shutil.copyfile(os.path.join(src.dir, f), os.path.join(work, f))
+            copied.append(f)
+    try:
+        load_tokenizer(work)
+    except (OSError, ValueError) as e:
+        shutil.rmtree(work, ignore_errors=True)
+        raise CheckpointError(f"tokenizer files of {src.dir} do not load: {e}") from None
+    manifest["tokenizer_files"] = copied
+    _write_json(os.path.join(work, ckpt.CONFIG_FILE), cfg.to_dict())
+    _write_json(os.path.join(work, ckpt.MANIFEST_FILE), manifest)
+    os.remove(os.path.join(work, "progress.json"))
+    os.remove(os.path.join(work, "job.json"))
+    if os.path.lexists(out):
+        old = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+        os.rename(work, out)
+        shutil.rmtree(old)
+    else:
+        os.rename(work, out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kdtree-convert",
+        description="Convert a Hugging Face Kimi K2 / K2.5 / K2.6 or DeepSeek-V3 checkpoint (bf16/fp32, FP8 "
+                    "block-scaled, or compressed-tensors INT4; `language_model.` prefix handled) into a kdtree-jax "
+                    "checkpoint for kdtree_jax.load. Streams one layer at a time; a killed conversion resumes when "
+                    "rerun with the same arguments.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  kdtree-convert /models/Kimi-K2.6 /ckpt/k2.6                  # INT4 experts kept bit-exact\n"
+               "  kdtree-convert /models/Kimi-K2-Instruct /ckpt/k2 --experts int4   # FP8 -> INT4 experts\n"
+               "  kdtree-convert /models/Kimi-K2.6 /ckpt/k2.6 --dry-run        # check and print the plan\n")
+    p.add_argument("src_dir", metavar="SRC_DIR", help="Hugging Face checkpoint directory (config.json, *.safetensors "
+                                                      "or model.safetensors.index.json, tokenizer files)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="output directory; created only when the conversion completes")
+    p.add_argument("--drafter", metavar="DIR", help="a DFlash drafter checkpoint to convert along (not implemented yet)")
+    p.add_argument("--experts", choices=("int4", "bf16"), default=None,
+                   help="routed experts: int4 (compressed-tensors group-32 values, repacked bit-exactly from INT4 "
+                        "sources, quantized from float ones) or bf16 (dense, in --dtype). Default: int4 for INT4 "
+                        "sources, bf16 otherwise")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="dtype of the other weights (the router stays fp32). Default: bfloat16")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the source against its config from the safetensors headers and print the plan; "
+                        "reads no tensor data and writes nothing")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is a kdtree-jax checkpoint")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.drafter is not None:
+        _parser().error("--drafter: drafter conversion is not implemented yet (the DFlash drafter module has no "
+                        "checkpoint format); convert the target model without --drafter")
+    log = lambda msg: print(msg, file=sys.stderr)
+    try:
+        m = convert(args.src_dir, args.out_dir, experts=args.experts, dtype=args.dtype, overwrite=args.overwrite,
+                    dry_run=args.dry_run, log=log)
+    except (CheckpointError, ConfigError) as e:
+        print(f"kdtree-convert: error: {e}", file=sys.stderr)
+        return 1
+    s, c = m["source"], m["converted"]
+    reasons = Counter(m["skipped"].values())
+    skipped = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())) or "none"
+    print(f"source   {s['dir']}: {s['format']}, {len(s['files'])} file(s), {_gb(s['bytes'])}, {s['tensors']} "
+          f"tensors; largest item {_gb(s['largest_item_bytes'])}")
+    print(f"output   {os.path.abspath(args.out_dir)}: {len(c['items'])} items, experts {c['experts']}, dtype "
+          f"{c['dtype']}, {_gb(c['bytes'])}")
+    print(f"skipped  {skipped}")
+    if args.dry_run:
+        print("dry run: the source is consistent with its config.json; nothing was written")
+        return 0
+    st = m["stats"]
+    print(f"done in {st['total_s']:.1f} s ({s['bytes'] / 1e9 / st['total_s']:.2f} GB/s): read {st['read_s']:.1f} s, "
+          f"convert {st['convert_s']:.1f} s, write {st['write_s']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""kdtree-convert and kdtree_jax.load: every source format against transformers, resuming, sharded loading, errors.
+
+Each source is a tiny random DeepseekV3 model saved by transformers and rewritten by ckpt_formats. Converted
+checkpoints are loaded with kdtree_jax.load and their logits compared with transformers' (or, for quantized
+sources, with transformers on the weights the quantized checkpoint decodes to).
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import kdtree_jax as kj
+from kdtree_jax.checkpoint import Model
+from kdtree_jax.config import ConfigError
+from kdtree_jax.convert import KILL_AFTER_ENV, convert, main
+from kdtree_jax.hf import CheckpointError
+from kdtree_jax.quant import Int4Array, unpack_int4
+from kdtree_jax.tokenizer import ByteTokenizer, TiktokenTokenizer
+
+import ckpt_formats as cf
+from conftest import rel_err
+from hf_models import build_hf_model, hf_layer_outputs, save_hf_model
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+TOKENS = np.random.default_rng(0).integers(0, 256, size=(2, 24))
+
+
+def quiet_convert(src, out, **kw):
+    return convert(src, out, progress=False, log=lambda msg: None, **kw)
+
+
+def hf_logits(model_or_dir) -> np.ndarray:
+    model = model_or_dir
+    if isinstance(model_or_dir, str):
+        model = transformers.DeepseekV3ForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32,
+                                                                   attn_implementation="eager").eval()
+    return hf_layer_outputs(model, TOKENS)[0]
+
+
+def logits(m: Model) -> np.ndarray:
+    return np.asarray(kj.forward(m.params, m.cfg, TOKENS))
+
+
+def leaves(m: Model) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(m.params)]
+
+
+def assert_same_params(a: Model, b: Model):
+    assert jax.tree.structure(a.params) == jax.tree.structure(b.params)
+    for x, y in zip(leaves(a), leaves(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    """(transformers model, its save_pretrained directory, that directory converted with float32 defaults)."""
+    root = tmp_path_factory.mktemp("fp32")
+    model = build_hf_model("yarn")
+    src = save_hf_model(model, str(root / "hf"))
+    quiet_convert(src, str(root / "out"), dtype="float32")
+    return model, src, str(root / "out")
+
+
+@pytest.fixture(scope="module")
+def int4(tmp_path_factory, fp32):
+    """(INT4 compressed-tensors source, its dequantized reference, the source converted with INT4 experts)."""
+    root = tmp_path_factory.mktemp("int4")
+    src = cf.to_int4(fp32[1], str(root / "hf"), str(root / "ref"))
+    quiet_convert(src, str(root / "out"), dtype="float32")
+    return src, str(root / "ref"), str(root / "out")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Source formats
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_fp32_source_matches_transformers(fp32):
+    model, src, out = fp32
+    m = kj.load(out)
+    assert m.cfg == kj.ModelConfig.from_hf(src, dtype="float32", expert_format="bf16")
+    assert rel_err(logits(m), hf_logits(model)) <= 1e-5
+    assert m.drafter is None and isinstance(m.tokenizer, ByteTokenizer)
+    man = m.manifest
+    n_tensors = len(load_file(os.path.join(src, "model.safetensors")))
+    assert man["source"]["format"] == "float32" and man["source"]["tensors"] == n_tensors
+    assert man["source"]["files"] == [{"name": "model.safetensors",
+                                       "bytes": os.path.getsize(os.path.join(src, "model.safetensors"))}]
+    assert man["skipped"] == {} and man["converted"]["experts"] == "bf16"
+    assert sorted(os.listdir(os.path.join(out, "params"))) == ["layer_000", "layer_001", "layer_002", "top"]
+    assert not [f for f in os.listdir(os.path.dirname(out)) if f.endswith(".partial")]
+
+
+def test_bf16_source_is_copied_bit_exactly(fp32, tmp_path):
+    model = build_hf_model("yarn").to(torch.bfloat16)
+    src = save_hf_model(model, str(tmp_path / "hf"))
+    quiet_convert(src, str(tmp_path / "out"))  # default: dtype bfloat16, experts as the source (bf16)
+    m = kj.load(str(tmp_path / "out"))
+    assert (m.cfg.dtype, m.cfg.expert_format) == ("bfloat16", "bf16")
+    t = load_file(os.path.join(src, "model.safetensors"))
+    np.testing.assert_array_equal(np.asarray(m.params.embed), t["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(np.asarray(m.params.lm_head), t["lm_head.weight"].T)
+    np.testing.assert_array_equal(np.asarray(m.params.moe_layers.mlp.we_down[1, 5]),
+                                  t["model.layers.2.mlp.experts.5.down_proj.weight"])
+    # bf16 activations against transformers in fp32 on the same bf16 weights
+    assert rel_err(logits(m), hf_logits(model.to(torch.float32))) <= 3e-2
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 32)])  # K2's blocks; small ones split both dimensions
+def test_fp8_source_matches_dequantized_transformers(fp32, tmp_path, block):
+    src = cf.to_fp8(fp32[1], str(tmp_path / "hf"), str(tmp_path / "ref"), block)
+    assert any(v.dtype == torch.float8_e4m3fn for v in cf.read(src)[0].values())
+    quiet_convert(src, str(tmp_path / "out"), dtype="float32")
+    m = kj.load(str(tmp_path / "out"))
+    assert m.manifest["source"]["format"] == "fp8 block-scaled" and m.manifest["skipped"] == {}
+    ref = hf_logits(str(tmp_path / "ref"))
+    assert rel_err(logits(m), ref) <= 1e-5
+    assert rel_err(ref, hf_logits(fp32[0])) > 1e-3  # the reference really is the quantized model
+
+
+def test_int4_source_repacked_bit_exactly(int4):
+    src, ref, out = int4
+    m = kj.load(out)
+    assert m.cfg.expert_format == "int4" and m.manifest["source"]["format"] == "int4 compressed-tensors"
+    t = load_file(os.path.join(src, "model.safetensors"))
+    for j, layer in enumerate(range(1, 3)):
+        for proj in ("gate", "up", "down"):
+            w = getattr(m.params.moe_layers.mlp, f"we_{proj}")
+            assert isinstance(w, Int4Array)
+            for e in (0, 7, 15):
+                name = f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj"
+                np.testing.assert_array_equal(np.asarray(w.packed[j, e]), t[f"{name}.weight_packed"])
+                np.testing.assert_array_equal(np.asarray(w.scale[j, e]).view(np.uint16),
+                                              t[f"{name}.weight_scale"].view(np.uint16))
+    assert int(np.asarray(unpack_int4(m.params.moe_layers.mlp.we_up.packed[0, 0]))[0, 0]) == -8
+    assert rel_err(logits(m), hf_logits(ref)) <= 1e-5
+
+
+def test_int4_source_dequantized_experts(int4, tmp_path):
+    src, ref, out = int4
+    quiet_convert(src, str(tmp_path / "out"), dtype="float32", experts="bf16")
+    deq, packed = kj.load(str(tmp_path / "out")), kj.load(out)
+    assert deq.cfg.expert_format == "bf16"
+    r = load_file(os.path.join(ref, "model.safetensors"))
+    np.testing.assert_array_equal(np.asarray(deq.params.moe_layers.mlp.we_gate[1, 3]),
+                                  r["model.layers.2.mlp.experts.3.gate_proj.weight"])
+    np.testing.assert_array_equal(np.asarray(packed.params.moe_layers.mlp.we_gate.dequantize()),
+                                  np.asarray(deq.params.moe_layers.mlp.we_gate))
+    assert rel_err(logits(packed), logits(deq)) <= 1e-6
+
+
+def test_float_source_quantized_to_int4(fp32, tmp_path):
+    quiet_convert(fp32[1], str(tmp_path / "out"), dtype="float32", experts="int4")
+    m = kj.load(str(tmp_path / "out"))
+    assert isinstance(m.params.moe_layers.mlp.we_down, Int4Array)
+    err = rel_err(logits(m), hf_logits(fp32[0]))
+    assert 1e-4 < err <= 0.2  # lossy, but close
+
+
+def test_language_model_wrapper_and_tokenizer(int4, tmp_path):
+    src = cf.wrap_language_model(int4[0], str(tmp_path / "hf"))
+    tok = cf.write_tokenizer(src)
+    quiet_convert(src, str(tmp_path / "out"), dtype="float32")
+    m = kj.load(str(tmp_path / "out"))
+    assert_same_params(m, kj.load(int4[2]))
+    skipped = m.manifest["skipped"]
+    assert {k: skipped.pop(k) for k in cf.VISION_TENSORS} == dict.fromkeys(cf.VISION_TENSORS,
+                                                                           "not part of the language model")
+    assert skipped == {"language_model.model.layers.0.self_attn.rotary_emb.inv_freq":
+                       "stale rotary_emb.inv_freq buffer"}
+    assert m.manifest["source"]["prefix"] == "language_model."
+    assert m.manifest["tokenizer_files"] == ["tiktoken.model", "tokenizer_config.json"]
+    assert os.path.exists(str(tmp_path / "out" / "tiktoken.model"))
+    check_tokenizer(m.tokenizer, tok)
+
+
+def check_tokenizer(t, tok):
+    assert isinstance(t, TiktokenTokenizer)
+    nb = tok["num_base"]
+    assert (t.num_base, t.bos_id, t.eos_id, t.pad_id, t.vocab_size) == (nb, nb, nb + 1, nb + 257, nb + 258)
+    assert t.special_tokens["<|im_end|>"] == nb + 2 and t.special_tokens[f"<|reserved_token_{nb + 5}|>"] == nb + 5
+    for text in ("hello world", "Hello, 世界! naïve café 🙂\n\n  tabs\tand  spaces", ""):
+        assert t.decode(t.encode(text)) == text
+    # merges apply inside a pre-token; Kimi's pattern attaches the space to the next word, so "o " never merges
+    merges = tok["merges"]
+    assert t.encode("hello world") == [merges[b"hello"], merges[b" world"]]
+    assert t.encode("ab世界") == [ord("a"), ord("b"), merges["世界".encode()]]
+    assert t.encode("[BOS]hello<|im_end|>") == [nb, merges[b"hello"], nb + 2]
+    assert t.encode("[BOS]", allow_special=False) == list(b"[BOS]")
+
+
+def test_sharded_index(fp32, tmp_path):
+    src = cf.shard(fp32[1], str(tmp_path / "hf"), 3)
+    quiet_convert(src, str(tmp_path / "out"), dtype="float32")
+    m = kj.load(str(tmp_path / "out"))
+    assert [f["name"] for f in m.manifest["source"]["files"]] == [
+        f"model-0000{k}-of-000003.safetensors" for k in (1, 2, 3)]
+    assert_same_params(m, kj.load(fp32[2]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resuming, sharded loading, the command line
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "kdtree_jax.convert", *args], check=False, capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=300)
+
+
+def test_killed_conversion_resumes_identically(fp32, tmp_path):
+    _, src, reference = fp32
+    out = str(tmp_path / "out")
+    partial = str(tmp_path / ".out.partial")
+    killed = run_cli(src, out, "--dtype", "float32", env={KILL_AFTER_ENV: "2"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not os.path.exists(out)
+    # items 1 and 2 were written, the second one not recorded: the rerun redoes it and the rest
+    with open(os.path.join(partial, "progress.json")) as f:
+        assert sorted(json.load(f)) == ["top"]
+    assert sorted(os.listdir(os.path.join(partial, "params"))) == ["layer_000", "top"]
+    resumed = run_cli(src, out, "--dtype", "float32")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stderr and not os.path.exists(partial)
+    for name in ("config.json", "manifest.json"):
+        assert read_text(os.path.join(out, name)) == read_text(os.path.join(reference, name))
+    assert_same_params(kj.load(out), kj.load(reference))
+
+
+def test_load_onto_mesh(int4):
+    mesh = kj.make_mesh(tp=1, ep=4, dp=2)  # tp=2 cannot split the tiny experts' single scale group
+    m, ref = kj.load(int4[2], mesh=mesh), kj.load(int4[2])
+    from kdtree_jax.sharding import param_shardings
+
+    want = param_shardings(m.cfg, mesh)
+    for a, s in zip(jax.tree.leaves(m.params), jax.tree.leaves(want)):
+        assert a.sharding.is_equivalent_to(s, a.ndim), (a.shape, a.sharding, s)
+    expert = m.params.moe_layers.mlp.we_gate  # [L, E, F, D/8] and [L, E, F, D/32], E over ep
+    assert {tuple(sh.data.shape) for sh in expert.packed.addressable_shards} == {(2, 4, 32, 8)}
+    assert {tuple(sh.data.shape) for sh in expert.scale.addressable_shards} == {(2, 4, 32, 2)}
+    assert_same_params(m, ref)
+
+
+def test_load_checks_every_array(fp32, tmp_path):
+    with pytest.raises(CheckpointError, match="not a kdtree-jax checkpoint"):
+        kj.load(fp32[1])
+    out = tmp_path / "out"
+    shutil.copytree(fp32[2], out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "kv_lora_rank": 48}))
+    with pytest.raises(CheckpointError, match=r"layer_000: array 'attn\.kv_a' has shape \(64, 48\) float32, "
+                                              r"expected \(64, 64\) float32"):
+        kj.load(str(out))
+    (out / "config.json").write_text(json.dumps(cfg))
+    shutil.rmtree(out / "params" / "layer_002")
+    with pytest.raises(CheckpointError, match="layer_002: item .* is missing"):
+        kj.load(str(out))
+
+
+def test_dry_run_writes_nothing(int4, tmp_path):
+    out = str(tmp_path / "out")
+    plan = quiet_convert(int4[0], out, dry_run=True)
+    assert plan["converted"]["items"] == ["top", "layer_000", "layer_001", "layer_002"]
+    assert plan["converted"]["experts"] == "int4" and plan["source"]["largest_item_bytes"] > 0
+    assert os.listdir(tmp_path) == []
+    assert main([int4[0], out, "--dry-run"]) == 0 and os.listdir(tmp_path) == []
+
+
+def test_multi_token_prediction_layer_skipped(fp32, tmp_path):
+    src = cf.add_mtp_layer(fp32[1], str(tmp_path / "hf"))
+    plan = quiet_convert(src, str(tmp_path / "out"), dry_run=True)
+    assert len(plan["skipped"]) == 4 + sum(k.startswith("model.layers.2.") for k in cf.read(fp32[1])[0])
+    assert set(plan["skipped"].values()) == {"multi-token-prediction layer"}
+    assert all(k.startswith("model.layers.3.") for k in plan["skipped"])
+
+
+def test_cli_help_and_drafter(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("SRC_DIR", "OUT_DIR", "--drafter", "--experts", "--dtype", "--dry-run", "--overwrite"):
+        assert flag in text
+    with pytest.raises(SystemExit) as e:
+        main(["a", "b", "--drafter", "c"])
+    assert e.value.code == 2 and "not implemented" in capsys.readouterr().err
+
+
+def test_overwrite(fp32, tmp_path):
+    out = str(tmp_path / "out")
+    shutil.copytree(fp32[2], out)
+    with pytest.raises(CheckpointError, match="already exists.*--overwrite"):
+        quiet_convert(fp32[1], out)
+    assert main([fp32[1], out]) == 1
+    quiet_convert(fp32[1], out, overwrite=True)  # float32 -> bfloat16 in place of the old one
+    assert kj.load(out).cfg.dtype == "bfloat16" and sorted(os.listdir(tmp_path)) == ["out"]
+    other = tmp_path / "precious"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="refusing to overwrite"):
+        quiet_convert(fp32[1], str(other), overwrite=True)
+    assert (other / "notes.txt").read_text() == "keep me"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad inputs: a clear error, and nothing in OUT_DIR (nor a partial directory) afterwards
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _edit_tensors(fn):
+    def edit(src, dst):
+        tensors, config = cf.read(src)
+        fn(tensors)
+        cf.write(dst, tensors, config)
+    return edit
+
+
+def _edit_config(fn):
+    def edit(src, dst):
+        tensors, config = cf.read(src)
+        fn(config)
+        cf.write(dst, tensors, config)
+    return edit
+
+
+def _corrupt_header(src, dst):
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "model.safetensors"), "r+b") as f:
+        f.seek(8)
+        f.write(b"{garbage")
+
+
+def _drop_all(suffix):
+    def fn(tensors):
+        for k in [k for k in tensors if k.endswith(suffix)]:
+            del tensors[k]
+    return fn
+
+
+BAD_INPUTS = {
+    "missing_in_one_layer": (
+        _edit_tensors(lambda t: t.pop("model.layers.2.self_attn.kv_a_layernorm.weight")), CheckpointError,
+        r"missing tensor 'model\.layers\.2\.self_attn\.kv_a_layernorm\.weight'"),
+    "missing_everywhere": (
+        _edit_tensors(_drop_all("q_a_layernorm.weight")), CheckpointError,
+        r"missing tensor 'model\.layers\.0\.self_attn\.q_a_layernorm\.weight'"),
+    "shape_in_one_layer": (
+        _edit_tensors(lambda t: t.update({"model.layers.1.input_layernorm.weight": torch.ones(65)})),
+        CheckpointError, r"'model\.layers\.1\.input_layernorm\.weight' has shape \[65\], expected \[64\]"),
+    "shape": (
+        _edit_tensors(lambda t: t.update({"model.norm.weight": torch.ones(65)})), CheckpointError,
+        r"'model\.norm\.weight' has shape \(65,\), expected \(64,\)"),
+    "corrupt_header": (_corrupt_header, CheckpointError, "corrupt safetensors header"),
+    "unknown_quantization": (
+        _edit_config(lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4})), CheckpointError,
+        "unknown quantization method 'awq'"),
+    "config_layers": (_edit_config(lambda c: c.update(num_hidden_layers=2)), ConfigError,
+                      r"beyond config.json's num_hidden_layers=2"),
+    "config_experts": (_edit_config(lambda c: c.update(n_routed_experts=8, num_experts_per_tok=2)), ConfigError,
+                       r"n_routed_experts=8 .* layer 1 has routed experts 0\.\.15"),
+    "config_shapes": (_edit_config(lambda c: c.update(q_lora_rank=40)), CheckpointError,
+                      r"'model\.layers\.0\.self_attn\.q_a_proj\.weight' has shape \(48, 64\), expected \(40, 64\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input(case, fp32, tmp_path):
+    make, error, pattern = BAD_INPUTS[case]
+    make(fp32[1], str(tmp_path / "hf"))
+    out = tmp_path / "out"
+    with pytest.raises(error, match=pattern):
+        quiet_convert(str(tmp_path / "hf"), str(out))
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
