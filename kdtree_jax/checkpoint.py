@@ -58,6 +58,7 @@ def layer_item(i: int) -> str:
 
 
 def item_names(cfg: ModelConfig) -> list[str]:
+    """Every item of a checkpoint of cfg, in the order the converter writes them."""
     return [TOP_ITEM] + [layer_item(i) for i in range(cfg.num_hidden_layers)]
 
 
@@ -109,11 +110,12 @@ def layer_struct(cfg: ModelConfig, i: int):
 
 
 def top_struct(cfg: ModelConfig) -> dict:
+    """ShapeDtypeStructs of the top item: embed, final_norm, lm_head."""
     params = abstract_params(cfg)
     return {k: getattr(params, k) for k in TOP_FIELDS}
 
 
-def _expert_arrays(cfg: ModelConfig, item: str) -> set[tuple[str, ...]]:
+def _expert_arrays(cfg: ModelConfig, item: str) -> set[Path]:
     """Paths (in the item's nested dict) of the arrays whose first axis is the routed experts (from model.param_info;
     an INT4 weight's path is the prefix of its packed and scale arrays)."""
     info = param_info(cfg)
@@ -127,10 +129,10 @@ def check_arrays(what: str, found: dict[Path, Any], expected: dict[Path, Any]) -
     """Raise CheckpointError naming the array when `found` ({path: anything with .shape and .dtype}) lacks an
     array of `expected`, has one more, or has one of another shape or dtype."""
     f, e = ({".".join(p): x for p, x in t.items()} for t in (found, expected))
-    for name in sorted(e.keys() - f.keys()):
-        raise CheckpointError(f"{what}: array {name!r} is missing")
-    for name in sorted(f.keys() - e.keys()):
-        raise CheckpointError(f"{what}: unexpected array {name!r}")
+    if missing := sorted(e.keys() - f.keys()):
+        raise CheckpointError(f"{what}: array {missing[0]!r} is missing")
+    if extra := sorted(f.keys() - e.keys()):
+        raise CheckpointError(f"{what}: unexpected array {extra[0]!r}")
     for name, want in e.items():
         got = f[name]
         if tuple(got.shape) != tuple(want.shape) or np.dtype(got.dtype) != np.dtype(want.dtype):

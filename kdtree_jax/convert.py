@@ -588,10 +588,10 @@ def _finish(src: Source, cfg: ModelConfig, work: str, out: str, manifest: dict) 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kdtree-convert",
-        description="Convert a Hugging Face Kimi K2 / K2.5 / K2.6 or DeepSeek-V3 checkpoint (bf16/fp32, FP8 "
-                    "block-scaled, or compressed-tensors INT4; `language_model.` prefix handled) into a kdtree-jax "
-                    "checkpoint for kdtree_jax.load. Streams one layer at a time; a killed conversion resumes when "
-                    "rerun with the same arguments.",
+        description="Convert a Hugging Face Kimi K2 / K2.5 / K2.6 or DeepSeek-V3 checkpoint (bf16/fp32, FP8\n"
+                    "block-scaled, or compressed-tensors INT4; `language_model.` prefix handled) into a\n"
+                    "kdtree-jax checkpoint for kdtree_jax.load. Streams one layer at a time; a killed\n"
+                    "conversion resumes when rerun with the same arguments.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
                "  kdtree-convert /models/Kimi-K2.6 /ckpt/k2.6                  # INT4 experts kept bit-exact\n"
