@@ -94,11 +94,6 @@ __device__ __forceinline__ uint32_t SmemAddress(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
-// Byte offset of 16-byte chunk c (0..71) of row `row` in a [64 x 576] tile of nine 128B-swizzled panels.
-__device__ __forceinline__ uint32_t ChunkOffset(int row, int c) {
-  return (c >> 3) * kPanel + row * 128 + (((c & 7) ^ (row & 7)) << 4);
-}
-
 __device__ __forceinline__ void BarInit(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -211,31 +206,80 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Copies rows 0..63 of latent (512 wide) || rope (64 wide), both pointing at the tile's first row, into nine swizzled
+// panels. Thread t of the loading warpgroup copies latent chunk t % 64 of rows t / 64 + 2k and rope chunk t % 8 of
+// rows t / 8 + 16k: consecutive threads read consecutive 16 bytes, every source is a constant offset from two
+// pointers.
+__device__ __forceinline__ void CopyRows(uint32_t tile, const __nv_bfloat16* latent, const __nv_bfloat16* rope) {
+  const int t = threadIdx.x;
+  const int c = t & 63, r0 = t >> 6;
+  const uint32_t dst = tile + (c >> 3) * kPanel + r0 * 128;
+  const int cx = (c & 7) ^ r0;  // row r0 + 2k has (row & 7) = r0 ^ (2k & 7)
+  const __nv_bfloat16* src = latent + r0 * kRank + c * 8;
+#pragma unroll
+  for (int k = 0; k < 32; ++k) CopyAsync16(dst + 256 * k + ((cx ^ ((2 * k) & 7)) << 4), src + 2 * k * kRank, true);
+  const int c2 = t & 7, r2 = t >> 3;  // row r2 + 16k has (row & 7) = r2 & 7
+  const uint32_t dst2 = tile + 8 * kPanel + r2 * 128 + ((c2 ^ (r2 & 7)) << 4);
+  const __nv_bfloat16* src2 = rope + r2 * kRope + c2 * 8;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) CopyAsync16(dst2 + 16 * 128 * k, src2 + 16 * k * kRope, true);
+}
+
+// The same for a tile that is not one run of valid rows: row `row` is latent[src] || rope[src] with
+// `valid = row_of(row, src)`, zero-filled where !valid.
+template <typename RowOf>
+__device__ __forceinline__ void CopyTile(uint32_t tile, const __nv_bfloat16* latent, const __nv_bfloat16* rope,
+                                         RowOf row_of) {
+  const int t = threadIdx.x;
+  const int c = t & 63, r0 = t >> 6;
+  const uint32_t dst = tile + (c >> 3) * kPanel + r0 * 128;
+  const int cx = (c & 7) ^ r0;  // row r0 + 2k has (row & 7) = r0 ^ (2k & 7)
+#pragma unroll
+  for (int k = 0; k < 32; ++k) {
+    int64_t src;
+    const bool ok = row_of(r0 + 2 * k, src);
+    CopyAsync16(dst + 256 * k + ((cx ^ ((2 * k) & 7)) << 4), latent + src * kRank + c * 8, ok);
+  }
+  const int c2 = t & 7, r2 = t >> 3;  // row r2 + 16k has (row & 7) = r2 & 7
+  const uint32_t dst2 = tile + 8 * kPanel + r2 * 128 + ((c2 ^ (r2 & 7)) << 4);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    int64_t src;
+    const bool ok = row_of(r2 + 16 * k, src);
+    CopyAsync16(dst2 + 16 * 128 * k, rope + src * kRope + c2 * 8, ok);
+  }
+}
+
 // Warpgroup 0: stream Q (once) and the block's key tiles into shared memory.
 __device__ void LoadTiles(const FastParams& p, const KeyRange& r, uint32_t base, int b, int m0) {
-  const int t = threadIdx.x;
+  const int64_t q0 = static_cast<int64_t>(b) * p.m, kv0 = static_cast<int64_t>(b) * p.s;
+  const int shift = r.tree0 - r.prefix;  // tree key v >= prefix lives in slot v + shift (0 unless clamped)
+  if (r.count > 0) {  // lands with the first key tile (the same threads' arrive on full[0] waits for it)
+    if (m0 + kRows <= p.m) {
+      CopyRows(base + kSmemQ, p.q_lat + (q0 + m0) * kRank, p.q_pe + (q0 + m0) * kRope);
+    } else {
+      CopyTile(base + kSmemQ, p.q_lat, p.q_pe, [&](int row, int64_t& src) {
+        const bool ok = m0 + row < p.m;
+        src = ok ? q0 + m0 + row : 0;
+        return ok;
+      });
+    }
+  }
   for (int i = 0; i < r.count; ++i) {
     const int st = i & 1;
     BarWait(base + kSmemBars + 8 * (kBarEmpty + st), ((i >> 1) & 1) ^ 1);
-    if (i == 0) {
-      for (int idx = t; idx < kRows * kChunks; idx += 128) {
-        const int row = idx / kChunks, c = idx % kChunks;
-        const bool ok = m0 + row < p.m;
-        const size_t q = static_cast<size_t>(b) * p.m + (ok ? m0 + row : 0);
-        const __nv_bfloat16* src = c < 64 ? p.q_lat + q * kRank + c * 8 : p.q_pe + q * kRope + (c - 64) * 8;
-        CopyAsync16(base + kSmemQ + ChunkOffset(row, c), src, ok);
-      }
-    }
     const int k0 = (r.first + i) * kKeys;
     const uint32_t tile = base + kSmemKV + st * kTileBytes;
-    for (int idx = t; idx < kKeys * kChunks; idx += 128) {
-      const int row = idx / kChunks, c = idx % kChunks;
-      const int v = k0 + row;
-      const bool ok = v < r.keys;
-      const int slot = !ok ? 0 : (v < r.prefix ? v : r.tree0 + (v - r.prefix));
-      const size_t k = static_cast<size_t>(b) * p.s + slot;
-      const __nv_bfloat16* src = c < 64 ? p.latent + k * kRank + c * 8 : p.pe + k * kRope + (c - 64) * 8;
-      CopyAsync16(tile + ChunkOffset(row, c), src, ok);
+    if (k0 + kKeys <= r.keys && (shift == 0 || k0 + kKeys <= r.prefix || k0 >= r.prefix)) {
+      const int64_t first = kv0 + (k0 < r.prefix ? k0 : k0 + shift);
+      CopyRows(tile, p.latent + first * kRank, p.pe + first * kRope);
+    } else {
+      CopyTile(tile, p.latent, p.pe, [&](int row, int64_t& src) {
+        const int v = k0 + row;
+        const bool ok = v < r.keys;
+        src = ok ? kv0 + (v < r.prefix ? v : v + shift) : 0;
+        return ok;
+      });
     }
     CopyArrive(base + kSmemBars + 8 * (kBarFull + st));
   }
@@ -312,25 +356,28 @@ __device__ void ScoresAndLowHalf(const FastParams& p, const KeyRange& r, uint8_t
 
     // s[4j + 2hh + e] is row row0 + 8hh, key k0 + 8j + 2quad + e.
     const int k0 = (r.first + i) * kKeys;
-    const bool all_visible = k0 + kKeys <= r.prefix;
     float mx[2] = {-kInf, -kInf};
+    if (k0 + kKeys <= r.prefix) {  // every key of the tile is in the prefix
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < 32; ++j) {
+        s[j] *= p.scale_log2;
+        mx[(j >> 1) & 1] = fmaxf(mx[(j >> 1) & 1], s[j]);
+      }
+    } else {
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
+      for (int j = 0; j < 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float x = s[4 * j + 2 * hh + e] * p.scale_log2;
-          if (!all_visible) {
+        for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
             const int v = k0 + 8 * j + 2 * quad + e;
             const bool seen =
-                v < r.prefix ||
-                (v < r.keys && real[hh] &&
-                 p.mask[(static_cast<size_t>(b) * p.n + n_of[hh]) * p.n + (v - r.prefix)]);
-            x = seen ? x : -kInf;
+                v < r.prefix || (v < r.keys && real[hh] &&
+                                 p.mask[(static_cast<size_t>(b) * p.n + n_of[hh]) * p.n + (v - r.prefix)]);
+            const float x = seen ? s[4 * j + 2 * hh + e] * p.scale_log2 : -kInf;
+            s[4 * j + 2 * hh + e] = x;
+            mx[hh] = fmaxf(mx[hh], x);
           }
-          s[4 * j + 2 * hh + e] = x;
-          mx[hh] = fmaxf(mx[hh], x);
         }
       }
     }
@@ -346,26 +393,15 @@ __device__ void ScoresAndLowHalf(const FastParams& p, const KeyRange& r, uint8_t
     }
     float sum[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pv = exp2f(s[4 * j + 2 * hh + e] - base_m[hh]);
-          s[4 * j + 2 * hh + e] = pv;
-          sum[hh] += pv;
-        }
-      }
+    for (int j = 0; j < 32; ++j) {
+      s[j] = exp2f(s[j] - base_m[(j >> 1) & 1]);
+      sum[(j >> 1) & 1] += s[j];
     }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) lrun[hh] = lrun[hh] * alpha[hh] + sum[hh];
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // skipped once the row maxima settle
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        o[4 * j + 2 * hh] *= alpha[hh];
-        o[4 * j + 2 * hh + 1] *= alpha[hh];
-      }
+      for (int j = 0; j < 128; ++j) o[j] *= alpha[(j >> 1) & 1];
     }
     // P as wgmma A fragments: k-step kk holds keys 16kk .. 16kk + 15.
     uint32_t pa[16];
@@ -434,13 +470,10 @@ __device__ void HighHalf(const FastParams& p, const KeyRange& r, uint8_t* smem, 
     BarWait(bars + 8 * (kBarFull + st), (i >> 1) & 1);
     BarWait(bars + 8 * kBarPFull, i & 1);
     ProxyFence();
-    const float a0 = alpha_smem[row0], a1 = alpha_smem[row0 + 8];
+    const float alpha[2] = {alpha_smem[row0], alpha_smem[row0 + 8]};
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j] *= a0;
-      o[4 * j + 1] *= a0;
-      o[4 * j + 2] *= a1;
-      o[4 * j + 3] *= a1;
+      for (int j = 0; j < 128; ++j) o[j] *= alpha[(j >> 1) & 1];
     }
     const uint32_t tile = base + kSmemKV + st * kTileBytes;
     WgmmaFence();
@@ -481,10 +514,10 @@ __global__ void __launch_bounds__(kThreads, 1) MlaVerifyKernel(const FastParams 
   __syncthreads();
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
     LoadTiles(p, r, base, b, m0);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 216;");
     if (wg == 1) {
       ScoresAndLowHalf(p, r, smem, base, b, split, m0);
     } else {
@@ -494,33 +527,80 @@ __global__ void __launch_bounds__(kThreads, 1) MlaVerifyKernel(const FastParams 
 }
 
 // out[b, m, :] = sum_i w_i part_i / sum_i w_i with w_i = l_i 2^(m_i - max m), over the splits that saw a key.
-__global__ void __launch_bounds__(128) CombineKernel(const float* part, const float2* stats, __nv_bfloat16* out,
-                                                     int m, int splits) {
-  const int qm = blockIdx.x, b = blockIdx.y, c = threadIdx.x * 4;
-  const size_t first = static_cast<size_t>(b) * splits * m + qm;
-  float top = -kInf;
-  for (int i = 0; i < splits; ++i) {
+// One block per output row: the weights go through shared memory, each warp sums every 8th split (16 columns per
+// lane, four independent 16-byte loads per split), then the eight warps' sums are added in a fixed order.
+constexpr int kMaxSplits = 1024;
+constexpr int kCombineWarps = 8;
+
+__global__ void __launch_bounds__(kCombineWarps * 32) CombineKernel(const float* part, const float2* stats,
+                                                                    __nv_bfloat16* out, int m, int splits) {
+  __shared__ float weight[kMaxSplits];
+  __shared__ float top[kCombineWarps], total[kCombineWarps];
+  __shared__ float4 sums[kCombineWarps][kRank / 4];
+  const int qm = blockIdx.x, b = blockIdx.y, t = threadIdx.x, warp = t >> 5, lane = t & 31;
+  const size_t first = static_cast<size_t>(b) * splits * m + qm;  // stats row of split i: first + i * m
+
+  float mx = -kInf;
+  for (int i = t; i < splits; i += kCombineWarps * 32) {
     const float2 st = stats[first + static_cast<size_t>(i) * m];
-    if (st.y > 0.0f) top = fmaxf(top, st.x);
+    weight[i] = st.y > 0.0f ? st.x : -kInf;
+    mx = fmaxf(mx, weight[i]);
   }
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, total = 0.0f;
-  for (int i = 0; i < splits; ++i) {
-    const size_t row = first + static_cast<size_t>(i) * m;
-    const float2 st = stats[row];
-    if (st.y > 0.0f) {
-      const float w = st.y * exp2f(st.x - top);
-      const float4 v = *reinterpret_cast<const float4*>(part + row * kRank + c);
-      total += w;
-      acc[0] += w * v.x;
-      acc[1] += w * v.y;
-      acc[2] += w * v.z;
-      acc[3] += w * v.w;
+#pragma unroll
+  for (int w = 16; w > 0; w >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, w));
+  if (lane == 0) top[warp] = mx;
+  __syncthreads();
+  mx = top[0];
+#pragma unroll
+  for (int w = 1; w < kCombineWarps; ++w) mx = fmaxf(mx, top[w]);
+  float sum = 0.0f;
+  for (int i = t; i < splits; i += kCombineWarps * 32) {
+    const float st_l = stats[first + static_cast<size_t>(i) * m].y;
+    weight[i] = weight[i] == -kInf ? 0.0f : st_l * exp2f(weight[i] - mx);
+    sum += weight[i];
+  }
+#pragma unroll
+  for (int w = 16; w > 0; w >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, w);
+  if (lane == 0) total[warp] = sum;
+  __syncthreads();
+
+  float4 acc[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 2
+  for (int i = warp; i < splits; i += kCombineWarps) {
+    const float w = weight[i];
+    if (w == 0.0f) continue;
+    const float4* src = reinterpret_cast<const float4*>(part + (first + static_cast<size_t>(i) * m) * kRank);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float4 v = src[lane + 32 * j];
+      acc[j].x += w * v.x;
+      acc[j].y += w * v.y;
+      acc[j].z += w * v.z;
+      acc[j].w += w * v.w;
     }
   }
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-  __nv_bfloat16* dst = out + (static_cast<size_t>(b) * m + qm) * kRank + c;
-  *reinterpret_cast<uint32_t*>(dst) = PackBf16(acc[0] * inv, acc[1] * inv);
-  *reinterpret_cast<uint32_t*>(dst + 2) = PackBf16(acc[2] * inv, acc[3] * inv);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) sums[warp][lane + 32 * j] = acc[j];
+  __syncthreads();
+  if (t < kRank / 4) {
+    float all = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kCombineWarps; ++w) all += total[w];
+    const float inv = all > 0.0f ? 1.0f / all : 0.0f;
+    float4 v = sums[0][t];
+#pragma unroll
+    for (int w = 1; w < kCombineWarps; ++w) {
+      v.x += sums[w][t].x;
+      v.y += sums[w][t].y;
+      v.z += sums[w][t].z;
+      v.w += sums[w][t].w;
+    }
+    __nv_bfloat16* dst = out + (static_cast<size_t>(b) * m + qm) * kRank + 4 * t;
+    *reinterpret_cast<uint32_t*>(dst) = PackBf16(v.x * inv, v.y * inv);
+    *reinterpret_cast<uint32_t*>(dst + 2) = PackBf16(v.z * inv, v.w * inv);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -661,7 +741,7 @@ ffi::Error MlaVerifyCudaImpl(cudaStream_t stream,
   if (t == ffi::DataType::BF16 && R == kRank && DR == kRope) {
     const auto xd = part->dimensions(), sd = stats->dimensions();
     const int64_t splits = xd.size() == 4 ? xd[1] : 0;
-    if (xd.size() != 4 || sd.size() != 4 || xd[0] != B || splits < 1 || splits > 65535 || sd[1] != splits ||
+    if (xd.size() != 4 || sd.size() != 4 || xd[0] != B || splits < 1 || splits > kMaxSplits || sd[1] != splits ||
         (splits > 1 && (xd[2] != M || xd[3] != R || sd[0] != B || sd[2] != M || sd[3] != 2))) {
       return ffi::Error::InvalidArgument("mla_verify: partials " + Shape(xd) + " / stats " + Shape(sd) +
                                          " do not match [B, splits, M, R] / [B, splits, M, 2]");
@@ -692,7 +772,7 @@ ffi::Error MlaVerifyCudaImpl(cudaStream_t stream,
     MlaVerifyKernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
     if (ffi::Error e = LastError("kernel launch"); e.failure()) return e;
     if (splits > 1) {
-      CombineKernel<<<dim3(static_cast<unsigned>(M), static_cast<unsigned>(B)), 128, 0, stream>>>(
+      CombineKernel<<<dim3(static_cast<unsigned>(M), static_cast<unsigned>(B)), kCombineWarps * 32, 0, stream>>>(
           p.part, p.stats, p.out, p.m, p.splits);
       return LastError("combine launch");
     }

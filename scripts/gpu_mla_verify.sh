@@ -33,6 +33,6 @@ JAX_PLATFORMS=cuda,cpu timeout 200 python3 -m pytest tests/test_mla_verify.py -q
   --timeout 60 -rA 2>&1 | tee "$OUT/tests.log" | tail -40
 
 BENCH=(--out "$OUT")
-[ "$MODE" = quick ] && BENCH+=(--quick --sweep --budget 45)
-[ "$MODE" = full ] && BENCH+=(--budget 100)
+[ "$MODE" = quick ] && BENCH+=(--quick --sweep --budget 40)
+[ "$MODE" = full ] && BENCH+=(--budget 110)
 timeout 200 python3 benchmarks/mla_verify.py "${BENCH[@]}" 2>&1 | tee "$OUT/bench.log"

@@ -145,10 +145,12 @@ def test_impl_xla_is_the_reference_and_vmap_works():
 
 
 def test_plan_splits_fills_the_gpu_and_keeps_tiles_per_split():
-    assert plan_splits(1, 1, 8, 32768, sms=132) == 128  # 512 key tiles: 4 per split
-    assert plan_splits(1, 1, 64, 1024, sms=132) == 4  # at least 4 key tiles of 64 per split
+    assert plan_splits(1, 1, 8, 32768, sms=132) == 119  # the fewest splits that keep >= 90% of the SMs busy
+    assert plan_splits(1, 1, 64, 32768, sms=132) == 64  # 64 rows of partials: at least 8 key tiles per split
+    assert plan_splits(1, 1, 64, 1024, sms=132) == 2
     assert plan_splits(8, 256, 64, 32768, sms=132) == 1  # 2048 row tiles already fill the GPU
-    assert plan_splits(1, 64, 64, 32768, sms=132) == 3
+    assert plan_splits(1, 64, 64, 32768, sms=132) == 2  # 64 row tiles x 2 = 128 blocks: one wave
+    assert plan_splits(8, 1, 64, 32768, sms=132) == 15
 
 
 def _bad(**change):

@@ -31,6 +31,7 @@ from . import _registry
 
 FAST_RANK, FAST_ROPE = 512, 64  # the head sizes of the CUDA fast path (bf16 only)
 _ROWS, _KEYS = 64, 64  # the fast path's query rows per block and keys per tile
+MAX_SPLITS = 1024
 
 
 def _check(q_nope_absorbed, q_pe, latent_cache, pe_cache, cache_lens, tree_mask, scale) -> tuple[int, ...]:
@@ -85,15 +86,25 @@ def _sm_count() -> int:
 def plan_splits(b: int, n: int, h: int, s: int, sms: int | None = None) -> int:
     """Key splits per (batch row, 64-row query tile) of the CUDA fast path.
 
-    One block per multiprocessor (the kernel takes ~225 KB of shared memory), so the blocks (b, row tiles, splits)
-    should fill the GPU once; each split keeps at least 4 key tiles so that its fp32 partial (64 rows x 2 KB) stays
-    small next to the keys it streams.
+    One block per multiprocessor (the kernel takes ~225 KB of shared memory). Each split streams at least 4 key
+    tiles (64 keys, 73.7 KB each), and enough of them that its fp32 partial output (rows x 2 KB, written and read
+    back) stays under half the bytes it streams. Within that cap: the fewest splits whose blocks keep >= 90% of
+    the multiprocessors busy over their waves, else the busiest choice.
     """
     sms = _sm_count() if sms is None else sms
     work = b * math.ceil(n * h / _ROWS)
     if work >= sms:
         return 1
-    return max(1, min(math.ceil(sms / work), math.ceil(s / _KEYS) // 4))
+    rows = min(_ROWS, n * h)
+    least = max(4, math.ceil(rows * 2 * 2048 / (0.5 * _KEYS * 1152)))
+    cap = max(1, min(math.ceil(s / _KEYS) // least, MAX_SPLITS))
+
+    def busy(splits: int) -> float:
+        blocks = work * splits
+        return blocks / (math.ceil(blocks / sms) * sms)
+
+    good = [sp for sp in range(1, cap + 1) if busy(sp) >= 0.9]
+    return good[0] if good else max(range(1, cap + 1), key=lambda sp: (busy(sp), -sp))
 
 
 def mla_verify(q_nope_absorbed: jax.Array, q_pe: jax.Array, latent_cache: jax.Array, pe_cache: jax.Array,
@@ -114,8 +125,8 @@ def mla_verify(q_nope_absorbed: jax.Array, q_pe: jax.Array, latent_cache: jax.Ar
     if impl != "ffi":
         raise ValueError(f"mla_verify: impl must be 'ffi' or 'xla', got {impl!r}")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer))
-                                   or not 1 <= num_splits <= 65535):
-        raise ValueError(f"mla_verify: num_splits must be an int in 1..65535, got {num_splits!r}")
+                                   or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"mla_verify: num_splits must be an int in 1..{MAX_SPLITS}, got {num_splits!r}")
     _registry.register()
     out = jax.ShapeDtypeStruct((b, n, h, r), q_nope_absorbed.dtype)
     fast = q_nope_absorbed.dtype == jnp.bfloat16 and r == FAST_RANK and dr == FAST_ROPE
