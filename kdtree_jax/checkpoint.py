@@ -216,7 +216,7 @@ def read_json(path: str | os.PathLike) -> dict:
 
 
 def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None) -> Model:
-    """Load a checkpoint written by `kdtree-convert`.
+    """Load a checkpoint written by `kdtree-convert` (or "builtin": the embedded default model).
 
     Every array is checked against `model.abstract_params(cfg)` (shape and dtype) before it is read. With a mesh,
     each array is restored straight into its sharding (`kdtree_jax.sharding.param_shardings`): every device
@@ -224,6 +224,14 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None) -> Mode
     ever holds a full copy. Without a mesh, everything goes to the first device.
     """
     path = os.fspath(path)
+    if path == "builtin":  # the embedded default model shipped in the package
+        from .builtin import load_builtin
+        from .sharding import shard_params
+
+        model = load_builtin()
+        if mesh is not None:
+            model = dataclasses.replace(model, params=shard_params(model.params, model.cfg, mesh))
+        return model
     if not os.path.exists(os.path.join(path, MANIFEST_FILE)):
         raise CheckpointError(f"{path} is not a kdtree-jax checkpoint (no {MANIFEST_FILE}); "
                               "convert a Hugging Face checkpoint with kdtree-convert")
