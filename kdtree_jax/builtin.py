@@ -53,11 +53,11 @@ def _key_arrays(tree) -> dict[str, np.ndarray]:
     return out
 
 
-def save_npz(path: str | os.PathLike, tree) -> None:
+def save_npz(path: str | os.PathLike, tree, compress: bool = True) -> None:
     """Every leaf of `tree` by key path (bf16 stored as its uint16 bits), written atomically."""
     path = os.fspath(path)
     tmp = path + ".tmp.npz"
-    np.savez_compressed(tmp, **_key_arrays(tree))
+    (np.savez_compressed if compress else np.savez)(tmp, **_key_arrays(tree))
     os.replace(tmp, path)
 
 

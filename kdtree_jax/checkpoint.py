@@ -40,6 +40,7 @@ FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 PARAMS_DIR = "params"
+DRAFTER_DIR = "drafter"
 TOP_ITEM = "top"
 TOP_FIELDS = ("embed", "final_norm", "lm_head")
 
@@ -205,9 +206,36 @@ class Model:
 
     cfg: ModelConfig
     params: Params
-    drafter: Any  # the DFlash drafter's weights; None until drafter conversion exists
+    drafter: Any  # the DFlash Drafter converted along (kdtree-convert --drafter), else None
     tokenizer: Any  # TiktokenTokenizer, or ByteTokenizer when the checkpoint has no tokenizer files
     manifest: dict
+
+
+def save_drafter(directory: str, dcfg, params) -> None:
+    """A drafter as directory/drafter_config.json + directory/params.npz (small enough to write in one go)."""
+    from .builtin import save_npz
+
+    save_npz(os.path.join(directory, "params.npz"), params, compress=False)
+    with open(os.path.join(directory, "drafter_config.json"), "w") as f:
+        json.dump(dataclasses.asdict(dcfg), f, indent=1)
+
+
+def load_drafter(directory: str, mesh: jax.sharding.Mesh | None = None):
+    """The Drafter saved by save_drafter (replicated over the mesh when one is given), every shape checked."""
+    from .builtin import load_npz
+    from .drafter import Drafter, DrafterConfig, drafter_info
+
+    raw = read_json(os.path.join(directory, "drafter_config.json"))
+    dcfg = DrafterConfig(**{**raw, "target_layer_ids": tuple(raw["target_layer_ids"])})
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), drafter_info(dcfg),
+                        is_leaf=lambda x: hasattr(x, "fan_in_axes"))
+    try:
+        params = load_npz(os.path.join(directory, "params.npz"), like)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"drafter: {e}") from None
+    if mesh is not None:
+        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    return Drafter(params=params, cfg=dcfg)
 
 
 def read_json(path: str | os.PathLike) -> dict:
@@ -255,7 +283,9 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None) -> Mode
     dense = _restore_stack(params_dir, range(nd), abstract.dense_layers, shardings.dense_layers)
     moe = _restore_stack(params_dir, range(nd, cfg.num_hidden_layers), abstract.moe_layers, shardings.moe_layers)
     params = Params(dense_layers=dense, moe_layers=moe, **top)
-    return Model(cfg=cfg, params=params, drafter=None, tokenizer=load_tokenizer(path), manifest=manifest)
+    drafter_dir = os.path.join(path, DRAFTER_DIR)
+    drafter = load_drafter(drafter_dir, mesh) if os.path.isdir(drafter_dir) else None
+    return Model(cfg=cfg, params=params, drafter=drafter, tokenizer=load_tokenizer(path), manifest=manifest)
 
 
 def _restore(directory: str, what: str, expected, shardings):

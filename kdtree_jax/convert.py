@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from .config import ConfigError, ModelConfig
-from .hf import CheckpointError, layer_from_hf, top_from_hf
+from .hf import CheckpointError, drafter_config_from_hf, drafter_from_hf, layer_from_hf, top_from_hf
 from .model import abstract_params
 from .tokenizer import TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE, load_tokenizer
 
@@ -434,13 +434,49 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+class DrafterSource:
+    """A DFlash drafter checkpoint (config.json with dflash_config, *.safetensors), checked against the target."""
+
+    def __init__(self, path: str | os.PathLike, target: ModelConfig):
+        self.dir = os.path.abspath(path)
+        config = os.path.join(self.dir, "config.json")
+        if not os.path.exists(config):
+            raise CheckpointError(f"drafter: no config.json in {self.dir}")
+        self.cfg = dataclasses.replace(drafter_config_from_hf(ckpt.read_json(config), target), dtype=target.dtype)
+        files = sorted(f for f in os.listdir(self.dir) if f.endswith(".safetensors"))
+        if not files:
+            raise CheckpointError(f"drafter: no .safetensors files in {self.dir}")
+        self.tensors = {}
+        for f in files:
+            self.tensors.update(read_header(os.path.join(self.dir, f)))
+
+    def write(self, out: str) -> None:
+        """Read, map and check every tensor, then write out/config.json and out/params.npz."""
+        fds: dict[str, int] = {}
+
+        def get(name: str) -> np.ndarray:
+            t = self.tensors[name]
+            if t.file not in fds:
+                fds[t.file] = os.open(t.file, os.O_RDONLY)
+            return read_tensor(t, fds[t.file])
+
+        try:
+            params = drafter_from_hf(get, self.tensors.__contains__, self.cfg)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        os.makedirs(out, exist_ok=True)
+        ckpt.save_drafter(out, self.cfg, params)
+
+
 def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, experts: str | None = None,
             dtype: str = "bfloat16", overwrite: bool = False, dry_run: bool = False, progress: bool = True,
-            log=print) -> dict:
+            drafter: str | os.PathLike | None = None, log=print) -> dict:
     """Convert the Hugging Face checkpoint in src_dir into a kdtree-jax checkpoint at out_dir.
 
     experts: "int4" or "bf16" (dense arrays in `dtype`); default: int4 when the source's experts are INT4, else bf16.
     dtype: "bfloat16" or "float32", for every weight except the router (fp32) and INT4 experts.
+    drafter: a DFlash drafter checkpoint directory, converted along into out_dir/drafter (checked first).
     With dry_run, check the source from its headers and return the plan without reading tensors or writing.
     Returns the manifest (dry run: the plan), with a "stats" entry: seconds spent reading, converting, writing.
     Raises CheckpointError / ConfigError, leaving nothing in out_dir; other failures (a kill, a full disk) keep
@@ -456,6 +492,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, experts: 
         experts = "int4" if src.has_int4_experts else "bf16"
     cfg = ModelConfig.from_hf(src.config, dtype=dtype, expert_format=experts, group_size=src.quant.group_size or 32)
     check_structure(src, cfg)
+    draft_src = DrafterSource(drafter, cfg) if drafter is not None else None
     items = src.item_tensors(cfg)
     item_bytes = {k: sum(src.tensors[n].nbytes for n in v) for k, v in items.items()}
     files = [{"name": f, "bytes": os.path.getsize(os.path.join(src.dir, f))} for f in src.files]
@@ -470,6 +507,8 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, experts: 
                                    for a in jax.tree.leaves(abstract_params(cfg)))},
         "skipped": dict(sorted(src.skipped.items())),
     }
+    if draft_src is not None:
+        manifest["drafter"] = {"dir": draft_src.dir, "config": dataclasses.asdict(draft_src.cfg)}
     if dry_run:
         return manifest
 
@@ -528,6 +567,12 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, experts: 
     for name in sorted(set(src.tensors) - read):
         manifest["skipped"][src.source_name(name)] = "not used by the conversion"
     manifest["skipped"] = dict(sorted(manifest["skipped"].items()))
+    if draft_src is not None:
+        try:
+            draft_src.write(os.path.join(work, ckpt.DRAFTER_DIR))
+        except (CheckpointError, ConfigError):
+            shutil.rmtree(work, ignore_errors=True)
+            raise
     _finish(src, cfg, work, out, manifest)
     manifest["stats"] = {**stats, "total_s": time.perf_counter() - start}
     return manifest
@@ -600,7 +645,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("src_dir", metavar="SRC_DIR", help="Hugging Face checkpoint directory (config.json, *.safetensors "
                                                       "or model.safetensors.index.json, tokenizer files)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="output directory; created only when the conversion completes")
-    p.add_argument("--drafter", metavar="DIR", help="a DFlash drafter checkpoint to convert along (not implemented yet)")
+    p.add_argument("--drafter", metavar="DIR", help="a DFlash drafter checkpoint (z-lab/dflash format: config.json "
+                                                     "with dflash_config, safetensors) to convert along")
     p.add_argument("--experts", choices=("int4", "bf16"), default=None,
                    help="routed experts: int4 (compressed-tensors group-32 values, repacked bit-exactly from INT4 "
                         "sources, quantized from float ones) or bf16 (dense, in --dtype). Default: int4 for INT4 "
@@ -616,13 +662,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.drafter is not None:
-        _parser().error("--drafter: drafter conversion is not implemented yet (the DFlash drafter module has no "
-                        "checkpoint format); convert the target model without --drafter")
     log = lambda msg: print(msg, file=sys.stderr)
     try:
         m = convert(args.src_dir, args.out_dir, experts=args.experts, dtype=args.dtype, overwrite=args.overwrite,
-                    dry_run=args.dry_run, log=log)
+                    dry_run=args.dry_run, drafter=args.drafter, log=log)
     except (CheckpointError, ConfigError) as e:
         print(f"kdtree-convert: error: {e}", file=sys.stderr)
         return 1

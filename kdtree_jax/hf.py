@@ -167,3 +167,80 @@ def params_from_hf(get: Getter, has: Callable[[str], bool], cfg: ModelConfig) ->
     top = {k: jnp.asarray(v) for k, v in top_from_hf(get, has, cfg).items()}
     return Params(dense_layers=stack_layers(layers[:cfg.num_dense_layers]),
                   moe_layers=stack_layers(layers[cfg.num_dense_layers:]), **top)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DFlash drafters (z-lab/dflash checkpoints: a Qwen3-style config with `dflash_config`, tensors `fc`, `hidden_norm`,
+# `norm` and `layers.{i}.{input_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
+# post_attention_layernorm, mlp.{gate,up,down}_proj}`, optionally under `model.`)
+# ----------------------------------------------------------------------------------------------------------------
+
+_DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def drafter_config_from_hf(raw: dict, target: ModelConfig):
+    """The DrafterConfig of a DFlash config.json, checked against the target it drafts for."""
+    from .config import ConfigError
+    from .drafter import DrafterConfig
+
+    dflash = raw.get("dflash_config", {})
+    if any(k in dflash for k in _DFLASH2_KEYS):
+        raise ConfigError("this is a DFlash2 drafter (convolutions / candidate selector): only DFlash is supported")
+    pick = lambda key: dflash.get(key, raw.get(key))
+    for key in ("block_size", "mask_token_id", "target_layer_ids"):
+        if pick(key) is None:
+            raise ConfigError(f"drafter config.json is missing {key!r} (in dflash_config or at the top level)")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if key not in raw:
+            raise ConfigError(f"drafter config.json is missing required key {key!r}")
+    if raw["hidden_size"] != target.hidden_size:
+        raise ConfigError(f"drafter hidden_size {raw['hidden_size']} != the target's {target.hidden_size}")
+    if raw.get("vocab_size", target.vocab_size) != target.vocab_size:
+        raise ConfigError(f"drafter vocab_size {raw['vocab_size']} != the target's {target.vocab_size}")
+    n_target = raw.get("num_target_layers", target.num_hidden_layers)
+    if n_target != target.num_hidden_layers:
+        raise ConfigError(f"the drafter was trained for a target of {n_target} layers, this one has "
+                          f"{target.num_hidden_layers}")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ConfigError(f"drafter rope type {rope.get('rope_type')!r} is not supported (default)")
+    heads = raw["num_attention_heads"]
+    return DrafterConfig(num_layers=raw["num_hidden_layers"], block_size=int(pick("block_size")),
+                         hidden_size=raw["hidden_size"], num_heads=heads,
+                         num_kv_heads=raw.get("num_key_value_heads", heads),
+                         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+                         intermediate_size=raw["intermediate_size"],
+                         target_layer_ids=tuple(int(i) for i in pick("target_layer_ids")),
+                         mask_token_id=int(pick("mask_token_id")), vocab_size=target.vocab_size,
+                         target_num_layers=target.num_hidden_layers, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1e6))), dtype=target.dtype)
+
+
+def drafter_from_hf(get: Getter, has: Callable[[str], bool], d):
+    """DFlash drafter weights (DrafterParams of numpy arrays, layers stacked) in the dtype of DrafterConfig d."""
+    from .drafter import DraftLayer, DrafterParams
+
+    dt = np.float32 if d.dtype == "float32" else ml_dtypes.bfloat16
+    pre = "model." if has("model.fc.weight") else ""
+    h, hq, hk, hd, f = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size
+    n_ctx = len(d.target_layer_ids)
+
+    def layer(i: int) -> DraftLayer:
+        p = f"{pre}layers.{i}"
+        return DraftLayer(attn_norm=_vec(get, f"{p}.input_layernorm.weight", h, dt),
+                          q=_linear(get, f"{p}.self_attn.q_proj.weight", hq * hd, h, dt).reshape(h, hq, hd),
+                          k=_linear(get, f"{p}.self_attn.k_proj.weight", hk * hd, h, dt).reshape(h, hk, hd),
+                          v=_linear(get, f"{p}.self_attn.v_proj.weight", hk * hd, h, dt).reshape(h, hk, hd),
+                          q_norm=_vec(get, f"{p}.self_attn.q_norm.weight", hd, dt),
+                          k_norm=_vec(get, f"{p}.self_attn.k_norm.weight", hd, dt),
+                          o=_linear(get, f"{p}.self_attn.o_proj.weight", h, hq * hd, dt).reshape(hq, hd, h),
+                          mlp_norm=_vec(get, f"{p}.post_attention_layernorm.weight", h, dt),
+                          gate=_linear(get, f"{p}.mlp.gate_proj.weight", f, h, dt),
+                          up=_linear(get, f"{p}.mlp.up_proj.weight", f, h, dt),
+                          down=_linear(get, f"{p}.mlp.down_proj.weight", h, f, dt))
+
+    layers = [layer(i) for i in range(d.num_layers)]
+    return DrafterParams(fc=_linear(get, f"{pre}fc.weight", h, n_ctx * h, dt),
+                         hidden_norm=_vec(get, f"{pre}hidden_norm.weight", h, dt),
+                         layers=jax.tree.map(lambda *xs: np.stack(xs), *layers),
+                         norm=_vec(get, f"{pre}norm.weight", h, dt))

@@ -1,0 +1,90 @@
+"""Converting a DFlash drafter checkpoint along with its target (kdtree-convert --drafter)."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import kdtree_jax as kj
+from kdtree_jax.config import ConfigError
+from kdtree_jax.convert import convert
+from kdtree_jax.hf import CheckpointError
+
+from hf_models import build_hf_model, save_hf_model
+
+
+def write_dflash(path: str, drafter, overrides: dict | None = None, drop: str | None = None) -> str:
+    """Write `drafter` in the z-lab/dflash checkpoint layout (HF Linear weights [out, in], Qwen3 names)."""
+    d, p = drafter.cfg, jax.tree.map(np.asarray, drafter.params)
+    t = {"fc.weight": p.fc.T, "hidden_norm.weight": p.hidden_norm, "norm.weight": p.norm}
+    for i in range(d.num_layers):
+        lp = jax.tree.map(lambda x: x[i], p.layers)
+        pre = f"layers.{i}"
+        t.update({f"{pre}.input_layernorm.weight": lp.attn_norm, f"{pre}.post_attention_layernorm.weight": lp.mlp_norm,
+                  f"{pre}.self_attn.q_proj.weight": lp.q.reshape(d.hidden_size, -1).T,
+                  f"{pre}.self_attn.k_proj.weight": lp.k.reshape(d.hidden_size, -1).T,
+                  f"{pre}.self_attn.v_proj.weight": lp.v.reshape(d.hidden_size, -1).T,
+                  f"{pre}.self_attn.o_proj.weight": lp.o.reshape(-1, d.hidden_size).T,
+                  f"{pre}.self_attn.q_norm.weight": lp.q_norm, f"{pre}.self_attn.k_norm.weight": lp.k_norm,
+                  f"{pre}.mlp.gate_proj.weight": lp.gate.T, f"{pre}.mlp.up_proj.weight": lp.up.T,
+                  f"{pre}.mlp.down_proj.weight": lp.down.T})
+    if drop:
+        del t[drop]
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": d.hidden_size,
+              "num_hidden_layers": d.num_layers, "num_attention_heads": d.num_heads,
+              "num_key_value_heads": d.num_kv_heads, "head_dim": d.head_dim, "intermediate_size": d.intermediate_size,
+              "rms_norm_eps": d.rms_norm_eps, "vocab_size": d.vocab_size, "num_target_layers": d.target_num_layers,
+              "rope_parameters": {"rope_type": "default", "rope_theta": d.rope_theta},
+              "dflash_config": {"block_size": d.block_size, "mask_token_id": d.mask_token_id,
+                                "target_layer_ids": list(d.target_layer_ids)}}
+    config.update(overrides or {})
+    os.makedirs(path, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in t.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = save_hf_model(build_hf_model("yarn"), str(tmp_path_factory.mktemp("hf") / "target"))
+    cfg = kj.ModelConfig.from_hf(path, dtype="float32", expert_format="bf16")
+    drafter = kj.init_drafter(cfg, jax.random.key(3), num_layers=2, block_size=4, num_kv_heads=2)
+    return path, cfg, drafter
+
+
+def test_drafter_converts_loads_and_drafts_identically(target, tmp_path):
+    src, cfg, drafter = target
+    out = str(tmp_path / "ckpt")
+    convert(src, out, dtype="float32", drafter=write_dflash(str(tmp_path / "dflash"), drafter), progress=False)
+    model = kj.load(out)
+    assert model.drafter.cfg == drafter.cfg
+    for a, b in zip(jax.tree.leaves(model.drafter.params), jax.tree.leaves(drafter.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    ar = kj.generate(model, prompts, max_new_tokens=12).tokens
+    loaded = kj.generate(model, prompts, max_new_tokens=12, method="ddtree", budget=6)
+    direct = kj.generate(model.params, model.cfg, prompts, max_new_tokens=12, method="ddtree", drafter=drafter,
+                         budget=6)
+    assert loaded.tokens == direct.tokens == ar
+    assert loaded.stats["tau_histogram"] == direct.stats["tau_histogram"]
+
+
+@pytest.mark.parametrize("overrides, drop, error, match", [
+    ({"dflash_config": {"block_size": 4, "mask_token_id": 1, "target_layer_ids": [1], "selector_rank": 8}}, None,
+     ConfigError, "DFlash2"),
+    ({"hidden_size": 32}, None, ConfigError, "hidden_size"),
+    ({"num_target_layers": 7}, None, ConfigError, "target of 7 layers"),
+    ({"dflash_config": {"block_size": 4, "target_layer_ids": [1]}}, None, ConfigError, "mask_token_id"),
+    (None, "layers.1.self_attn.k_norm.weight", CheckpointError, "layers.1.self_attn.k_norm.weight"),
+])
+def test_bad_drafter_is_a_clear_error_and_leaves_nothing(target, tmp_path, overrides, drop, error, match):
+    src, _, drafter = target
+    bad = write_dflash(str(tmp_path / "dflash"), drafter, overrides, drop)
+    out = tmp_path / "ckpt"
+    with pytest.raises(error, match=match):
+        convert(src, str(out), dtype="float32", drafter=bad, progress=False)
+    assert not out.exists() and not any(p.name.startswith(".ckpt") for p in tmp_path.iterdir())
