@@ -23,10 +23,6 @@ if ! python3 -c "import ctypes, os, sys; d = os.environ.get('KDTREE_JAX_FFI_DIR'
   export KDTREE_JAX_FFI_DIR=/tmp/kd_build/ffi
 fi
 
-if [ -x "${KDTREE_JAX_FFI_DIR}/probe" ]; then
-  timeout 30 "${KDTREE_JAX_FFI_DIR}/probe" 2>&1 | tee "$OUT/probe.txt"
-fi
-
 TESTS="gpu"
 [ "$MODE" = full ] && TESTS="gpu or model"
 JAX_PLATFORMS=cuda,cpu timeout 200 python3 -m pytest tests/test_mla_verify.py -q -k "$TESTS" -p no:cacheprovider \
