@@ -1,8 +1,8 @@
 // Shared by the C++ (CPU) and CUDA handlers: the exact arithmetic that makes both give the same tree bit for bit.
 //
 // Scores. Every logit is sanitized (NaN -> -2^20, clamped to +-2^20, -0 -> +0). Per depth, the log-sum-exp is
-// computed in tiles of kTile logits: m_t = max of the tile, s_t = sum of Exp32(x - m_t) in double, where Exp32 is a
-// float32 exp written with IEEE mul/add/fma only (so the CPU and the GPU compute the same float for every logit);
+// computed in tiles of kTile logits: m_t = max of the tile, s_t = sum of Exp32AsDouble(x - m_t) in double, an exp
+// written with IEEE mul/add/fma only (so the CPU and the GPU compute the same value for every logit);
 // then m = max m_t, s = sum s_t * exp(m_t - m) in double, lse = m + log(s). A token's log-prob in 64-bit fixed point
 // (2^-32 nats) is q = llrint(x * 2^32) - llrint(lse * 2^32) <= 0, and a node's score is the integer sum of the q of
 // its path. Integer scores make ties exact and associative (cousins with the same multiset of logits tie exactly)
@@ -64,13 +64,27 @@ KD_HD float Sanitize(float x) {
 #endif
 }
 
-// exp(t) for t <= 0 in float32 from correctly rounded mul/add/fma only (Cephes expf's polynomial), 0 below -80.
-// Ops supplies Mul, Add and Fma; every implementation of them rounds the same way, so the result is identical
-// on every platform.
+KD_HD double DoubleFromWords(uint32_t hi, uint32_t lo) {
+#ifdef __CUDA_ARCH__
+  return __hiloint2double(static_cast<int>(hi), static_cast<int>(lo));
+#else
+  const uint64_t u = (static_cast<uint64_t>(hi) << 32) | lo;
+  double d;
+  std::memcpy(&d, &u, 8);
+  return d;
+#endif
+}
+
+// exp(t) for t <= 0 (0 below -80), as a double holding an exactly float-representable value: Cephes expf's range
+// reduction and polynomial from correctly rounded mul/add/fma only (Ops), so every platform computes the same bits
+// (max relative error 8.4e-8). The integer k comes from the bits of t * log2(e) + 1.5 * 2^23 and the double is
+// assembled from the bits of the polynomial's value y in [0.70, 1.42] with k added to its exponent: no float->int
+// or float->double conversions, which are slow on the GPU. t = -inf gives 0.
 template <class Ops>
-KD_HD float Exp32(float t) {
-  if (t < -80.0f) return 0.0f;
-  const float kf = Ops::Add(Ops::Add(Ops::Mul(t, 1.44269504088896341f), 12582912.0f), -12582912.0f);
+KD_HD double Exp32AsDouble(float t) {
+  const float kfm = Ops::Add(Ops::Mul(t, 1.44269504088896341f), 12582912.0f);
+  const float kf = Ops::Add(kfm, -12582912.0f);
+  const int k = static_cast<int>(FloatBits(kfm)) - 0x4B400000;
   float x = Ops::Fma(kf, -0.693359375f, t);
   x = Ops::Fma(kf, 2.12194440e-4f, x);
   const float z = Ops::Mul(x, x);
@@ -80,9 +94,9 @@ KD_HD float Exp32(float t) {
   p = Ops::Fma(p, x, 4.1665795894e-2f);
   p = Ops::Fma(p, x, 1.6666665459e-1f);
   p = Ops::Fma(p, x, 5.0000001201e-1f);
-  const float y = Ops::Add(Ops::Fma(p, z, x), 1.0f);
-  const float scale = BitsFloat(static_cast<uint32_t>(static_cast<int>(kf) + 127) << 23);
-  return Ops::Mul(y, scale);
+  const uint32_t yb = FloatBits(Ops::Add(Ops::Fma(p, z, x), 1.0f));
+  const double e = DoubleFromWords((yb >> 3) + (static_cast<uint32_t>(896 + k) << 20), yb << 29);
+  return t < -80.0f ? 0.0 : e;
 }
 
 // Monotone map float -> uint32 (larger float, larger key); inputs are sanitized (no NaN, no -0).
@@ -134,6 +148,8 @@ KD_HD int64_t NextPow2(int64_t n) {
 // to Python (the workspace is an extra output of the CUDA custom call), with one source of truth.
 // ---------------------------------------------------------------------------------------------------------------
 
+constexpr int kRadixBits = 11;                 // radix-select digit (tree_levels.h SelectKth)
+constexpr int kRadixBins = 1 << kRadixBits;     // its histogram: kRadixBins counters, scan kRadixBins + 1
 constexpr int kStreamThreads = 256;             // stage 1: 8 warps, one 1024-logit tile each per round
 constexpr int kStreamRound = (kStreamThreads / 32) * kTile;
 constexpr int kStreamSlots = 264;               // ~2 resident stage-1 blocks per SM on an H200 (132 SMs)
@@ -142,20 +158,22 @@ constexpr int64_t kMaxLevelSmem = 200 * 1024;   // stage 3 keeps its arena in sh
 
 struct LevelLayout {  // byte offsets inside one batch row's stage-3 arena
   int64_t cap, p2;
+  int64_t qtab;  // 1: the per-depth logits are stored as int64 LogitQ values, 0: as floats
   int64_t xs, key, par, dj, cnt, tkey, tpar, tdj, crank, sortk, sortv, bytes;
 };
 
-KD_HD LevelLayout PlanLevels(int64_t n, int64_t l, int64_t k) {
+KD_HD LevelLayout LevelLayoutFor(int64_t n, int64_t l, int64_t k, int64_t cap, int64_t qtab) {
   LevelLayout a{};
-  a.cap = 2 * n + 2;
+  a.cap = cap;
   a.p2 = NextPow2(n + 1);
+  a.qtab = qtab;
   int64_t o = 0;
   auto take = [&o](int64_t bytes) {
     const int64_t at = o;
     o = AlignUp(o + bytes, 16);
     return at;
   };
-  a.xs = take(4 * l * k);
+  a.xs = take((qtab ? 8 : 4) * l * k);
   a.key = take(8 * a.cap);
   a.par = take(4 * a.cap);
   a.dj = take(4 * a.cap);
@@ -170,6 +188,19 @@ KD_HD LevelLayout PlanLevels(int64_t n, int64_t l, int64_t k) {
   return a;
 }
 
+// The node store holds 4 budget + 2 slots (fewer trims) and the logits as int64 (no conversions in the searches)
+// when that fits in shared memory; otherwise the first of the smaller variants that fits; otherwise the largest,
+// in global memory. Any cap >= 2 budget + 2 is correct (tree_levels.h).
+KD_HD LevelLayout PlanLevels(int64_t n, int64_t l, int64_t k) {
+  const int64_t caps[4] = {4 * n + 2, 4 * n + 2, 2 * n + 2, 2 * n + 2};
+  const int64_t qtabs[4] = {1, 0, 1, 0};
+  for (int i = 0; i < 4; ++i) {
+    const LevelLayout a = LevelLayoutFor(n, l, k, caps[i], qtabs[i]);
+    if (a.bytes <= kMaxLevelSmem) return a;
+  }
+  return LevelLayoutFor(n, l, k, caps[0], qtabs[0]);
+}
+
 struct Plan {
   int64_t b, l, v, n, k;
   int64_t tiles, tiles_per_chunk, nchunk, kc;
@@ -180,8 +211,8 @@ struct Plan {
 };
 
 KD_HD int64_t StreamSmemBytes(int64_t kc) {
-  // candidate buffer (2 kc + one round) + compaction target (kc), uint64 each, + per-warp histograms
-  return 8 * (3 * kc + kStreamRound) + 4 * 256 * (kStreamThreads / 32) + 256;
+  // candidate buffer (2 kc + one round) + compaction target (kc), uint64 each, + radix histogram and its scan
+  return 8 * (3 * kc + kStreamRound) + 4 * (2 * kRadixBins + 1) + 64;
 }
 
 KD_HD Plan MakePlan(int64_t b, int64_t l, int64_t v, int64_t n) {
@@ -195,8 +226,11 @@ KD_HD Plan MakePlan(int64_t b, int64_t l, int64_t v, int64_t n) {
   const int64_t rows = b * l;
   int64_t want = kStreamSlots / rows;
   if (want < 1) want = 1;
-  int64_t most = p.tiles / 4;
+  int64_t most = p.tiles / 4;  // at least 4 tiles a chunk
   if (most < 1) most = 1;
+  int64_t merge_cap = (16 * 1024) / p.k;  // stage 2 reads nchunk * K candidates a row: about 16K at most
+  if (merge_cap < 1) merge_cap = 1;
+  most = most < merge_cap ? most : merge_cap;
   const int64_t nchunk = want < most ? want : most;
   p.tiles_per_chunk = CeilDiv(p.tiles, nchunk);
   p.nchunk = CeilDiv(p.tiles, p.tiles_per_chunk);

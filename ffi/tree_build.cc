@@ -48,7 +48,7 @@ inline __attribute__((always_inline)) double RowLse(const float* xs, int64_t v) 
     float mt = -INFINITY;
     for (int64_t i = lo; i < hi; ++i) mt = std::max(mt, xs[i]);
     double st = 0.0;
-    for (int64_t i = lo; i < hi; ++i) st += static_cast<double>(Exp32<CpuOps>(xs[i] - mt));
+    for (int64_t i = lo; i < hi; ++i) st += Exp32AsDouble<CpuOps>(xs[i] - mt);
     tm[t] = mt;
     ts[t] = st;
     m = std::max(m, mt);
@@ -189,7 +189,7 @@ ffi::Error TreeBuild(ffi::AnyBuffer logits, ffi::Result<I32Mat> tokens,
     if (levels) {
       HostCtx ctx;
       LevelShared sh{};
-      int hist[256], hscan[257];
+      int hist[kRadixBins], hscan[kRadixBins + 1];
       const LevelsIO io{static_cast<int>(n), static_cast<int>(l), static_cast<int>(k), topk.data() + r * l * k,
                         lseq.data() + r * l, tok, par, dep, nullptr};
       BuildLevels(ctx, io, reinterpret_cast<char*>(arena.data()), lay, sh, hist, hscan);

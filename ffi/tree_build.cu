@@ -3,9 +3,10 @@
 // Four kernels, all shapes from the buffers, scratch in the `workspace` output (every byte read is first written
 // in the same call, so nothing needs clearing), no allocation or host sync (kCmdBufferCompatible):
 //   1. StreamTopK  grid (chunks, B*L), 8 warps: one pass over the logits. Per 1024-logit tile (one warp, 32 logits
-//      a lane in registers) the tile max and sum of Exp32 in double; each logit that beats the block's running
-//      K-th best (logit desc, id asc) is appended to a shared-memory buffer, which a radix select compacts back to
-//      K entries when it fills. Out: the chunk's K best tokens and the per-tile (max, sum).
+//      a lane in registers, the warp's next tile already loading) the tile max and the sum of Exp32AsDouble; each
+//      logit that beats the block's running K-th best (logit desc, id asc) is appended to a shared-memory buffer,
+//      which a radix select compacts back to K entries when it fills. Out: the chunk's K best tokens and the
+//      per-tile (max, sum).
 //   2. MergeTopK   one block per (b, d): the same filter over the chunks' candidates, then a bitonic sort of the
 //      K best; and the row's lse from its tiles. Out: sorted TokenKeys [B, L, K] and llrint(lse 2^32) [B, L].
 //   3. LevelsKernel one block per batch row: the level-by-level expansion of tree_levels.h, arena in shared memory
@@ -13,6 +14,7 @@
 //   4. VisKernel   all SMs: the [B, N+1, N+1] ancestor mask from depths and the ancestor table, 16 bytes a thread.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -112,17 +114,20 @@ struct DevCtx {
     const unsigned peers = __match_any_sync(active, reinterpret_cast<unsigned long long>(p));
     if (lane() == __ffs(peers) - 1) atomicAdd(p, __popc(peers));
   }
+  // One contiguous segment a thread: a single block-wide step (in may alias out).
   __device__ void ExclusiveScan(const int* in, int* out, int n) {
-    int carry = 0;
-    for (int base = 0; base < n; base += nt) {
-      const int i = base + tid;
-      const int v = i < n ? in[i] : 0;
-      int total;
-      const int ex = ThreadExclusive(v, &total);
-      if (i < n) out[i] = carry + ex;
-      carry += total;
+    const int per = (n + nt - 1) / nt;
+    const int lo = min(n, tid * per), hi = min(n, lo + per);
+    int sum = 0;
+    for (int i = lo; i < hi; ++i) sum += in[i];
+    int total;
+    int run = ThreadExclusive(sum, &total);
+    for (int i = lo; i < hi; ++i) {
+      const int x = in[i];
+      out[i] = run;
+      run += x;
     }
-    if (tid == 0) out[n] = carry;
+    if (tid == 0) out[n] = total;
     __syncthreads();
   }
 };
@@ -136,7 +141,7 @@ struct StreamShared {
   uint64_t theta;  // the K-th best key kept so far (keys below it qualify); ~0 until the first compaction
   float thx;       // its logit and id, for the cheap float test
   uint32_t thid;
-  int sel[2];
+  int sel[3];
   int64_t r64[32];
   int r32[32];
 };
@@ -183,34 +188,48 @@ __device__ __forceinline__ int WarpReserve(int count, StreamShared& ss, int lane
   return base + incl - count;
 }
 
+// A warp's 1024-logit tile: element k (0..31) of lane `lane` is logit Offset(k, lane) of the tile. Raw holds the
+// loaded bits of a full tile (the next tile is loaded while the current one is processed); Unpack makes floats.
 template <typename T, bool kVec>
 struct Tile;
 
 template <>
 struct Tile<float, true> {  // 8 float4 a lane
+  struct Raw {
+    float4 v[8];
+  };
   static __device__ __forceinline__ int Offset(int k, int lane) { return (k >> 2) * 128 + lane * 4 + (k & 3); }
-  static __device__ __forceinline__ void LoadFull(const float* p, int lane, float (&x)[32]) {
+  static __device__ __forceinline__ void Load(const float* p, int lane, Raw& r) {
     const float4* q = reinterpret_cast<const float4*>(p) + lane;
 #pragma unroll
+    for (int g = 0; g < 8; ++g) r.v[g] = __ldcs(q + g * 32);
+  }
+  static __device__ __forceinline__ void Unpack(const Raw& r, float (&x)[32]) {
+#pragma unroll
     for (int g = 0; g < 8; ++g) {
-      const float4 f = __ldcs(q + g * 32);
-      x[4 * g] = f.x;
-      x[4 * g + 1] = f.y;
-      x[4 * g + 2] = f.z;
-      x[4 * g + 3] = f.w;
+      x[4 * g] = r.v[g].x;
+      x[4 * g + 1] = r.v[g].y;
+      x[4 * g + 2] = r.v[g].z;
+      x[4 * g + 3] = r.v[g].w;
     }
   }
 };
 
 template <>
 struct Tile<uint16_t, true> {  // 4 uint4 (8 bf16 each) a lane
+  struct Raw {
+    uint4 v[4];
+  };
   static __device__ __forceinline__ int Offset(int k, int lane) { return (k >> 3) * 256 + lane * 8 + (k & 7); }
-  static __device__ __forceinline__ void LoadFull(const uint16_t* p, int lane, float (&x)[32]) {
+  static __device__ __forceinline__ void Load(const uint16_t* p, int lane, Raw& r) {
     const uint4* q = reinterpret_cast<const uint4*>(p) + lane;
 #pragma unroll
+    for (int g = 0; g < 4; ++g) r.v[g] = __ldcs(q + g * 32);
+  }
+  static __device__ __forceinline__ void Unpack(const Raw& r, float (&x)[32]) {
+#pragma unroll
     for (int g = 0; g < 4; ++g) {
-      const uint4 u = __ldcs(q + g * 32);
-      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+      const uint32_t w[4] = {r.v[g].x, r.v[g].y, r.v[g].z, r.v[g].w};
 #pragma unroll
       for (int h = 0; h < 4; ++h) {
         x[8 * g + 2 * h] = BitsFloat(w[h] << 16);
@@ -220,50 +239,39 @@ struct Tile<uint16_t, true> {  // 4 uint4 (8 bf16 each) a lane
   }
 };
 
-template <typename T>
-struct Tile<T, false> {  // scalar loads, lane-strided
-  static __device__ __forceinline__ int Offset(int k, int lane) { return k * 32 + lane; }
-  static __device__ __forceinline__ void LoadFull(const T* p, int lane, float (&x)[32]);
-};
-
 __device__ __forceinline__ float ToFloat(float x) { return x; }
 __device__ __forceinline__ float ToFloat(uint16_t x) { return Bf16ToFloat(x); }
 
 template <typename T>
-__device__ __forceinline__ void Tile<T, false>::LoadFull(const T* p, int lane, float (&x)[32]) {
+struct Tile<T, false> {  // scalar loads, lane-strided
+  struct Raw {
+    T v[32];
+  };
+  static __device__ __forceinline__ int Offset(int k, int lane) { return k * 32 + lane; }
+  static __device__ __forceinline__ void Load(const T* p, int lane, Raw& r) {
 #pragma unroll
-  for (int k = 0; k < 32; ++k) x[k] = ToFloat(p[k * 32 + lane]);
-}
-
-// Sanitized logits of one tile (invalid positions past V = -inf).
-template <typename T, bool kVec>
-__device__ __forceinline__ void LoadTile(const T* row, int64_t v, int64_t start, int lane, float (&x)[32]) {
-  if (start + kTile <= v) {
-    Tile<T, kVec>::LoadFull(row + start, lane, x);
-#pragma unroll
-    for (int k = 0; k < 32; ++k) x[k] = Sanitize(x[k]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 32; ++k) {
-      const int64_t e = start + Tile<T, kVec>::Offset(k, lane);
-      x[k] = e < v ? Sanitize(ToFloat(row[e])) : -INFINITY;
-    }
+    for (int k = 0; k < 32; ++k) r.v[k] = p[k * 32 + lane];
   }
-}
+  static __device__ __forceinline__ void Unpack(const Raw& r, float (&x)[32]) {
+#pragma unroll
+    for (int k = 0; k < 32; ++k) x[k] = ToFloat(r.v[k]);
+  }
+};
 
 __device__ __forceinline__ uint64_t* StreamBuffers(unsigned char* smem, int kc, uint64_t** tmp, int** hist,
                                                    int** hscan) {
   uint64_t* buf = reinterpret_cast<uint64_t*>(smem);
   *tmp = buf + 2 * kc + kStreamRound;
   *hist = reinterpret_cast<int*>(*tmp + kc);
-  *hscan = *hist + 256;
+  *hscan = *hist + kRadixBins;
   return buf;
 }
 
 template <typename T, bool kVec>
-__global__ void __launch_bounds__(kStreamThreads) StreamTopK(const T* __restrict__ logits, int64_t v, int tiles,
-                                                             int tpc, int nchunk, int kc, float* tile_m,
-                                                             double* tile_s, uint64_t* cand, int* cand_n) {
+__global__ void __launch_bounds__(kStreamThreads, 2) StreamTopK(const T* __restrict__ logits, int64_t v, int tiles,
+                                                                int tpc, int nchunk, int kc, float* tile_m,
+                                                                double* tile_s, uint64_t* cand, int* cand_n) {
+  using Io = Tile<T, kVec>;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ StreamShared ss;
   uint64_t* tmp;
@@ -275,52 +283,68 @@ __global__ void __launch_bounds__(kStreamThreads) StreamTopK(const T* __restrict
   const int64_t row = blockIdx.y;
   const T* x_row = logits + row * v;
   const int t0 = chunk * tpc, t1 = min(tiles, t0 + tpc);
+  auto full = [&](int t) { return t < t1 && static_cast<int64_t>(t + 1) * kTile <= v; };
   if (c.tid == 0) {
     ss.n = 0;
     ss.theta = ~uint64_t{0};
     ss.thx = -INFINITY;
     ss.thid = 0xffffffffu;
   }
+  typename Io::Raw cur, nxt;
+  if (full(t0 + warp)) Io::Load(x_row + static_cast<int64_t>(t0 + warp) * kTile, lane, cur);
   __syncthreads();
   for (int base = t0; base < t1; base += kWarps) {
     const int t = base + warp;
+    if (full(t + kWarps)) Io::Load(x_row + static_cast<int64_t>(t + kWarps) * kTile, lane, nxt);  // prefetch
     if (t < t1) {
-      float x[32];
       const int64_t start = static_cast<int64_t>(t) * kTile;
-      LoadTile<T, kVec>(x_row, v, start, lane, x);
-      float m = -INFINITY;
+      float x[32];
+      if (full(t)) {
+        Io::Unpack(cur, x);
 #pragma unroll
-      for (int k = 0; k < 32; ++k) m = fmaxf(m, x[k]);
-      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
-      double s = 0.0;
+        for (int k = 0; k < 32; ++k) x[k] = Sanitize(x[k]);
+      } else {  // the row's last, partial tile; positions past V are -inf
 #pragma unroll
-      for (int k = 0; k < 32; ++k) {
-        if (x[k] != -INFINITY) s += static_cast<double>(Exp32<GpuOps>(__fsub_rn(x[k], m)));
+        for (int k = 0; k < 32; ++k) {
+          const int64_t e = start + Io::Offset(k, lane);
+          x[k] = e < v ? Sanitize(ToFloat(x_row[e])) : -INFINITY;
+        }
       }
+      float lane_max = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < 32; ++k) lane_max = fmaxf(lane_max, x[k]);
+      float m = lane_max;
+      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+      double s4[4] = {0.0, 0.0, 0.0, 0.0};  // four chains for ILP; the order only moves the last bit
+#pragma unroll
+      for (int k = 0; k < 32; ++k) s4[k & 3] += Exp32AsDouble<GpuOps>(__fsub_rn(x[k], m));  // -inf -> 0
+      double s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
       for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
       if (lane == 0) {
         tile_m[row * tiles + t] = m;
         tile_s[row * tiles + t] = s;
       }
+      // candidates: logits that beat the running K-th best (none in a lane whose max is below it)
       const float thx = ss.thx;
       const uint32_t thid = ss.thid;
       uint32_t mask = 0;
+      if (lane_max >= thx) {
 #pragma unroll
-      for (int k = 0; k < 32; ++k) {
-        const uint32_t id = static_cast<uint32_t>(start + Tile<T, kVec>::Offset(k, lane));
-        const bool q = x[k] != -INFINITY && (x[k] > thx || (x[k] == thx && id < thid));
-        mask |= static_cast<uint32_t>(q) << k;
+        for (int k = 0; k < 32; ++k) {
+          const uint32_t id = static_cast<uint32_t>(start + Io::Offset(k, lane));
+          const bool q = x[k] != -INFINITY && (x[k] > thx || (x[k] == thx && id < thid));
+          mask |= static_cast<uint32_t>(q) << k;
+        }
       }
       if (__any_sync(kFull, mask != 0)) {
         int pos = WarpReserve(__popc(mask), ss, lane);
 #pragma unroll
         for (int k = 0; k < 32; ++k) {
-          if ((mask >> k) & 1u) {
-            buf[pos++] = TokenKey(x[k], static_cast<uint32_t>(start + Tile<T, kVec>::Offset(k, lane)));
-          }
+          if ((mask >> k) & 1u) buf[pos++] = TokenKey(x[k], static_cast<uint32_t>(start + Io::Offset(k, lane)));
         }
       }
     }
+    cur = nxt;
     __syncthreads();
     const int n_now = ss.n;
     __syncthreads();
@@ -402,8 +426,8 @@ __global__ void __launch_bounds__(kLevelThreads) LevelsKernel(int n, int l, int 
                                                               char* global_arena, LevelLayout lay, bool in_smem) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ LevelShared sh;
-  __shared__ int hist[256];
-  __shared__ int hscan[257];
+  __shared__ int hist[kRadixBins];
+  __shared__ int hscan[kRadixBins + 1];
   __shared__ int64_t r64[32];
   __shared__ int r32[32];
   const int64_t b = blockIdx.x;
@@ -460,14 +484,31 @@ ffi::Error CudaCheck(cudaError_t e, const char* what) {
   return ffi::Error::Internal(std::string("tree_build (CUDA) ") + what + ": " + cudaGetErrorString(e));
 }
 
+// Raises a kernel's dynamic shared memory limit when a launch needs more than was set before on this device (one
+// cudaFuncSetAttribute per kernel and device in steady state).
+template <auto Kernel>
+ffi::Error AllowSmem(int64_t bytes, const char* what) {
+  static std::atomic<int64_t> allowed[64] = {};
+  int dev = 0;
+  ffi::Error err = CudaCheck(cudaGetDevice(&dev), what);
+  if (err.failure()) return err;
+  if (dev < 64 && allowed[dev].load(std::memory_order_relaxed) >= bytes) return ffi::Error::Success();
+  err = CudaCheck(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+                  what);
+  if (err.failure()) return err;
+  if (dev < 64) {
+    int64_t cur = allowed[dev].load(std::memory_order_relaxed);
+    while (cur < bytes && !allowed[dev].compare_exchange_weak(cur, bytes)) {
+    }
+  }
+  return ffi::Error::Success();
+}
+
 template <typename T, bool kVec>
 ffi::Error LaunchStream(const Plan& p, const void* logits, char* ws, cudaStream_t stream) {
-  auto kernel = StreamTopK<T, kVec>;
-  ffi::Error err = CudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  static_cast<int>(p.stream_smem)),
-                             "stage 1 shared memory");
+  ffi::Error err = AllowSmem<StreamTopK<T, kVec>>(p.stream_smem, "stage 1 shared memory");
   if (err.failure()) return err;
-  kernel<<<dim3(static_cast<unsigned>(p.nchunk), static_cast<unsigned>(p.b * p.l)), kStreamThreads, p.stream_smem,
+  StreamTopK<T, kVec><<<dim3(static_cast<unsigned>(p.nchunk), static_cast<unsigned>(p.b * p.l)), kStreamThreads, p.stream_smem,
            stream>>>(static_cast<const T*>(logits), p.v, static_cast<int>(p.tiles),
                      static_cast<int>(p.tiles_per_chunk), static_cast<int>(p.nchunk), static_cast<int>(p.kc),
                      reinterpret_cast<float*>(ws + p.tile_m), reinterpret_cast<double*>(ws + p.tile_s),
@@ -519,9 +560,7 @@ ffi::Error TreeBuildCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Result
   if (err.failure()) return err;
 
   const int64_t merge_smem = StreamSmemBytes(p.k);
-  err = CudaCheck(cudaFuncSetAttribute(MergeTopK, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(merge_smem)),
-                  "stage 2 shared memory");
+  err = AllowSmem<MergeTopK>(merge_smem, "stage 2 shared memory");
   if (err.failure()) return err;
   MergeTopK<<<static_cast<unsigned>(b * l), kStreamThreads, merge_smem, stream>>>(
       static_cast<int>(p.nchunk), static_cast<int>(p.kc), static_cast<int>(p.k), static_cast<int>(p.tiles),
@@ -532,9 +571,7 @@ ffi::Error TreeBuildCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::Result
   if (err.failure()) return err;
 
   const int64_t level_smem = p.levels_in_smem ? p.lv.bytes : 0;
-  err = CudaCheck(cudaFuncSetAttribute(LevelsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(level_smem)),
-                  "stage 3 shared memory");
+  err = AllowSmem<LevelsKernel>(level_smem, "stage 3 shared memory");
   if (err.failure()) return err;
   int32_t* anc = reinterpret_cast<int32_t*>(ws + p.anc);
   LevelsKernel<<<static_cast<unsigned>(b), kLevelThreads, level_smem, stream>>>(

@@ -63,7 +63,7 @@ struct LevelShared {
   int levcount[kMaxDepth + 1];
   int64_t sp[kMaxDepth + 1];        // score of the best path to depth d
   int64_t lseq[kMaxDepth];
-  int sel[2];
+  int sel[3];
 };
 
 struct LevelsIO {
@@ -85,8 +85,9 @@ KD_DEV int LowerUpperBound(const int* a, int n, int x) {  // first index i in [0
   return lo;
 }
 
-// k-th smallest (1-based) of key(i), i in [0, n): MSB-first radix select, 8-bit digits, starting at the highest bit
-// where the keys differ.
+// k-th smallest (1-based) of key(i), i in [0, n): MSB-first radix select with 11-bit digits, starting at the highest
+// bit where the keys differ, and stopping early once the selected digit's bin is needed whole (the k-th is then the
+// largest key in it).
 template <class Ctx, class Key>
 KD_DEV uint64_t SelectKth(Ctx& c, int n, int k, Key key, int* hist, int* hscan, int* sel) {
   uint64_t lo = ~uint64_t{0}, hi = 0;
@@ -98,33 +99,45 @@ KD_DEV uint64_t SelectKth(Ctx& c, int n, int k, Key key, int* hist, int* hscan, 
   lo = c.MinU64(lo);
   hi = c.MaxU64(hi);
   if (lo == hi) return lo;
-  int shift = ((63 - KD_CLZLL(lo ^ hi)) / 8) * 8;
-  uint64_t mask = shift >= 56 ? 0 : ~((uint64_t{1} << (shift + 8)) - 1);
+  int top = 63 - KD_CLZLL(lo ^ hi);                   // bits above `top` are shared by every key
+  uint64_t mask = ~((uint64_t{2} << top) - 1);         // (2 << 63 wraps to 0: mask 0)
   uint64_t prefix = lo & mask;
   int krem = k;
   for (;;) {
-    for (int i = c.tid; i < 256; i += c.nt) hist[i] = 0;
+    const int shift = top - kRadixBits + 1 > 0 ? top - kRadixBits + 1 : 0;
+    const int bins = 1 << (top - shift + 1);
+    for (int i = c.tid; i < bins; i += c.nt) hist[i] = 0;
     c.sync();
     for (int i = c.tid; i < n; i += c.nt) {
       const uint64_t u = key(i);
-      if ((u & mask) == prefix) c.Count(&hist[(u >> shift) & 255]);
+      if ((u & mask) == prefix) c.Count(&hist[(u >> shift) & static_cast<uint64_t>(bins - 1)]);
     }
     c.sync();
-    c.ExclusiveScan(hist, hscan, 256);
-    for (int i = c.tid; i < 256; i += c.nt) {
+    c.ExclusiveScan(hist, hscan, bins);
+    for (int i = c.tid; i < bins; i += c.nt) {
       if (hscan[i] < krem && krem <= hscan[i + 1]) {
         sel[0] = i;
         sel[1] = hscan[i];
+        sel[2] = hscan[i + 1] - hscan[i];
       }
     }
     c.sync();
     const int bin = sel[0];
     krem -= sel[1];
+    const bool whole = sel[2] == krem;
     c.sync();
     prefix |= static_cast<uint64_t>(bin) << shift;
-    mask |= uint64_t{255} << shift;
+    mask |= static_cast<uint64_t>(bins - 1) << shift;
     if (shift == 0) return prefix;
-    shift -= 8;
+    if (whole) {
+      uint64_t m = 0;
+      for (int i = c.tid; i < n; i += c.nt) {
+        const uint64_t u = key(i);
+        if ((u & mask) == prefix && u > m) m = u;
+      }
+      return c.MaxU64(m);
+    }
+    top = shift - 1;
   }
 }
 
@@ -206,7 +219,9 @@ template <class Ctx>
 KD_DEV void BuildLevels(Ctx& c, const LevelsIO& io, char* arena, const LevelLayout& lay, LevelShared& sh,
                         int* hist, int* hscan) {
   const int N = io.n, L = io.l, K = io.k, CAP = static_cast<int>(lay.cap);
-  float* xs = reinterpret_cast<float*>(arena + lay.xs);
+  float* xs = reinterpret_cast<float*>(arena + lay.xs);     // lay.qtab == 0
+  int64_t* xq = reinterpret_cast<int64_t*>(arena + lay.xs);  // lay.qtab == 1
+  const bool qtab = lay.qtab != 0;
   int64_t* key = reinterpret_cast<int64_t*>(arena + lay.key);
   int* par = reinterpret_cast<int*>(arena + lay.par);
   uint32_t* dj = reinterpret_cast<uint32_t*>(arena + lay.dj);
@@ -218,21 +233,33 @@ KD_DEV void BuildLevels(Ctx& c, const LevelsIO& io, char* arena, const LevelLayo
   uint64_t* sortk = reinterpret_cast<uint64_t*>(arena + lay.sortk);
   int* sortv = reinterpret_cast<int*>(arena + lay.sortv);
 
-  for (int i = c.tid; i < L * K; i += c.nt) xs[i] = TokenKeyLogit(io.topk[i]);
+  for (int i = c.tid; i < L * K; i += c.nt) {
+    const float x = TokenKeyLogit(io.topk[i]);
+    if (qtab) xq[i] = LogitQ(x); else xs[i] = x;
+  }
   if (c.tid == 0) {
     for (int d = 0; d < L; ++d) sh.lseq[d] = io.lseq[d];
   }
   c.sync();
-  auto q = [&](int d, int j) -> int64_t { return LogitQ(xs[(d - 1) * K + j]) - sh.lseq[d - 1]; };
+  auto q = [&](int d, int j) -> int64_t {
+    const int i = (d - 1) * K + j;
+    return (qtab ? xq[i] : LogitQ(xs[i])) - sh.lseq[d - 1];
+  };
   if (c.tid == 0) {
     sh.sp[0] = 0;
     for (int d = 1; d <= L; ++d) sh.sp[d] = sh.sp[d - 1] + q(d, 0);
   }
   c.sync();
 
-  // t0: the N-th best spine sibling.
-  const uint64_t u0 = SelectKth(
-      c, L * K, N, [&](int i) { return ScoreKey(sh.sp[i / K] + q(i / K + 1, i % K)); }, hist, hscan, sh.sel);
+  // t0: the N-th best spine sibling. (i / K by a float reciprocal, corrected: exact for i < 2^24.)
+  const float inv_k = 1.0f / static_cast<float>(K);
+  auto spine_key = [&](int i) {
+    int d = static_cast<int>(static_cast<float>(i) * inv_k);
+    d -= d * K > i ? 1 : 0;
+    d += (d + 1) * K <= i ? 1 : 0;
+    return ScoreKey(sh.sp[d] + q(d + 1, i - d * K));
+  };
+  const uint64_t u0 = SelectKth(c, L * K, N, spine_key, hist, hscan, sh.sel);
   if (c.tid == 0) {
     sh.t = KeyScore(u0);
     sh.strict = 0;
