@@ -1,4 +1,4 @@
-// Shared by the C++ (CPU) and CUDA handlers: the exact arithmetic that makes both give the same tree bit for bit.
+// Shared by the C++ (CPU) and CUDA handlers: the exact arithmetic that makes both return the same tree.
 //
 // Scores. Every logit is sanitized (NaN -> -2^20, clamped to +-2^20, -0 -> +0). Per depth, the log-sum-exp is
 // computed in tiles of kTile logits: m_t = max of the tile, s_t = sum of Exp32AsDouble(x - m_t) in double, an exp
@@ -6,7 +6,9 @@
 // then m = max m_t, s = sum s_t * exp(m_t - m) in double, lse = m + log(s). A token's log-prob in 64-bit fixed point
 // (2^-32 nats) is q = llrint(x * 2^32) - llrint(lse * 2^32) <= 0, and a node's score is the integer sum of the q of
 // its path. Integer scores make ties exact and associative (cousins with the same multiset of logits tie exactly)
-// and a child never scores above its parent.
+// and a child never scores above its parent. The only difference between the platforms is the order of the double
+// sums (last-bit rounding), which changes llrint(lse * 2^32) with probability ~1e-6 per depth; such a one-unit
+// (2^-32 nats) difference would then also have to decide a comparison between two scores to change the tree.
 //
 // Order ("the tie rule"). Nodes are ranked by score (higher first), then depth (shallower first), then by their path
 // of per-depth token ranks read lexicographically (smaller first). A depth's tokens are ranked by logit (higher

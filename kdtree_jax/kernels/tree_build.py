@@ -11,8 +11,8 @@ Definition, shared by every implementation:
   ranks read lexicographically (smaller first). The tree is the first `budget` nodes of that order, stored in that
   order (the pop order of the best-first search); it is prefix-closed and each parent precedes its children.
 * The custom calls score in 64-bit fixed point (2^-32 nats, exact sums, so mathematically tied paths tie exactly) and
-  compute the log-sum-exp with the same float32 operations on CPU and GPU: the two kernels return identical arrays.
-  The reference scores in float32, so it can order near-ties (scores within ~1e-5) differently.
+  compute the log-sum-exp with the same float32 operations on CPU and GPU: the two kernels return identical arrays
+  (ffi/common.h). The reference scores in float32, so it can order near-ties (scores within ~1e-5) differently.
 
 The CUDA kernel keeps at most 4096 nodes (budget <= 4096); the CPU kernel and the reference take any budget.
 """
