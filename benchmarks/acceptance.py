@@ -39,8 +39,12 @@ def commit() -> str:
         return "unknown"
 
 
+# e.g. KDTREE_FFI_OPS=tree_build,tree_accept: those custom calls, the rest in pure JAX (with --kernels ffi)
+FFI_OPS = tuple(os.environ.get("KDTREE_FFI_OPS", ",".join(kj.config.FFI_OPS)).split(","))
+
+
 def run(model, prompts, method, budget, new_tokens, kernels):
-    cfg = dataclasses.replace(model.cfg, kernels=kernels)
+    cfg = dataclasses.replace(model.cfg, kernels=kernels, ffi_ops=FFI_OPS)
     kw = dict(max_new_tokens=new_tokens, method=method, drafter=model.drafter, budget=budget)
     kj.generate(model.params, cfg, prompts, **kw)  # compile (cached) and warm up
     return kj.generate(model.params, cfg, prompts, **kw)
@@ -110,14 +114,16 @@ def main(argv=None) -> int:
         s["speedup_vs_ar"] = s["tokens_per_s"] / base["tokens_per_s"]
 
     meta = dict(date=datetime.date.today().isoformat(), device=device, commit=commit(),
-                python=platform.python_version(), jax=jax.__version__, kernels=args.kernels, prompts=args.prompts,
+                python=platform.python_version(), jax=jax.__version__, kernels=args.kernels, ffi_ops=FFI_OPS,
+                prompts=args.prompts,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, heldout_files=len(held_files))
     with open(os.path.join(args.out, "acceptance.json"), "w") as f:
         json.dump(dict(meta=meta, tau=rows, speed=speed), f, indent=1)
+    ops = f" ({', '.join(FFI_OPS)})" if args.kernels == "ffi" else ""
     lines = [f"# Acceptance and speed of the embedded model ({meta['date']}, {device}, commit {meta['commit']})", "",
              f"Held-out standard-library files of Python {meta['python']} ({len(held_files)} files), {args.prompts} "
              f"prompts of {args.prompt_len} bytes, {args.new_tokens} new tokens, greedy, jax {jax.__version__}, "
-             f"kernels={args.kernels}. tau = tokens committed per verify step, bonus included.", "",
+             f"kernels={args.kernels}{ops}. tau = tokens committed per verify step, bonus included.", "",
              "Rows differing from AR: how many of the prompts, and the largest AR logit margin (top-1 minus top-2) "
              "at a first difference: a near-zero margin is a floating-point near-tie between the verify and the "
              "AR computation, not a logic error.", "",

@@ -54,7 +54,8 @@ def tiny_widths(kernels: str) -> kj.ModelConfig:
 
 
 def bench(cfg, params, drafter, batch: int, prompt_len: int, method: str, budget: int, repeats: int) -> dict:
-    impl = "ffi" if cfg.kernels == "ffi" else "xla"
+    build_impl = "ffi" if cfg.uses_ffi("tree_build") else "xla"
+    accept_impl = "ffi" if cfg.uses_ffi("tree_accept") else "xla"
     rng = np.random.default_rng(0)
     bs = drafter.cfg.block_size
     n = bs if method == "chain" else budget + 1
@@ -77,14 +78,14 @@ def bench(cfg, params, drafter, batch: int, prompt_len: int, method: str, budget
     if method == "chain":
         f_tree = jax.jit(ddtree.chain_tree)
     else:
-        f_tree = jax.jit(lambda dl, b: ddtree.ddtree_tree(dl, b, budget, impl))
+        f_tree = jax.jit(lambda dl, b: ddtree.ddtree_tree(dl, b, budget, build_impl))
     tree = f_tree(dlogits, bonus)
     out["tree_build_s"] = timeit(f_tree, dlogits, bonus, repeats=repeats)
     f_verify = jax.jit(lambda c, t: (lambda r: (choose(r.logits, None, 1.0, True), r))(
         step(params, cfg, t.tokens, c, depths=t.depths, tree_mask=t.visibility)))
     target, res = f_verify(cache, tree)
     out["verify_s"] = timeit(f_verify, cache, tree, repeats=repeats)
-    f_accept = jax.jit(lambda t, tt: tree_accept(t.tokens, t.parents, tt, impl=impl))
+    f_accept = jax.jit(lambda t, tt: tree_accept(t.tokens, t.parents, tt, impl=accept_impl))
     acc = f_accept(tree, target)
     out["accept_s"] = timeit(f_accept, tree, target, repeats=repeats)
     width = min(n, bs)
@@ -113,6 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--kernels", default="xla", choices=("xla", "ffi"))
     ap.add_argument("--tiny", action="store_true", help="the tiny config (CPU smoke run)")
+    ap.add_argument("--builtin", action="store_true", help="the embedded trained model and its drafter")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--budgets", default="16,64,256,512")
@@ -122,10 +124,17 @@ def main(argv=None) -> int:
     ap.add_argument("--taus", default="4.4", help="tau values to turn step times into tokens/s (chain uses its own)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    cfg = tiny_widths(args.kernels) if args.tiny else k2_widths(args.layers, args.experts, args.kernels)
-    params = kj.init_params(cfg, jax.random.key(0))
-    drafter = kj.init_drafter(cfg, jax.random.key(1), num_layers=1 if args.tiny else 6, block_size=8,
-                              num_kv_heads=None if args.tiny else 8)
+    if args.builtin:
+        model = kj.load("builtin")
+        cfg, params, drafter = dataclasses.replace(model.cfg, kernels=args.kernels), model.params, model.drafter
+    else:
+        cfg = tiny_widths(args.kernels) if args.tiny else k2_widths(args.layers, args.experts, args.kernels)
+        params = kj.init_params(cfg, jax.random.key(0))
+        drafter = kj.init_drafter(cfg, jax.random.key(1), num_layers=1 if args.tiny else 6, block_size=8,
+                                  num_kv_heads=None if args.tiny else 8)
+    ops = os.environ.get("KDTREE_FFI_OPS")  # e.g. "tree_build,tree_accept": the other ops in pure JAX
+    if ops:
+        cfg = dataclasses.replace(cfg, ffi_ops=tuple(ops.split(",")))
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         configs = [("ar", 0), ("chain", 0)] + [("ddtree", int(b)) for b in args.budgets.split(",")]
@@ -135,13 +144,17 @@ def main(argv=None) -> int:
             print(json.dumps(r), flush=True)
     device = str(jax.devices()[0].device_kind)
     meta = dict(date=datetime.date.today().isoformat(), device=device, commit=os.environ.get("KDTREE_COMMIT", "?"),
-                jax=jax.__version__, kernels=args.kernels, cfg=dataclasses.asdict(cfg), drafter=str(drafter.cfg))
-    with open(os.path.join(args.out, f"ddtree_e2e_{args.kernels}.json"), "w") as f:
+                jax=jax.__version__, kernels=args.kernels, ffi_ops=cfg.ffi_ops, cfg=dataclasses.asdict(cfg),
+                drafter=str(drafter.cfg))
+    tag = f"{'builtin_' if args.builtin else 'tiny_' if args.tiny else ''}{args.kernels}"
+    with open(os.path.join(args.out, f"ddtree_e2e_{tag}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     tau = float(args.taus.split(",")[0])
+    name = ("the embedded model" if args.builtin else "tiny" if args.tiny
+            else f"K2 widths, {args.layers} layers, {args.experts} experts")
     ms = lambda r, k: f"{1e3 * r[k]:.3f}" if k in r else "-"
     lines = [f"# DDTree step breakdown ({meta['date']}, {device}, commit {meta['commit']}, kernels={args.kernels})", "",
-             f"Model: {'tiny' if args.tiny else f'K2 widths, {args.layers} layers, {args.experts} experts'}; "
+             f"Model: {name}; "
              f"prompt {args.prompt_len}; times in ms (median of {args.repeats}). tokens/s assumes tau={tau} for "
              f"ddtree, 1 for ar.", "",
              "| batch | method | nodes | drafter | tree build | verify | accept | compaction | step | "
@@ -155,7 +168,7 @@ def main(argv=None) -> int:
                      f"| {r['batch']} | {r['method']} | {r['nodes']} | - | - | {ms(r, 'verify_s')} | - | - | "
                      f"{ms(r, 'step_s')} | - |")
         lines[-1] += f" {r['batch'] * t / r['step_s']:.0f} |"
-    with open(os.path.join(args.out, f"ddtree_e2e_{args.kernels}.md"), "w") as f:
+    with open(os.path.join(args.out, f"ddtree_e2e_{tag}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -11,6 +11,7 @@ from .generate import GenerateOutput, generate
 from .sharding import make_mesh, shard_params
 from .checkpoint import Model, load
 
-__all__ = ["ConfigError", "Drafter", "OracleDrafter", "init_drafter", "GenerateOutput", "KVCache", "ModelConfig", "Params", "configs", "decode_step",
-           "forward", "generate", "init_cache", "init_params", "make_mesh", "prefill", "shard_params", "Model", "load"]
+__all__ = ["ConfigError", "Drafter", "GenerateOutput", "KVCache", "Model", "ModelConfig", "OracleDrafter", "Params",
+           "configs", "decode_step", "forward", "generate", "init_cache", "init_drafter", "init_params", "load",
+           "make_mesh", "prefill", "shard_params"]
 __version__ = "0.1.0"

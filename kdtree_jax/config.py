@@ -18,6 +18,7 @@ import jax
 DTYPES = ("float32", "bfloat16")
 EXPERT_FORMATS = ("bf16", "int4")
 KERNELS = ("xla", "ffi", "dense")
+FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe")
 
 
 class ConfigError(ValueError):
@@ -74,6 +75,7 @@ class ModelConfig:
     dtype: str = "bfloat16"
     expert_format: str = "int4"
     kernels: str = "xla"
+    ffi_ops: tuple[str, ...] = FFI_OPS  # with kernels="ffi": which custom calls to use (the rest: pure JAX)
     group_size: int = 32  # INT4 quantization group along the input dimension
 
     def __post_init__(self):
@@ -103,6 +105,10 @@ class ModelConfig:
 
         return jnp.dtype(self.dtype)
 
+    def uses_ffi(self, op: str) -> bool:
+        """Whether custom call `op` (one of FFI_OPS) runs instead of its pure-JAX reference."""
+        return self.kernels == "ffi" and op in self.ffi_ops
+
     def validate(self) -> None:
         """Raise ConfigError naming the field when the config cannot describe a model we run."""
         if self.dtype not in DTYPES:
@@ -111,6 +117,9 @@ class ModelConfig:
             raise ConfigError(f"expert_format must be one of {EXPERT_FORMATS}, got {self.expert_format!r}")
         if self.kernels not in KERNELS:
             raise ConfigError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        unknown = set(self.ffi_ops) - set(FFI_OPS)
+        if unknown:
+            raise ConfigError(f"ffi_ops has unknown custom calls {sorted(unknown)} (known: {FFI_OPS})")
         if self.rope_type not in ("yarn", "default"):
             raise ConfigError(f"rope_scaling type {self.rope_type!r} is not supported (yarn or default)")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -175,7 +184,7 @@ class ModelConfig:
         unknown = set(d) - known
         if unknown:
             raise ConfigError(f"unknown config fields: {sorted(unknown)}")
-        return cls(**d)
+        return cls(**{**d, **({"ffi_ops": tuple(d["ffi_ops"])} if "ffi_ops" in d else {})})
 
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",

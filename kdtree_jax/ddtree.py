@@ -116,7 +116,8 @@ def oracle_draft(params: Params, cfg: ModelConfig, oracle: OracleDrafter, s: Spe
 def spec_step(params: Params, cfg: ModelConfig, drafter: Drafter, s: SpecState, method: str, budget: int,
               temperature, eos_id, greedy: bool) -> SpecState:
     """One draft -> build -> verify -> accept -> compact step for every row (rows already done stay frozen)."""
-    impl = "ffi" if cfg.kernels == "ffi" else "xla"
+    build_impl = "ffi" if cfg.uses_ffi("tree_build") else "xla"
+    accept_impl = "ffi" if cfg.uses_ffi("tree_accept") else "xla"
     oracle = isinstance(drafter, OracleDrafter)
     lengths = s.cache.lengths
     bs = drafter.block_size if oracle else drafter.cfg.block_size
@@ -126,14 +127,17 @@ def spec_step(params: Params, cfg: ModelConfig, drafter: Drafter, s: SpecState, 
         else:
             dlogits = draft(drafter, params, s.dcache, lengths, s.last)  # [B, L, V]
     with jax.named_scope("tree_build"):
-        tree = chain_tree(dlogits, s.last) if method == "chain" else ddtree_tree(dlogits, s.last, budget, impl)
+        if method == "chain":
+            tree = chain_tree(dlogits, s.last)
+        else:
+            tree = ddtree_tree(dlogits, s.last, budget, build_impl)
     n = tree.tokens.shape[1]
     with jax.named_scope("verify"):
         res = step(params, cfg, tree.tokens, s.cache, depths=tree.depths, tree_mask=tree.visibility)
         key, sub = jax.random.split(s.key)
         target = choose(res.logits, sub, temperature, greedy)  # [B, N]
     with jax.named_scope("accept"):
-        acc = tree_accept(tree.tokens, tree.parents, target, impl=impl)
+        acc = tree_accept(tree.tokens, tree.parents, target, impl=accept_impl)
         width = min(n, bs)  # a path holds at most L + 1 = block_size nodes, and at most N
         path = acc.path[:, :width]  # [B, P]
         path_tokens = jnp.take_along_axis(tree.tokens, jnp.clip(path, 0, n - 1), axis=1)  # [B, P]

@@ -361,7 +361,7 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
             latent, pe = _write_rows(cache_layer[0], c_kv, lengths), _write_rows(cache_layer[1], k_pe, lengths)
             q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, p.k_b)  # [B, T, H, R]
             attend = mla_absorbed_attention
-            if cfg.kernels == "ffi":
+            if cfg.uses_ffi("mla_verify"):
                 from .kernels import mla_verify as attend
             o_lat = attend(q_lat, q_pe, latent, pe, lengths, tree_mask, scale)  # [B, T, H, R]
             o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(dt), p.v_b)  # [B, T, H, dv]
@@ -449,10 +449,10 @@ def moe(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     with jax.named_scope("router"):
         ids, w = route(p, flat, cfg)
     with jax.named_scope("experts"):
-        if cfg.kernels == "ffi":
+        if cfg.uses_ffi("marlin_moe"):
             from .kernels import marlin_moe as experts
         else:
-            experts = _EXPERTS[cfg.kernels]
+            experts = _EXPERTS.get(cfg.kernels, moe_experts_ref)
         from .sharding import current_mesh, moe_expert_parallel
 
         if current_mesh() is not None:
