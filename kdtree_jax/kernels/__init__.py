@@ -5,9 +5,11 @@ The FFI libraries are built from `ffi/` by the package's CMake build and registe
 (`_registry.register`).
 """
 
+from .marlin_moe import marlin_moe, marlin_moe_ref
 from .mla_verify import mla_verify, mla_verify_ref
 from .tree_accept import Accepted, tree_accept, tree_accept_ref
 from .tree_build import Tree, tree_build, tree_build_ref
 
 __all__ = ["Accepted", "Tree", "mla_verify", "mla_verify_ref", "tree_accept", "tree_accept_ref", "tree_build",
            "tree_build_ref"]
+__all__ += ["marlin_moe", "marlin_moe_ref"]

@@ -25,11 +25,13 @@ CPU_TARGETS = {
     "kdtree_tree_build_levels": "KdTreeBuildLevelsCpu",
     "kdtree_tree_accept": "KdTreeAcceptCpu",
     "kdtree_mla_verify": "KdMlaVerifyCpu",
+    "kdtree_marlin_moe": "KdMarlinMoeCpu",
 }
 CUDA_TARGETS = {
     "kdtree_tree_build": "KdTreeBuildCuda",
     "kdtree_tree_accept": "KdTreeAcceptCuda",
     "kdtree_mla_verify": "KdMlaVerifyCuda",
+    "kdtree_marlin_moe": "KdMarlinMoeCuda",
 }
 
 _cuda_error: str | None = None

@@ -1,0 +1,185 @@
+"""The routed experts of a MoE layer with INT4 weights (W4A16, group 32), as a custom call (`impl="ffi"`:
+ffi/marlin_moe.cc on CPU, ffi/marlin_moe.cu on CUDA) or in pure JAX (`impl="xla"`, `marlin_moe_ref`).
+
+For token m and its k routing slots j (expert e = ids[m, j]; an id outside [0, E) means "not one of these experts"
+and adds nothing, which is how expert parallelism passes each shard the slots of other shards):
+
+    h        = silu(x[m] @ gate_e.T) * (x[m] @ up_e.T)        [F]
+    out[m]  += weights[m, j] * (h @ down_e.T)                  [D]
+
+This is `kdtree_jax.model.moe_experts_ref`. The experts stay in the model's (and the checkpoint's) layout: the
+compressed-tensors `Int4Array` of `kdtree_jax.quant` (packed int32 [E, out, in/8], nibble q + 8 least significant
+first, bf16 scales [E, out, in/group]); the CUDA kernel streams those words directly with 16-byte loads along `in`,
+so there is no repack and no inverse to keep in step with the converter.
+
+CUDA fast path (bf16 activations, D and F multiples of 128, groups multiples of 32 with an even count per row, as
+Kimi K2 has): the M k slots are sorted by expert on the device into blocks of `block_m` slots of one expert (the
+`moe_align` of this module, as a kernel), then gate+up with the SiLU-and-multiply fused, then down, each streaming
+every touched expert's INT4 weights once (mma.sync bf16 tensor cores, fp32 accumulation), then a fixed-order sum
+over the top-k with the routing weights. The sorted slots, the block experts and the bf16 intermediates h [M k, F]
+and ys [M k, D] are extra outputs of the call (scratch; nothing in them needs clearing). Float32 activations and
+other shapes run a generic CUDA-core kernel: correct, not fast.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..model import moe_experts_ref
+from ..quant import Int4Array
+from . import _registry
+
+BLOCK_SIZES = (8, 16, 32)  # slots per token block of the CUDA kernel (8 per mma column tile)
+TARGET = "kdtree_marlin_moe"
+
+
+def block_size(m: int, k: int, e: int) -> int:
+    """Slots per token block: the smallest of 8 / 16 / 32 that an average expert's M k / E slots fill to less than
+    90% (as vLLM picks its moe block size); one block holds the slots of one expert, padded."""
+    for bm in BLOCK_SIZES:
+        if m * k / max(e, 1) / bm < 0.9:
+            return bm
+    return BLOCK_SIZES[-1]
+
+
+def max_blocks(slots: int, e: int, bm: int) -> int:
+    """Token blocks that hold any routing of `slots` slots over `e` experts: every touched expert pads its run up to
+    a multiple of bm, at most min(e, slots) experts are touched, so sum ceil(c_e / bm) <= (slots + min(e, slots)
+    (bm - 1)) / bm."""
+    return (slots + min(e, slots) * (bm - 1)) // bm
+
+
+def moe_align(ids: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Array, jax.Array]:
+    """Slots sorted by expert, each expert's run padded to a multiple of block_m (static shapes).
+
+    ids int [M, k] -> (sorted_slots int32 [max_blocks * block_m], block_experts int32 [max_blocks]):
+    sorted_slots holds the slots m k + j of expert 0 in ascending order, padded with the sentinel M k to a multiple
+    of block_m, then expert 1's, ...; ids outside [0, num_experts) are left out. block_experts[b] is the expert of
+    slots b block_m .. (b + 1) block_m - 1, or -1 past the last used block. The CUDA kernel computes exactly these
+    arrays (its align stage); this is their definition.
+    """
+    flat = ids.reshape(-1).astype(jnp.int32)  # [S]
+    s = flat.shape[0]
+    nb = max_blocks(s, num_experts, block_m)
+    key = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # [S]; num_experts = dropped
+    counts = jnp.zeros(num_experts + 1, jnp.int32).at[key].add(1)  # [E + 1]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded = padded.at[num_experts].set(0)
+    ends = jnp.cumsum(padded)  # [E + 1]  end of each expert's padded run
+    order = jnp.argsort(key, stable=True)  # [S]  slots by expert, ascending within an expert
+    sorted_key = key[order]
+    rank = jnp.arange(s, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[sorted_key]  # place within its expert
+    dest = jnp.where(sorted_key < num_experts, (ends - padded)[sorted_key] + rank, nb * block_m)
+    sorted_slots = jnp.full((nb * block_m,), s, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
+    first = jnp.arange(nb, dtype=jnp.int32) * block_m  # [nb]
+    block_experts = jnp.searchsorted(ends[:num_experts], first, side="right").astype(jnp.int32)
+    return sorted_slots, jnp.where(first < ends[num_experts], block_experts, -1)
+
+
+def _check(x, ids, weights, we_gate, we_up, we_down) -> tuple[int, int, int, int, int]:
+    arrays = {"x": x, "ids": ids, "weights": weights}
+    for name, a in arrays.items():
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"marlin_moe: {name} must be an array, got {type(a).__name__}")
+    if len(x.shape) != 2:
+        raise ValueError(f"marlin_moe: x must be [M, D], got shape {tuple(x.shape)}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise TypeError(f"marlin_moe: x must be float32 or bfloat16, got {x.dtype}")
+    m, d = (int(n) for n in x.shape)
+    if len(ids.shape) != 2 or ids.shape[0] != m:
+        raise ValueError(f"marlin_moe: ids must be [M, k] with M = {m} (x's rows), got shape {tuple(ids.shape)}")
+    if tuple(weights.shape) != tuple(ids.shape):
+        raise ValueError(f"marlin_moe: weights has shape {tuple(weights.shape)}, expected ids' {tuple(ids.shape)}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"marlin_moe: ids must be integer, got {ids.dtype}")
+    if not jnp.issubdtype(weights.dtype, jnp.floating):
+        raise TypeError(f"marlin_moe: weights must be floating point, got {weights.dtype}")
+    k = int(ids.shape[1])
+    experts = {"we_gate": we_gate, "we_up": we_up, "we_down": we_down}
+    for name, w in experts.items():
+        if len(w.packed.shape) != 3 or len(w.scale.shape) != 3:
+            raise ValueError(f"marlin_moe: {name} must hold packed [E, out, in/8] and scale [E, out, in/group], got "
+                             f"{tuple(w.packed.shape)} and {tuple(w.scale.shape)}")
+        if w.packed.dtype != jnp.int32:
+            raise TypeError(f"marlin_moe: {name}.packed must be int32, got {w.packed.dtype}")
+        if w.scale.dtype != jnp.bfloat16:
+            raise TypeError(f"marlin_moe: {name}.scale must be bfloat16, got {w.scale.dtype}")
+        e_, out, n_in = w.shape
+        if w.scale.shape[:2] != (e_, out) or w.scale.shape[2] < 1 or n_in % w.scale.shape[2]:
+            raise ValueError(f"marlin_moe: {name}.scale {tuple(w.scale.shape)} does not match its packed "
+                             f"{tuple(w.packed.shape)} (one scale per group of inputs, the group dividing in = {n_in})")
+    e, f, d_in = we_gate.shape
+    if d_in != d:
+        raise ValueError(f"marlin_moe: we_gate is [E, F, D] = {we_gate.shape} but x has D = {d}")
+    if we_up.shape != we_gate.shape or we_up.scale.shape != we_gate.scale.shape:
+        raise ValueError(f"marlin_moe: we_up {we_up.shape} (scale {tuple(we_up.scale.shape)}) must match we_gate "
+                         f"{we_gate.shape} (scale {tuple(we_gate.scale.shape)})")
+    if we_down.shape != (e, d, f):
+        raise ValueError(f"marlin_moe: we_down must be [E, D, F] = {(e, d, f)}, got {we_down.shape}")
+    if e < 1:
+        raise ValueError("marlin_moe: no experts (E = 0)")
+    return m, d, k, e, f
+
+
+def _cuda_call(args, m: int, d: int, k: int, e: int, f: int, dtype, block_m: int) -> list[jax.Array]:
+    """The CUDA custom call: [out [M, D], sorted slots, block experts, h [M k, F], ys [M k, D]] (the GPU tests
+    read the scratch outputs too)."""
+    nb = max_blocks(m * k, e, block_m)
+    outs = [jax.ShapeDtypeStruct((m, d), dtype),
+            jax.ShapeDtypeStruct((nb * block_m,), jnp.int32),  # slots sorted by expert, padded per expert
+            jax.ShapeDtypeStruct((nb,), jnp.int32),  # the expert of each block (-1: unused)
+            jax.ShapeDtypeStruct((m * k, f), dtype),  # h = silu(gate) * up per slot
+            jax.ShapeDtypeStruct((m * k, d), dtype)]  # ys = h @ down.T per slot
+    return jax.ffi.ffi_call(TARGET, outs, vmap_method="sequential")(*args)
+
+
+def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up, we_down, *, impl: str = "ffi",
+               block_m: int | None = None) -> jax.Array:
+    """Routed experts: sum_j weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = ids[m, j].
+
+    x [M, D] float32 or bfloat16; ids int [M, k] (outside [0, E): no expert); weights float [M, k] (used in fp32);
+    we_gate, we_up [E, F, D] and we_down [E, D, F] as `Int4Array` (int32 packed, bf16 scales, the model's layout)
+    -> [M, D] in x's dtype. Float (not INT4) experts have no W4A16 kernel to run: they go to `marlin_moe_ref`.
+
+    impl="ffi" runs the custom call (C++ on CPU, CUDA on GPU, the reference on other platforms); impl="xla" runs
+    `marlin_moe_ref`. block_m (8, 16 or 32) overrides `block_size` for the CUDA fast path (benchmarks). No host
+    sync: usable under jit, vmap, shard_map and inside loops.
+    """
+    quantized = [isinstance(w, Int4Array) for w in (we_gate, we_up, we_down)]
+    if not all(quantized):
+        if any(quantized):
+            raise TypeError("marlin_moe: we_gate, we_up and we_down must be all Int4Array or all float arrays")
+        return marlin_moe_ref(x, ids, weights, we_gate, we_up, we_down)
+    m, d, k, e, f = _check(x, ids, weights, we_gate, we_up, we_down)
+    if impl == "xla":
+        return marlin_moe_ref(x, ids, weights, we_gate, we_up, we_down)
+    if impl != "ffi":
+        raise ValueError(f"marlin_moe: impl must be 'ffi' or 'xla', got {impl!r}")
+    if block_m is not None and block_m not in BLOCK_SIZES:
+        raise ValueError(f"marlin_moe: block_m must be one of {BLOCK_SIZES}, got {block_m!r}")
+    if m == 0 or k == 0:
+        return jnp.zeros((m, d), x.dtype)
+    _registry.register()
+    bm = block_m or block_size(m, k, e)
+
+    def cpu(*args):
+        return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, d), x.dtype), vmap_method="sequential")(*args)
+
+    def cuda(*args):
+        return _cuda_call(args, m, d, k, e, f, x.dtype, bm)[0]
+
+    def other(x, ids, weights, gq, gs, uq, us, dq, ds):
+        return marlin_moe_ref(x, ids, weights, Int4Array(gq, gs), Int4Array(uq, us), Int4Array(dq, ds))
+
+    args = (x, ids.astype(jnp.int32), weights.astype(jnp.float32), we_gate.packed, we_gate.scale, we_up.packed,
+            we_up.scale, we_down.packed, we_down.scale)
+    return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda, default=other)
+
+
+def marlin_moe_ref(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up, we_down) -> jax.Array:
+    """Pure JAX: `model.moe_experts_ref` (dequantize, sort by expert, `jax.lax.ragged_dot`), with every id outside
+    [0, E) (negative ones too) meaning no expert."""
+    e = we_gate.shape[0]
+    ids = jnp.where((ids >= 0) & (ids < e), ids, e)
+    return moe_experts_ref(x, ids, weights, we_gate, we_up, we_down)

@@ -1,0 +1,420 @@
+"""marlin_moe: the W4A16 MoE custom call against its pure-JAX reference and a float64 numpy computation, on fresh
+random INT4 experts and routings (uneven ones included); the routing helper `moe_align`; clear errors; expert
+parallelism in shard_map; the model with kernels="ffi" equals kernels="xla". GPU tests (marked `gpu`) run the CUDA
+kernels, K2-sized experts included, against float64, the CPU kernel and the reference on the device machine
+(JAX_PLATFORMS=cuda,cpu)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdtree_jax as kj
+from kdtree_jax.kernels import _registry
+from kdtree_jax.kernels.marlin_moe import _cuda_call, block_size, marlin_moe, marlin_moe_ref, max_blocks, moe_align
+from kdtree_jax.model import forward, moe_experts_ref
+from kdtree_jax.quant import Int4Array, quantize_int4, unpack_int4
+from kdtree_jax.sharding import moe_expert_parallel
+
+from conftest import rel_err
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def _has_gpu() -> bool:
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (run with JAX_PLATFORMS=cuda,cpu)")
+
+
+def make_experts(rng, e, d, f, group=32):
+    """Random float experts quantized to INT4 (gate, up [E, F, D], down [E, D, F])."""
+    gate, up = (quantize_int4(rng.standard_normal((e, f, d)) / np.sqrt(d), group) for _ in range(2))
+    down = quantize_int4(rng.standard_normal((e, d, f)) / np.sqrt(f), group)
+    return gate, up, down
+
+
+def make_routing(rng, m, k, e, kind="uniform"):
+    """ids int32 [M, k] and weights float32 [M, k] (positive, like the router's).
+
+    uniform: k distinct experts per token; one_expert: every token's first slot on expert 1; few: only experts 0
+    and e - 1 get tokens; sentinel: about a third of the slots sent to no expert (ids >= E, as expert parallelism
+    passes them); repeat: a token may pick one expert twice.
+    """
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(m)])
+    if kind == "one_expert":
+        ids[:, 0] = 1
+        ids[:, 1:] = np.where(ids[:, 1:] == 1, 0, ids[:, 1:])
+    elif kind == "few":
+        ids = rng.choice([0, e - 1], size=(m, k))
+    elif kind == "sentinel":
+        ids = np.where(rng.random((m, k)) < 0.35, e + rng.integers(0, 3, size=(m, k)), ids)
+    elif kind == "repeat":
+        ids = rng.integers(0, e, size=(m, k))
+    weights = rng.uniform(0.05, 1.0, size=(m, k))
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(weights, jnp.float32)
+
+
+def _dequant64(w: Int4Array, ex: int) -> np.ndarray:
+    q = unpack_int4(np.asarray(w.packed[ex])).astype(np.float64)  # [out, in]
+    s = np.asarray(w.scale[ex]).astype(np.float64)  # [out, in / group]
+    return q * np.repeat(s, q.shape[1] // s.shape[1], axis=1)
+
+
+def experts64(x, ids, weights, gate, up, down, rows=None) -> np.ndarray:
+    """The definition in float64 numpy (for the token rows `rows`, default all)."""
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    ids, weights = np.asarray(ids), np.asarray(weights, np.float64)
+    if rows is not None:
+        x, ids, weights = x[rows], ids[rows], weights[rows]
+    out = np.zeros(x.shape)
+    for ex in np.unique(ids):
+        if not 0 <= ex < gate.shape[0]:
+            continue
+        g, u, dn = _dequant64(gate, ex), _dequant64(up, ex), _dequant64(down, ex)
+        tok, slot = np.nonzero(ids == ex)
+        a = x[tok] @ g.T
+        h = a / (1.0 + np.exp(-a)) * (x[tok] @ u.T)
+        np.add.at(out, tok, weights[tok, slot][:, None] * (h @ dn.T))
+    return out
+
+
+_ref = jax.jit(marlin_moe_ref)
+
+
+def run(x, ids, weights, experts, device=None, **kw):
+    args = (x, ids, weights, *experts)
+    if device is not None:
+        args = jax.device_put(args, device)
+    return jax.jit(lambda *a: marlin_moe(*a, **kw))(*args)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Routing helper
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m, k, e, bm, kind", [
+    (1, 8, 384, 8, "uniform"), (5, 3, 8, 4, "sentinel"), (64, 8, 16, 8, "uniform"), (300, 4, 16, 16, "one_expert"),
+    (40, 2, 12, 32, "few"), (33, 6, 7, 8, "repeat"), (7, 8, 384, 32, "sentinel"),
+])
+def test_moe_align_sorts_pads_and_labels_blocks(m, k, e, bm, kind):
+    rng = np.random.default_rng(hash((m, k, e, bm, kind)) % 2**32)
+    ids, _ = make_routing(rng, m, k, e, kind)
+    if kind == "sentinel":
+        ids = ids.at[0, 0].set(-3)  # negative ids are no expert too
+    sorted_slots, block_experts = (np.asarray(a) for a in jax.jit(moe_align, static_argnums=(1, 2))(ids, e, bm))
+    nb = max_blocks(m * k, e, bm)
+    assert sorted_slots.shape == (nb * bm,) and block_experts.shape == (nb,)
+    flat = np.asarray(ids).reshape(-1)
+    want, labels = [], []
+    for ex in range(e):
+        slots = np.flatnonzero(flat == ex).tolist()
+        pad = -len(slots) % bm
+        want += slots + [m * k] * pad
+        labels += [ex] * ((len(slots) + pad) // bm)
+    assert len(labels) <= nb  # the static bound holds (the helper would drop slots otherwise)
+    np.testing.assert_array_equal(sorted_slots[:len(want)], want)
+    np.testing.assert_array_equal(block_experts, labels + [-1] * (nb - len(labels)))
+
+
+def test_block_size_and_bound():
+    assert block_size(1, 8, 384) == 8 and block_size(345, 8, 384) == 8  # vLLM's rule: M k / E / bm < 0.9
+    assert block_size(346, 8, 384) == 16 and block_size(1024, 8, 384) == 32 and block_size(4096, 8, 384) == 32
+    assert max_blocks(8, 384, 8) == 8  # M = 1, top-8: one block per touched expert
+    assert max_blocks(32768, 384, 32) == (32768 + 384 * 31) // 32
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The custom call on CPU
+# ------------------------------------------------------------------------------------------------------------------
+
+# (M, k, E, D, F, dtype, routing): M from 1 to 2048, tiny experts, both dtypes, uneven routings
+CASES = [
+    (1, 4, 16, 64, 32, jnp.float32, "uniform"),
+    (1, 8, 8, 128, 64, jnp.bfloat16, "uniform"),
+    (3, 2, 4, 64, 96, jnp.float32, "sentinel"),
+    (17, 4, 16, 256, 128, jnp.bfloat16, "one_expert"),
+    (64, 4, 16, 64, 32, jnp.float32, "few"),
+    (64, 8, 12, 128, 64, jnp.bfloat16, "sentinel"),
+    (129, 3, 6, 64, 64, jnp.float32, "repeat"),
+    (2048, 4, 16, 64, 32, jnp.float32, "uniform"),
+    (2048, 2, 8, 64, 32, jnp.bfloat16, "one_expert"),
+]
+
+
+@pytest.mark.parametrize("m, k, e, d, f, dtype, kind", CASES)
+def test_matches_float64_and_reference(m, k, e, d, f, dtype, kind):
+    rng = np.random.default_rng(hash((m, k, e, d, f, kind)) % 2**32)
+    experts = make_experts(rng, e, d, f)
+    x = jnp.asarray(rng.standard_normal((m, d)), dtype)
+    ids, weights = make_routing(rng, m, k, e, kind)
+    out = run(x, ids, weights, experts)
+    assert out.shape == (m, d) and out.dtype == dtype
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    assert rel_err(out, experts64(x, ids, weights, *experts)) <= TOL[dtype]
+    assert rel_err(out, _ref(x, ids, weights, *experts)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("group", [8, 16, 64])
+def test_other_group_sizes(group):
+    rng = np.random.default_rng(group)
+    experts = make_experts(rng, 8, 128, 64, group)
+    x = jnp.asarray(rng.standard_normal((9, 128)), jnp.float32)
+    ids, weights = make_routing(rng, 9, 3, 8)
+    assert rel_err(run(x, ids, weights, experts), experts64(x, ids, weights, *experts)) <= 1e-5
+
+
+def test_no_routed_slot_gives_zeros():
+    """Every slot sent to no expert (a shard with nothing to do), and k = 0, give exact zeros."""
+    rng = np.random.default_rng(3)
+    experts = make_experts(rng, 4, 64, 32)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.bfloat16)
+    ids = jnp.full((5, 2), 4, jnp.int32)
+    out = run(x, ids, jnp.ones((5, 2), jnp.float32), experts)
+    assert np.all(np.asarray(out, np.float32) == 0.0)
+    empty = marlin_moe(x, jnp.zeros((5, 0), jnp.int32), jnp.zeros((5, 0)), *experts)
+    assert empty.shape == (5, 64) and np.all(np.asarray(empty, np.float32) == 0.0)
+
+
+def test_impl_xla_float_experts_and_vmap():
+    rng = np.random.default_rng(4)
+    experts = make_experts(rng, 6, 64, 32)
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    ids, weights = make_routing(rng, 4, 2, 6)
+    ref = _ref(x, ids, weights, *experts)
+    np.testing.assert_array_equal(jax.jit(lambda *a: marlin_moe(*a, impl="xla"))(x, ids, weights, *experts), ref)
+    dense = [w.dequantize() for w in experts]  # float experts: no INT4 kernel, the reference runs
+    np.testing.assert_array_equal(jax.jit(marlin_moe)(x, ids, weights, *dense),
+                                  jax.jit(moe_experts_ref)(x, ids, weights, *dense))
+    out = jax.vmap(lambda a, i, w: marlin_moe(a, i, w, *experts))(jnp.stack([x, -x]), jnp.stack([ids, ids]),
+                                                                  jnp.stack([weights, weights]))
+    assert rel_err(out[0], ref) <= 1e-5 and rel_err(out[1], _ref(-x, ids, weights, *experts)) <= 1e-5
+
+
+def test_expert_parallel_in_shard_map():
+    """The custom call inside the model's shard_map dispatch (local ids, sentinel E_local for other shards' slots,
+    tp-split expert widths) equals the unsharded reference."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    rng = np.random.default_rng(5)
+    e, d, f = 16, 64, 128
+    experts = make_experts(rng, e, d, f)
+    x = jnp.asarray(rng.standard_normal((6, d)), jnp.float32)
+    ids, weights = make_routing(rng, 6, 4, e)
+    mesh = kj.make_mesh(tp=2, ep=4)
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda *a: moe_expert_parallel(marlin_moe, *a))(x, ids, weights, *experts)
+    assert rel_err(out, experts64(x, ids, weights, *experts)) <= 1e-5
+
+
+def _bad(**change):
+    rng = np.random.default_rng(6)
+    gate, up, down = make_experts(rng, 4, 64, 32)
+    ids, weights = make_routing(rng, 3, 2, 4)
+    args = dict(x=jnp.zeros((3, 64), jnp.float32), ids=ids, weights=weights, we_gate=gate, we_up=up, we_down=down)
+    args.update(change)
+    return args
+
+
+_E = make_experts(np.random.default_rng(7), 4, 64, 32)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(x=jnp.zeros((3, 64, 1))), ValueError, r"x must be \[M, D\]"),
+    (dict(x=jnp.zeros((3, 64), jnp.float16)), TypeError, "float32 or bfloat16"),
+    (dict(x=jnp.zeros((3, 128))), ValueError, "x has D = 128"),
+    (dict(ids=jnp.zeros((4, 2), jnp.int32)), ValueError, r"ids must be \[M, k\]"),
+    (dict(ids=jnp.zeros((3, 2), jnp.float32)), TypeError, "ids must be integer"),
+    (dict(weights=jnp.zeros((3, 3))), ValueError, "weights has shape"),
+    (dict(weights=jnp.zeros((3, 2), jnp.int32)), TypeError, "weights must be floating"),
+    (dict(we_up=_E[2]), ValueError, "we_up"),
+    (dict(we_down=_E[0]), ValueError, r"we_down must be \[E, D, F\]"),
+    (dict(we_gate=Int4Array(_E[0].packed.astype(jnp.uint32), _E[0].scale)), TypeError, "packed must be int32"),
+    (dict(we_gate=Int4Array(_E[0].packed, _E[0].scale.astype(jnp.float32))), TypeError, "scale must be bfloat16"),
+    (dict(we_gate=Int4Array(_E[0].packed, jnp.ones((4, 32, 3), jnp.bfloat16))), ValueError, "does not match its"),
+    (dict(we_up=_E[1].dequantize()), TypeError, "all Int4Array or all float"),
+    (dict(x=[[1.0]]), TypeError, "x must be an array"),
+])
+def test_bad_input_is_a_clear_error(change, error, match):
+    with pytest.raises(error, match=match):
+        marlin_moe(**_bad(**change))
+
+
+def test_bad_impl_and_block_m():
+    with pytest.raises(ValueError, match="impl"):
+        marlin_moe(**_bad(), impl="triton")
+    with pytest.raises(ValueError, match="block_m"):
+        marlin_moe(**_bad(), block_m=12)
+
+
+def test_model_ffi_equals_xla():
+    """kernels="ffi" routes the routed experts (and the absorbed attention) through the custom calls."""
+    cfg = kj.configs.tiny()
+    params = kj.init_params(cfg, jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(8).integers(0, 256, size=(2, 11)), jnp.int32)
+    ffi = dataclasses.replace(cfg, kernels="ffi")
+    logits = [jax.jit(forward, static_argnums=1)(params, c, tokens) for c in (cfg, ffi)]
+    assert rel_err(logits[1], logits[0]) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# GPU (the device machine): the CUDA kernels against float64, the CPU kernel and the reference
+# ------------------------------------------------------------------------------------------------------------------
+
+K2_D, K2_F = 7168, 2048
+
+
+def _poison(shape):
+    """Leave NaN in freshly freed device memory, which the next output buffers are likely to reuse."""
+    junk = jnp.full(shape, jnp.nan, jnp.float32, device=jax.devices("gpu")[0])
+    junk.block_until_ready()
+    junk.delete()
+
+
+def random_experts(key, e, d, f, group=32):
+    """Random INT4 experts built on the device (random nibbles, scales ~ 1 / (4 sqrt(fan-in))), K2-sized fast."""
+    def one(key, rows, cols):
+        k1, k2 = jax.random.split(key)
+        packed = jax.lax.bitcast_convert_type(jax.random.bits(k1, (e, rows, cols // 8), jnp.uint32), jnp.int32)
+        scale = jax.random.uniform(k2, (e, rows, cols // group), jnp.float32, 0.5, 1.5) / (4 * np.sqrt(cols))
+        return Int4Array(packed, scale.astype(jnp.bfloat16))
+    keys = jax.random.split(key, 3)
+    with jax.default_device(jax.devices("gpu")[0]):
+        return one(keys[0], f, d), one(keys[1], f, d), one(keys[2], d, f)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("m, k, e, bm, kind", [
+    (1, 8, 384, 8, "uniform"), (64, 8, 384, 8, "sentinel"), (700, 8, 384, 16, "uniform"),
+    (2048, 8, 64, 32, "one_expert"), (300, 4, 16, 8, "few"), (4096, 8, 384, 32, "repeat"),
+])
+def test_gpu_align_stage_equals_moe_align(m, k, e, bm, kind):
+    """The CUDA align stage (stable, deterministic) writes exactly moe_align's arrays in the blocks it uses."""
+    rng = np.random.default_rng(hash((m, k, e, bm)) % 2**32)
+    ids, weights = make_routing(rng, m, k, e, kind)
+    d, f = 128, 128
+    _registry.register()
+    experts = random_experts(jax.random.key(1), e, d, f)
+    x = jax.random.normal(jax.random.key(2), (m, d), jnp.bfloat16)
+    args = jax.device_put((x, ids, weights), jax.devices("gpu")[0])
+    flat = [args[0], args[1], args[2]] + [a for w in experts for a in (w.packed, w.scale)]
+    outs = jax.jit(lambda *a: _cuda_call(a, m, d, k, e, f, jnp.bfloat16, bm))(*flat)
+    sorted_slots, block_experts = (np.asarray(a) for a in jax.jit(moe_align, static_argnums=(1, 2))(ids, e, bm))
+    np.testing.assert_array_equal(np.asarray(outs[2]), block_experts)
+    used = int(np.sum(block_experts >= 0)) * bm
+    np.testing.assert_array_equal(np.asarray(outs[1])[:used], sorted_slots[:used])
+
+
+# (M, k, E, routing, block_m): decode and tree-verify sizes up to 2048 tokens on K2-sized experts
+K2_CASES = [
+    (1, 8, 16, "uniform", None), (2, 8, 16, "uniform", None), (7, 8, 16, "sentinel", None),
+    (64, 8, 16, "uniform", None), (64, 8, 16, "uniform", 32), (256, 8, 16, "one_expert", None),
+    (2048, 8, 16, "uniform", None), (512, 8, 16, "few", 16),
+]
+
+
+@pytest.fixture(scope="module")
+def k2_experts():
+    return random_experts(jax.random.key(0), 16, K2_D, K2_F)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("m, k, e, kind, bm", K2_CASES)
+def test_gpu_fast_path_k2_shapes(k2_experts, m, k, e, kind, bm):
+    rng = np.random.default_rng(hash((m, k, kind, bm or 0)) % 2**32)
+    ids, weights = make_routing(rng, m, k, e, kind)
+    x = jax.random.normal(jax.random.key(m), (m, K2_D), jnp.bfloat16)
+    _poison((m * k, K2_D + K2_F))
+    gpu0 = jax.devices("gpu")[0]
+    out = run(x, ids, weights, k2_experts, device=gpu0, block_m=bm)
+    assert out.devices() == {gpu0}
+    host = np.asarray(out, np.float32)
+    assert np.all(np.isfinite(host))
+    ref = _ref(*jax.device_put((x, ids, weights, *k2_experts), gpu0))
+    assert rel_err(host, ref) <= 1e-2
+    rows = np.arange(min(m, 2))  # float64 on the host is slow at this size: two tokens
+    assert rel_err(host[rows], experts64(x, ids, weights, *k2_experts, rows=rows)) <= 1e-2
+    again = run(x, ids, weights, k2_experts, device=gpu0, block_m=bm)
+    np.testing.assert_array_equal(np.asarray(again, np.float32), host)  # fixed-order reductions: bitwise repeatable
+
+
+# (M, k, E, D, F, dtype, routing, block_m): the fast path on small experts (vs float64 and the CPU kernel), and the
+# generic path (float32; D off the multiples of 128; group 16)
+SMALL_CASES = [
+    (1, 8, 8, 256, 128, jnp.bfloat16, "uniform", None),
+    (33, 4, 8, 256, 128, jnp.bfloat16, "sentinel", 8),
+    (100, 4, 8, 128, 256, jnp.bfloat16, "repeat", 16),
+    (300, 8, 8, 384, 128, jnp.bfloat16, "one_expert", 32),
+    (50, 4, 16, 64, 32, jnp.float32, "uniform", None),
+    (50, 4, 16, 64, 32, jnp.bfloat16, "few", None),
+    (20, 4, 8, 256, 128, jnp.float32, "sentinel", None),
+]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("m, k, e, d, f, dtype, kind, bm", SMALL_CASES)
+def test_gpu_small_experts_match_float64_and_cpu_kernel(m, k, e, d, f, dtype, kind, bm):
+    rng = np.random.default_rng(hash((m, k, e, d, f, kind)) % 2**32)
+    experts = make_experts(rng, e, d, f)
+    x = jnp.asarray(rng.standard_normal((m, d)), dtype)
+    ids, weights = make_routing(rng, m, k, e, kind)
+    _poison((m * k, d + f))
+    out = run(x, ids, weights, experts, device=jax.devices("gpu")[0], block_m=bm)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    assert rel_err(out, experts64(x, ids, weights, *experts)) <= TOL[dtype]
+    assert rel_err(out, run(x, ids, weights, experts, device=jax.devices("cpu")[0])) <= TOL[dtype]
+
+
+@gpu
+@needs_gpu
+def test_gpu_group_16_takes_the_generic_path():
+    rng = np.random.default_rng(9)
+    experts = make_experts(rng, 8, 256, 128, group=16)
+    x = jnp.asarray(rng.standard_normal((12, 256)), jnp.bfloat16)
+    ids, weights = make_routing(rng, 12, 4, 8)
+    out = run(x, ids, weights, experts, device=jax.devices("gpu")[0])
+    assert rel_err(out, experts64(x, ids, weights, *experts)) <= 1e-2
+
+
+@gpu
+@needs_gpu
+def test_gpu_inside_a_loop():
+    """Several calls in one lax.scan (XLA may capture the body as a CUDA graph: the handler is
+    kCmdBufferCompatible) give the single calls' results."""
+    rng = np.random.default_rng(10)
+    experts = jax.device_put(make_experts(rng, 8, 256, 128), jax.devices("gpu")[0])
+    xs = jnp.asarray(rng.standard_normal((3, 16, 256)), jnp.bfloat16)
+    routes = [make_routing(rng, 16, 4, 8) for _ in range(3)]
+    ids, weights = jnp.stack([r[0] for r in routes]), jnp.stack([r[1] for r in routes])
+    args = jax.device_put((xs, ids, weights), jax.devices("gpu")[0])
+
+    def body(carry, a):
+        return carry, marlin_moe(a[0], a[1], a[2], *experts)
+
+    looped = jax.jit(lambda a: jax.lax.scan(body, 0, a)[1])(args)
+    for i in range(3):
+        single = run(xs[i], ids[i], weights[i], experts, device=jax.devices("gpu")[0])
+        np.testing.assert_array_equal(np.asarray(looped[i], np.float32), np.asarray(single, np.float32))
+
+
+@gpu
+@needs_gpu
+def test_gpu_model_ffi_equals_xla():
+    cfg = kj.configs.tiny()
+    gpu0 = jax.devices("gpu")[0]
+    params = jax.device_put(kj.init_params(cfg, jax.random.key(0)), gpu0)
+    tokens = jax.device_put(jnp.asarray(np.random.default_rng(8).integers(0, 256, size=(2, 11)), jnp.int32), gpu0)
+    ffi = dataclasses.replace(cfg, kernels="ffi")
+    logits = [jax.jit(forward, static_argnums=1)(params, c, tokens) for c in (cfg, ffi)]
+    assert rel_err(logits[1], logits[0]) <= 1e-4
