@@ -92,14 +92,20 @@ def register() -> None:
     """Registers every target for platform "cpu" and "CUDA" (idempotent)."""
     cpu = cpu_library()
     for name, symbol in CPU_TARGETS.items():
+        if not hasattr(cpu, symbol):
+            raise RuntimeError(f"kdtree-jax: {cpu._name} has no handler {symbol}: the library predates this "
+                               "version of the package; rebuild it (pip install -e . or a CMake build of ffi/)")
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(cpu, symbol)), platform="cpu")
     cuda = cuda_library()
     if cuda is None and any(d.platform == "gpu" for d in jax.devices()):
         warnings.warn(f"kdtree-jax: CUDA custom calls unavailable: {cuda_status()}; they will fail if run "
                       "(use impl='xla').", RuntimeWarning, stacklevel=3)
     for name, symbol in CUDA_TARGETS.items():
-        fn = getattr(cuda, symbol) if cuda is not None else cpu.KdCudaUnavailable
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="CUDA")
+        fn = getattr(cuda, symbol, None) if cuda is not None else None
+        if cuda is not None and fn is None:
+            warnings.warn(f"kdtree-jax: {cuda._name} has no handler {symbol} (built before it existed; rebuild): "
+                          f"{name} fails if run on a GPU", RuntimeWarning, stacklevel=3)
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn or cpu.KdCudaUnavailable), platform="CUDA")
 
 
 def tree_build_workspace_bytes(b: int, l: int, v: int, budget: int) -> int:
