@@ -29,6 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--seed", type=int, default=0, help="sampling and random-model seed (default: 0)")
+    g.add_argument("--mesh", default=None, metavar="AXES",
+                   help="shard over the local devices, e.g. 'tp=8' or 'ep=4,tp=2' or 'dp=2,ep=4' (axes dp, ep, tp; "
+                        "their product must equal the device count). Default: one device")
+    g.add_argument("--kernels", choices=("xla", "ffi"), default=None,
+                   help="custom calls (ffi) or their pure-JAX references (xla). Default: the model's setting")
     return p
 
 
@@ -56,10 +61,33 @@ def _load(args):
             "no --model given: a RANDOM tiny model with a byte tokenizer (its text is noise)")
 
 
+def parse_mesh(text: str) -> dict[str, int]:
+    """'ep=4,tp=2' -> {'ep': 4, 'tp': 2}, with a ValueError naming what is wrong."""
+    axes = {}
+    for part in text.split(","):
+        name, _, value = part.strip().partition("=")
+        if name not in ("dp", "ep", "tp") or not value.isdigit() or name in axes:
+            raise ValueError(f"--mesh {text!r}: expected comma-separated dp=N, ep=N, tp=N (each at most once)")
+        axes[name] = int(value)
+    return axes
+
+
 def generate_command(args) -> int:
+    import dataclasses
+
+    import jax
+
     import kdtree_jax as kj
 
     params, cfg, tok, drafter, note = _load(args)
+    if args.kernels is not None:
+        cfg = dataclasses.replace(cfg, kernels=args.kernels)
+    if args.mesh is not None:
+        mesh = kj.make_mesh(**parse_mesh(args.mesh))
+        params = kj.shard_params(params, cfg, mesh)
+        if drafter is not None:
+            drafter = jax.device_put(drafter, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        note += f"; sharded over {dict(mesh.shape)}"
     print(f"[kdtree-jax] {note}", file=sys.stderr)
     ids = tok.encode(args.prompt)
     t0 = time.perf_counter()
@@ -98,7 +126,7 @@ def main(argv=None) -> int:
     try:
         if args.command == "generate":
             return generate_command(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         print(f"kdtree-jax: error: {e}", file=sys.stderr)
         return 2
     return 1

@@ -27,6 +27,7 @@ from .drafter import DraftCache, Drafter, OracleDrafter, append_context, draft, 
 from .generate import _commit, choose, finish, prepare, run_compiled
 from .kernels import tree_accept, tree_build
 from .model import KVCache, Params, init_cache, prefill, pytree_dataclass, step
+from .sharding import replicated_call
 
 
 @pytree_dataclass
@@ -64,7 +65,7 @@ def chain_tree(draft_logits: jax.Array, bonus: jax.Array) -> DraftTree:
 
 def ddtree_tree(draft_logits: jax.Array, bonus: jax.Array, budget: int, impl: str) -> DraftTree:
     """The DDTree draft tree of `budget` nodes below the bonus root (Algorithm 1, via `tree_build`)."""
-    t = tree_build(draft_logits, budget, impl=impl)
+    t = replicated_call(lambda dl: tree_build(dl, budget, impl=impl), draft_logits)
     b = bonus.shape[0]
     zero = jnp.zeros((b, 1), jnp.int32)
     return DraftTree(tokens=jnp.concatenate([bonus[:, None], t.tokens], axis=1),
@@ -137,7 +138,7 @@ def spec_step(params: Params, cfg: ModelConfig, drafter: Drafter, s: SpecState, 
         key, sub = jax.random.split(s.key)
         target = choose(res.logits, sub, temperature, greedy)  # [B, N]
     with jax.named_scope("accept"):
-        acc = tree_accept(tree.tokens, tree.parents, target, impl=accept_impl)
+        acc = replicated_call(lambda *a: tree_accept(*a, impl=accept_impl), tree.tokens, tree.parents, target)
         width = min(n, bs)  # a path holds at most L + 1 = block_size nodes, and at most N
         path = acc.path[:, :width]  # [B, P]
         path_tokens = jnp.take_along_axis(tree.tokens, jnp.clip(path, 0, n - 1), axis=1)  # [B, P]

@@ -7,6 +7,7 @@ Input checks run on the host before anything compiles; the loop itself never ret
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -244,6 +245,15 @@ def generate(params: Params | Any, cfg: ModelConfig | None = None, prompts=None,
 _COMPILED: dict = {}
 
 
+@contextlib.contextmanager
+def trace_context(params, cfg: ModelConfig):
+    """What tracing a model function needs: the mesh of sharded params made current (expert and head
+    parallelism in shard_map), and true fp32 matmuls for fp32 models (not TF32 on GPUs), so that the verify and
+    the AR computation round alike far more often."""
+    with use_mesh_of(params), jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
+        yield
+
+
 def run_compiled(fn, args: tuple, static: dict):
     """Compile fn for these argument shapes (cached), then run it; returns (result, {compile_s, wall_s})."""
     flat, tree = jax.tree.flatten((args, static), is_leaf=lambda x: isinstance(x, ModelConfig))
@@ -253,9 +263,7 @@ def run_compiled(fn, args: tuple, static: dict):
     compiled = _COMPILED.get(sig)
     if compiled is None:
         cfg = next(a for a in args if isinstance(a, ModelConfig))
-        # fp32 models compute in true fp32 (not TF32 on GPUs): verify and AR then round alike far more often
-        precision = jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default")
-        with use_mesh_of(args), precision:  # sharded params: trace with their mesh current (expert parallelism)
+        with trace_context(args, cfg):
             compiled = fn.lower(*args, **static).compile()
         _COMPILED[sig] = compiled
     t1 = time.perf_counter()
@@ -284,8 +292,10 @@ def stream_ar(params, cfg: ModelConfig, prompt: list[int], *, max_new_tokens: in
     """
     req = prepare(cfg, [prompt], max_new_tokens, temperature, eos_id)
     greedy, temp, eos = req.temperature == 0, jnp.float32(req.temperature or 1.0), jnp.int32(req.eos_id)
-    state = _ar_start_jit(params, cfg, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed),
-                          cache_len=req.cache_len, max_new=req.max_new, temperature=temp, eos_id=eos, greedy=greedy)
+    with trace_context(params, cfg):
+        state = _ar_start_jit(params, cfg, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed),
+                              cache_len=req.cache_len, max_new=req.max_new, temperature=temp, eos_id=eos,
+                              greedy=greedy)
     shown = 0
     while True:
         n = int(state.num_out[0])
@@ -294,4 +304,5 @@ def stream_ar(params, cfg: ModelConfig, prompt: list[int], *, max_new_tokens: in
             shown = n
         if bool(state.done[0]):
             return
-        state = _ar_advance_jit(params, cfg, state, state.steps + chunk, temp, eos, greedy)
+        with trace_context(params, cfg):
+            state = _ar_advance_jit(params, cfg, state, state.steps + chunk, temp, eos, greedy)

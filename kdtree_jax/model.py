@@ -363,7 +363,12 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
             attend = mla_absorbed_attention
             if cfg.uses_ffi("mla_verify"):
                 from .kernels import mla_verify as attend
-            o_lat = attend(q_lat, q_pe, latent, pe, lengths, tree_mask, scale)  # [B, T, H, R]
+            from .sharding import current_mesh, mla_head_parallel
+
+            if current_mesh() is not None and cfg.uses_ffi("mla_verify"):
+                o_lat = mla_head_parallel(attend, q_lat, q_pe, latent, pe, lengths, tree_mask, scale)
+            else:
+                o_lat = attend(q_lat, q_pe, latent, pe, lengths, tree_mask, scale)  # [B, T, H, R]
             o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(dt), p.v_b)  # [B, T, H, dv]
             new_cache = (latent, pe)
     with jax.named_scope("o"):
@@ -532,10 +537,10 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, return_hidden: 
 
     With `return_hidden`, returns (logits, hidden [L, B, T, D]) with every decoder layer's output.
     """
-    from .sharding import use_mesh_of
+    from .generate import trace_context
 
     tokens = jnp.asarray(tokens, jnp.int32)
-    with use_mesh_of(params):
+    with trace_context(params, cfg):
         out = _forward_jit(params, cfg, tokens)
     return (out.logits, out.hidden) if return_hidden else out.logits
 

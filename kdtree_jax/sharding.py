@@ -139,6 +139,33 @@ def current_mesh():
     return mesh
 
 
+def _batch_axis(mesh, batch: int):
+    """"dp" when the batch splits evenly over it, else None (replicated)."""
+    return "dp" if batch % mesh.shape["dp"] == 0 and mesh.shape["dp"] > 1 else None
+
+
+def mla_head_parallel(attend, q_lat, q_pe, latent, k_pe, lengths, tree_mask, scale):
+    """The absorbed-attention kernel per shard: heads split over ("ep", "tp"), the batch over "dp", the latent
+    cache (shared by every head) replicated over the model axes. No communication: each head is independent."""
+    mesh = current_mesh()
+    bt = _batch_axis(mesh, q_lat.shape[0])
+    heads = P(bt, None, ("ep", "tp"), None)
+    fn = lambda q, qp, lat, pe, ln, tm: attend(q, qp, lat, pe, ln, tm, scale)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, P(bt, None, None), P(bt, None, None), P(bt),
+                                                  P(bt, None, None)),
+                         out_specs=heads, check_vma=False)(q_lat, q_pe, latent, k_pe, lengths, tree_mask)
+
+
+def replicated_call(fn, *args):
+    """fn(*args) on every device of the current mesh with replicated inputs and outputs (the DDTree step's small
+    custom calls run inside shard_map, never through the default all-gather of an unsharded custom call);
+    a plain call without a mesh."""
+    mesh = current_mesh()
+    if mesh is None:
+        return fn(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(*args)
+
+
 def moe_expert_parallel(experts, x, ids, weights, we_gate, we_up, we_down):
     """Routed experts under expert parallelism, dispatch and combine written out in shard_map.
 
