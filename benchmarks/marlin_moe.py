@@ -23,39 +23,12 @@ import statistics
 import time
 
 import numpy as np
+from common import ceilings, timed
 
 E, D, F, TOPK, GROUP = 384, 7168, 2048, 8, 32
 EXPERT_BYTES = (3 * F * D) // 2 + 2 * (3 * F * D) // GROUP  # nibbles + bf16 scales of gate, up and down
 SETS = 4  # routing sets per timed batch of the kernel
 GOALS = "goals (issue 6): >= 75% of the floor for M <= 64; all experts touched within 1.25x of the floor; >= 3x XLA"
-
-
-def timed(fn, args, ops: int, min_batch: float = 0.05, samples: int = 5):
-    """(median seconds per op, outputs): `fn(*args)` runs `ops` ops; calls are queued back to back, then waited for."""
-    import jax
-
-    res = jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    calls = max(1, min(50, int(min_batch / max(time.perf_counter() - t0, 1e-6))))
-    out = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            res = fn(*args)
-        jax.block_until_ready(res)
-        out.append((time.perf_counter() - t0) / (calls * ops))
-    return statistics.median(out), res
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device copy."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jax.random.normal(jax.random.key(0), (2**29,), jnp.bfloat16)
-    s, _ = timed(jax.jit(lambda v: v.copy()), (x,), 1)
-    return 2 * x.nbytes / s
 
 
 def k2_experts(seed: int = 0):
@@ -104,7 +77,7 @@ def measure(m: int, experts, bw: float, with_xla: bool, block_ms=(None,)) -> lis
     if with_xla:
         try:
             xla = jax.jit(lambda st, ex: [marlin_moe_ref(*a, *ex) for a in st])
-            xla_s, ref_out = timed(xla, (sets[:1], experts), 1, samples=3)
+            xla_s, ref_out = timed(xla, (sets[:1], experts), 1, min_batch=0.05, samples=3)
             ref = np.asarray(ref_out[0], np.float32)
         except jax.errors.JaxRuntimeError as e:  # out of memory: it dequantizes all 384 experts (34 GB) per call
             err_note = f"XLA reference failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -112,7 +85,7 @@ def measure(m: int, experts, bw: float, with_xla: bool, block_ms=(None,)) -> lis
     rows = []
     for bm in block_ms:
         ker = jax.jit(lambda st, ex, bm=bm: [marlin_moe(*a, *ex, block_m=bm) for a in st])
-        ker_s, ker_out = timed(ker, (sets, experts), len(sets))
+        ker_s, ker_out = timed(ker, (sets, experts), len(sets), min_batch=0.05, samples=5)
         got = np.asarray(ker_out[0], np.float32)
         err = None
         if ref is not None:
@@ -219,7 +192,7 @@ def main() -> None:
 
     import jax
 
-    bw = copy_bandwidth()
+    bw = ceilings()["copy_Bps"]
     dev = jax.devices()[0]
     meta = dict(date=datetime.date.today().isoformat(), device=f"{dev.device_kind} ({dev.platform})",
                 commit=args.commit, jax=jax.__version__, copy_Bps=bw)

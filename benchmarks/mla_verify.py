@@ -17,10 +17,10 @@ import datetime
 import json
 import math
 import os
-import statistics
 import time
 
 import numpy as np
+from common import ceilings, timed
 
 R, DR = 512, 64
 SCALE = 0.1309
@@ -41,63 +41,6 @@ def cost(b: int, n: int, h: int, s: int) -> tuple[float, float]:
     """(bytes, FLOPs) of one call with a full cache of S slots."""
     nbytes = 2 * (b * s * (R + DR) + b * n * h * (R + DR) + b * n * h * R) + 4 * b + b * n * n
     return float(nbytes), 2.0 * b * n * h * s * (R + DR + R)
-
-
-def timed(fn, args, ops: int, min_batch: float = 0.02, samples: int = 3):
-    """(median seconds per op, outputs): `fn(*args)` runs `ops` ops; calls are queued back to back, then waited for."""
-    import jax
-
-    res = jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    calls = max(1, min(50, int(min_batch / max(time.perf_counter() - t0, 1e-6))))
-    out = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            res = fn(*args)
-        jax.block_until_ready(res)
-        out.append((time.perf_counter() - t0) / (calls * ops))
-    return statistics.median(out), res
-
-
-def ceilings() -> dict:
-    """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured now."""
-    import jax
-    import jax.numpy as jnp
-
-    res = {}
-    try:
-        import cupy as cp
-
-        a = cp.random.random(2**28, dtype=cp.float32)  # 1 GiB
-        bb = cp.empty_like(a)
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        for _ in range(3):
-            cp.copyto(bb, a)
-        times = []
-        for _ in range(10):
-            start.record()
-            cp.copyto(bb, a)
-            stop.record()
-            stop.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
-        res["copy_cupy_Bps"] = 2 * a.nbytes / statistics.median(times)
-        del a, bb
-        cp.get_default_memory_pool().free_all_blocks()
-    except ImportError:
-        pass
-    x = jax.random.normal(jax.random.key(0), (2**29,), jnp.bfloat16)  # 1 GiB
-    copy = jax.jit(lambda v: v.copy())
-    res["copy_jax_Bps"] = 2 * x.nbytes / timed(copy, (x,), 1, min_batch=0.05, samples=5)[0]
-    del x
-    k1, k2 = jax.random.split(jax.random.key(1))
-    a = jax.random.normal(k1, (8192, 8192), jnp.bfloat16)
-    bm = jax.random.normal(k2, (8192, 8192), jnp.bfloat16)
-    mm = jax.jit(lambda u, v: u @ v)
-    res["matmul_flops"] = 2 * 8192**3 / timed(mm, (a, bm), 1, min_batch=0.05, samples=5)[0]
-    res["copy_Bps"] = max(res.get("copy_cupy_Bps", 0.0), res["copy_jax_Bps"])
-    return res
 
 
 def make_sets(b, n, h, s, count, seed):

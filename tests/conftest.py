@@ -6,7 +6,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -17,3 +19,16 @@ def rel_err(a, b) -> float:
     if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
         return float("inf")
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}  # relative error bounds by dtype
+
+
+def has_gpu() -> bool:
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+needs_gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU (run with JAX_PLATFORMS=cuda,cpu)")

@@ -18,20 +18,9 @@ from kdtree_jax.model import forward, moe_experts_ref
 from kdtree_jax.quant import Int4Array, quantize_int4, unpack_int4
 from kdtree_jax.sharding import moe_expert_parallel
 
-from conftest import rel_err
-
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
-
-
-def _has_gpu() -> bool:
-    try:
-        return len(jax.devices("gpu")) > 0
-    except RuntimeError:
-        return False
-
+from conftest import TOL, needs_gpu, rel_err
 
 gpu = pytest.mark.gpu
-needs_gpu = pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (run with JAX_PLATFORMS=cuda,cpu)")
 
 
 def make_experts(rng, e, d, f, group=32):

@@ -14,20 +14,9 @@ from kdtree_jax import kernels
 from kdtree_jax.kernels.mla_verify import mla_verify, mla_verify_ref, plan_splits
 from kdtree_jax.model import init_cache, moe_experts_ref, prefill, step
 
-from conftest import rel_err
-
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
-
-
-def _has_gpu() -> bool:
-    try:
-        return len(jax.devices("gpu")) > 0
-    except RuntimeError:
-        return False
-
+from conftest import TOL, needs_gpu, rel_err
 
 gpu = pytest.mark.gpu
-needs_gpu = pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (run with JAX_PLATFORMS=cuda,cpu)")
 
 
 def random_tree_mask(rng, n: int) -> np.ndarray:
