@@ -17,42 +17,18 @@
 #include <string>
 #include <vector>
 
+#include "cpu_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-inline float ToFloat(float x) { return x; }
-inline float ToFloat(uint16_t bf16) {
-  const uint32_t u = static_cast<uint32_t>(bf16) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using kdtree::Dot;
+using kdtree::ToFloat;
 
 inline void FromFloat(float x, float* out) { *out = x; }
-inline void FromFloat(float x, uint16_t* out) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *out = static_cast<uint16_t>((u >> 16) | 0x40);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *out = static_cast<uint16_t>(u >> 16);
-}
-
-// fp32 dot product with eight running sums (vectorizes without reassociation flags).
-inline float Dot(const float* a, const float* b, int64_t n) {
-  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) part[j] += a[i + j] * b[i + j];
-  }
-  for (; i < n; ++i) part[0] += a[i] * b[i];
-  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-}
+inline void FromFloat(float x, uint16_t* out) { *out = kdtree::Bf16Bits(x); }
 
 struct Dims {
   int64_t b, n, h, r, dr, s;
