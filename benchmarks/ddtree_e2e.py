@@ -69,42 +69,42 @@ def bench(cfg, params, drafter, batch: int, prompt_len: int, method: str, budget
     cache = pre.cache
     out = {"batch": batch, "method": method, "budget": None if method != "ddtree" else budget, "nodes": n}
     if method == "ar":
-        f = jax.jit(lambda c, t: choose(step(params, cfg, t[:, None], c).logits[:, 0], None, 1.0, True))
-        out["verify_s"] = out["step_s"] = timeit(f, cache, bonus, repeats=repeats)
+        f = jax.jit(lambda p, c, t: choose(step(p, cfg, t[:, None], c).logits[:, 0], None, 1.0, True))
+        out["verify_s"] = out["step_s"] = timeit(f, params, cache, bonus, repeats=repeats)
         return out
-    f_draft = jax.jit(lambda dc, ln, b: draft(drafter, params, dc, ln, b))
-    dlogits = f_draft(dcache, cache.lengths, bonus)
-    out["draft_s"] = timeit(f_draft, dcache, cache.lengths, bonus, repeats=repeats)
+    f_draft = jax.jit(draft)
+    dlogits = f_draft(drafter, params, dcache, cache.lengths, bonus)
+    out["draft_s"] = timeit(f_draft, drafter, params, dcache, cache.lengths, bonus, repeats=repeats)
     if method == "chain":
         f_tree = jax.jit(ddtree.chain_tree)
     else:
         f_tree = jax.jit(lambda dl, b: ddtree.ddtree_tree(dl, b, budget, build_impl))
     tree = f_tree(dlogits, bonus)
     out["tree_build_s"] = timeit(f_tree, dlogits, bonus, repeats=repeats)
-    f_verify = jax.jit(lambda c, t: (lambda r: (choose(r.logits, None, 1.0, True), r))(
-        step(params, cfg, t.tokens, c, depths=t.depths, tree_mask=t.visibility)))
-    target, res = f_verify(cache, tree)
-    out["verify_s"] = timeit(f_verify, cache, tree, repeats=repeats)
+    f_verify = jax.jit(lambda p, c, t: (lambda r: (choose(r.logits, None, 1.0, True), r))(
+        step(p, cfg, t.tokens, c, depths=t.depths, tree_mask=t.visibility)))
+    target, res = f_verify(params, cache, tree)
+    out["verify_s"] = timeit(f_verify, params, cache, tree, repeats=repeats)
     f_accept = jax.jit(lambda t, tt: tree_accept(t.tokens, t.parents, tt, impl=accept_impl))
     acc = f_accept(tree, target)
     out["accept_s"] = timeit(f_accept, tree, target, repeats=repeats)
     width = min(n, bs)
 
-    def compaction(c, dc, hidden, path):
+    def compaction(d, c, dc, hidden, path):
         path = path[:, :width]
         c = ddtree.compact(c, c.lengths, path, n)
         h = jnp.take_along_axis(hidden, jnp.clip(path, 0, n - 1)[None, :, :, None], axis=2)
-        return c, append_context(drafter, dc, h, c.lengths)
+        return c, append_context(d, dc, h, c.lengths)
 
     f_compact = jax.jit(compaction)
-    out["compaction_s"] = timeit(f_compact, res.cache, dcache, res.hidden, acc.path, repeats=repeats)
+    out["compaction_s"] = timeit(f_compact, drafter, res.cache, dcache, res.hidden, acc.path, repeats=repeats)
     state = ddtree.SpecState(cache=cache, dcache=dcache, out=jnp.zeros((batch, 64), jnp.int32),
                              num_out=jnp.zeros((batch,), jnp.int32), done=jnp.zeros((batch,), bool), last=bonus,
                              key=jax.random.key(0), steps=jnp.zeros((), jnp.int32),
                              accepted=jnp.zeros((batch, bs + 1), jnp.int32))
-    f_step = jax.jit(lambda s: ddtree.spec_step(params, cfg, drafter, s, method, max(budget, 1), jnp.float32(1.0),
-                                                jnp.int32(-1), True))
-    out["step_s"] = timeit(f_step, state, repeats=repeats)
+    f_step = jax.jit(lambda p, d, s: ddtree.spec_step(p, cfg, d, s, method, max(budget, 1), jnp.float32(1.0),
+                                                      jnp.int32(-1), True))
+    out["step_s"] = timeit(f_step, params, drafter, state, repeats=repeats)
     out["overhead_share"] = (out["tree_build_s"] + out["accept_s"] + out["compaction_s"]) / out["step_s"]
     return out
 
