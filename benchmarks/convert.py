@@ -73,7 +73,8 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> int:
     """A safetensors file written tensor by tensor (no copy of the whole shard in memory)."""
     header, offset = {}, 0
     for name, a in tensors.items():
-        header[name] = {"dtype": ST_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {"dtype": ST_DTYPES[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

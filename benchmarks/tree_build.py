@@ -90,11 +90,11 @@ def logits_sets(key, s: int, shape, dtype, device):
         return [make(k) for k in jax.random.split(key, s)]
 
 
-def bench_config(b, l, v, n, dtype, key, gpu, cpu, bw, quick):
+def bench_config(b, depth, v, n, dtype, key, gpu, cpu, bw, quick):
     """Seconds per call of each implementation for one configuration, and the read floor."""
-    nbytes = b * l * v * jnp.dtype(dtype).itemsize
+    nbytes = b * depth * v * jnp.dtype(dtype).itemsize
     s = max(4, min(32, int(2e9 // nbytes)))
-    xs = logits_sets(key, s, (b, l, v), dtype, gpu)
+    xs = logits_sets(key, s, (b, depth, v), dtype, gpu)
 
     many = jax.jit(lambda *xs: sum(tree_build(x, n).tokens[:, 0].sum() for x in xs))
     jax.block_until_ready(many(*xs))
@@ -103,7 +103,7 @@ def bench_config(b, l, v, n, dtype, key, gpu, cpu, bw, quick):
     x_cpu = jax.device_put(xs[0], cpu)
     f_cpu = jax.jit(lambda x: tree_build(x, n))
     jax.block_until_ready(f_cpu(x_cpu))
-    t_cpu = median_time(lambda: f_cpu(x_cpu), 1 if b * l * n >= 16 * 7 * 1024 else 3)
+    t_cpu = median_time(lambda: f_cpu(x_cpu), 1 if b * depth * n >= 16 * 7 * 1024 else 3)
 
     f_ref = jax.jit(lambda x: tree_build_ref(x, n))
     jax.block_until_ready(f_ref(xs[0]))
@@ -125,7 +125,7 @@ def bench_config(b, l, v, n, dtype, key, gpu, cpu, bw, quick):
         return [ddtree_heapq(lp[i], ids[i], n) for i in range(b)]
 
     t_heapq = min(median_time(heapq_run, 1), median_time(heapq_run, 1))
-    return b, l, n, jnp.dtype(dtype).name, t_cuda, t_cpu, t_ref, t_heapq, nbytes / bw
+    return b, depth, n, jnp.dtype(dtype).name, t_cuda, t_cpu, t_ref, t_heapq, nbytes / bw
 
 
 def main():
@@ -143,7 +143,7 @@ def main():
     bw = HBM_BYTES_PER_S if gpu is not cpu else measured
     v = 163840
     f32, bf16 = jnp.float32, jnp.bfloat16
-    configs = [(b, l, n, f32) for b in (1, 16) for l in (7, 15) for n in (64, 256, 1024)]
+    configs = [(b, depth, n, f32) for b in (1, 16) for depth in (7, 15) for n in (64, 256, 1024)]
     configs += [(16, 7, 256, bf16), (16, 15, 256, bf16)]
     if args.quick:
         configs = [(16, 15, 256, f32), (16, 7, 256, f32), (1, 7, 64, f32)]
@@ -151,11 +151,11 @@ def main():
         configs, v = [(2, 7, 64, f32)], 4096
     keys = jax.random.split(jax.random.key(0), len(configs))
     rows = []
-    for (b, l, n, dtype), key in zip(configs, keys):
-        row = bench_config(b, l, v, n, dtype, key, gpu, cpu, bw, args.quick)
+    for (b, depth, n, dtype), key in zip(configs, keys):
+        row = bench_config(b, depth, v, n, dtype, key, gpu, cpu, bw, args.quick)
         rows.append(row)
         t_cuda, t_cpu, t_ref, t_heapq, floor = row[4:]
-        print(f"B={b:2d} L={l:2d} N={n:4d} {row[3]:8s} cuda {t_cuda * 1e6:8.1f} us  cpu {t_cpu * 1e3:8.2f} ms  "
+        print(f"B={b:2d} L={depth:2d} N={n:4d} {row[3]:8s} cuda {t_cuda * 1e6:8.1f} us  cpu {t_cpu * 1e3:8.2f} ms  "
               f"ref(gpu) {t_ref * 1e3:8.2f} ms  heapq {t_heapq * 1e3:8.2f} ms  floor {floor * 1e6:7.1f} us  "
               f"x{t_heapq / t_cuda:7.0f} vs heapq  {t_cuda / floor:4.2f}x floor", flush=True)
 
@@ -176,8 +176,8 @@ def main():
          "| read floor | CUDA vs heapq | CUDA / floor |"),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for b, l, n, dt, t_cuda, t_cpu, t_ref, t_heapq, floor in rows:
-        lines.append(f"| {b} | {l} | {n} | {dt} | {t_cuda * 1e6:.1f} us | {t_cpu * 1e3:.1f} ms | "
+    for b, depth, n, dt, t_cuda, t_cpu, t_ref, t_heapq, floor in rows:
+        lines.append(f"| {b} | {depth} | {n} | {dt} | {t_cuda * 1e6:.1f} us | {t_cpu * 1e3:.1f} ms | "
                      f"{t_ref * 1e3:.2f} ms | {t_heapq * 1e3:.2f} ms | {floor * 1e6:.1f} us | "
                      f"{t_heapq / t_cuda:.0f}x | {t_cuda / floor:.2f}x |")
     text = "\n".join(lines) + "\n"

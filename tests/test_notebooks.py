@@ -18,7 +18,8 @@ def test_notebook_runs(path, tmp_path):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel is a child process: it inherits these
     try:
-        nbclient.NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": tmp_path}}).execute()
+        nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
+                                resources={"metadata": {"path": tmp_path}}).execute()
     finally:
         for k, v in old.items():
             if v is None:
@@ -27,4 +28,4 @@ def test_notebook_runs(path, tmp_path):
                 os.environ[k] = v
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
-    assert len(NOTEBOOKS) >= 3
+    assert len(NOTEBOOKS) >= 4
