@@ -1,4 +1,5 @@
-"""The `kdtree-jax` command line: generate text (streaming) and print the decoding stats."""
+"""The `kdtree-jax` command line: `generate` (streamed text and the decoding stats) and `bench` (tokens/s, tau and
+the equality with AR of ar / chain / ddtree on held-out text, side by side in one run)."""
 
 from __future__ import annotations
 
@@ -14,31 +15,76 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
                "  kdtree-jax generate --prompt 'def fibonacci(n):'\n"
-               "  kdtree-jax generate --model /ckpt/k2 --method ddtree --budget 64 --prompt 'Hello'\n")
+               "  kdtree-jax generate --model /ckpt/k2 --method ddtree --budget 64 --prompt 'Hello'\n"
+               "  kdtree-jax bench --budgets 16,64 --batch 4\n"
+               "  kdtree-jax bench --model /ckpt/k2 --mesh tp=8 --kernels ffi --json k2.json\n")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a continuation of a prompt",
                        description="Generate a continuation of --prompt, streaming the text, then print a stats line "
                                    "(steps, tokens per step tau, tokens/s).")
     g.add_argument("--prompt", required=True, help="the text to continue")
-    g.add_argument("--model", default=None,
-                   help="a converted checkpoint directory (kdtree-convert), or 'builtin'. Default: the embedded "
-                        "model shipped in the package (else a random tiny model with a byte tokenizer)")
     g.add_argument("--method", choices=("ar", "chain", "ddtree"), default="ar",
                    help="ar: one token per step; chain: DFlash linear draft; ddtree: DDTree draft tree (default: ar)")
     g.add_argument("--budget", type=int, default=64, help="ddtree: draft tree nodes per step (default: 64)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    g.add_argument("--seed", type=int, default=0, help="sampling and random-model seed (default: 0)")
+    _common(g)
+
+    b = sub.add_parser("bench", help="tokens/s and tau of ar, chain and ddtree side by side",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Time generate for each method on the same prompts (windows of held-out files of "
+                                   "the Python standard library, encoded with the model's tokenizer), greedy. Each "
+                                   "configuration is compiled and warmed up first (compile time reported apart), "
+                                   "then timed --repeats times. Prints one row per method: tokens/s, speedup over "
+                                   "ar, tau (tokens per target step), and whether the tokens equal ar's (they "
+                                   "must: decoding is lossless).")
+    b.add_argument("--methods", default="ar,chain,ddtree", help="comma-separated, from ar, chain, ddtree "
+                                                                 "(default: all three; ar is always run)")
+    b.add_argument("--budgets", default="16,64", help="ddtree node budgets, comma-separated (default: 16,64)")
+    b.add_argument("--batch", type=int, default=1, help="prompts decoded together (default: 1)")
+    b.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt (default: 128)")
+    b.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default: 128)")
+    b.add_argument("--repeats", type=int, default=3, help="timed runs per configuration, after one warm-up "
+                                                          "(default: 3; the median is reported)")
+    b.add_argument("--json", default=None, metavar="PATH", help="also write the rows and the setup as JSON")
+    _common(b)
+    return p
+
+
+def _common(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--model", default=None,
+                   help="a converted checkpoint directory (kdtree-convert), or 'builtin'. Default: the embedded "
+                        "model shipped in the package (else a random tiny model with a byte tokenizer)")
+    g.add_argument("--seed", type=int, default=0, help="sampling, prompt-choice and random-model seed (default: 0)")
     g.add_argument("--mesh", default=None, metavar="AXES",
                    help="shard over the local devices, e.g. 'tp=8' or 'ep=4,tp=2' or 'dp=2,ep=4' (axes dp, ep, tp; "
                         "their product must equal the device count). Default: one device")
     g.add_argument("--kernels", choices=("xla", "ffi"), default=None,
                    help="custom calls (ffi) or their pure-JAX references (xla). Default: the model's setting")
-    return p
 
 
-def _load(args):
-    """(params, cfg, tokenizer, drafter, note)."""
+def _load(args, need_drafter: bool):
+    """(params, cfg, tokenizer, drafter, note), with --kernels applied and the params sharded over --mesh."""
+    import dataclasses
+
+    import jax
+
+    params, cfg, tok, drafter, note = _read_model(args, need_drafter)
+    if args.kernels is not None:
+        cfg = dataclasses.replace(cfg, kernels=args.kernels)
+    if args.mesh is not None:
+        import kdtree_jax as kj
+
+        mesh = kj.make_mesh(**parse_mesh(args.mesh))
+        params = kj.shard_params(params, cfg, mesh)
+        if drafter is not None:
+            drafter = jax.device_put(drafter, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        note += f"; sharded over {dict(mesh.shape)}"
+    print(f"[kdtree-jax] {note}", file=sys.stderr)
+    return params, cfg, tok, drafter
+
+
+def _read_model(args, need_drafter: bool):
     import jax
 
     import kdtree_jax as kj
@@ -55,7 +101,7 @@ def _load(args):
     cfg = kj.configs.tiny()
     params = kj.init_params(cfg, jax.random.key(args.seed))
     drafter = None
-    if args.method != "ar":
+    if need_drafter:
         drafter = kj.init_drafter(cfg, jax.random.key(args.seed + 1), num_layers=1, block_size=8)
     return (params, cfg, ByteTokenizer(), drafter,
             "no --model given: a RANDOM tiny model with a byte tokenizer (its text is noise)")
@@ -73,22 +119,9 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def generate_command(args) -> int:
-    import dataclasses
-
-    import jax
-
     import kdtree_jax as kj
 
-    params, cfg, tok, drafter, note = _load(args)
-    if args.kernels is not None:
-        cfg = dataclasses.replace(cfg, kernels=args.kernels)
-    if args.mesh is not None:
-        mesh = kj.make_mesh(**parse_mesh(args.mesh))
-        params = kj.shard_params(params, cfg, mesh)
-        if drafter is not None:
-            drafter = jax.device_put(drafter, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-        note += f"; sharded over {dict(mesh.shape)}"
-    print(f"[kdtree-jax] {note}", file=sys.stderr)
+    params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
     ids = tok.encode(args.prompt)
     t0 = time.perf_counter()
     sys.stdout.write(args.prompt)
@@ -121,11 +154,87 @@ def generate_command(args) -> int:
     return 0
 
 
+def _bench_prompts(tok, batch: int, length: int, seed: int) -> list[list[int]]:
+    """`batch` windows of `length` tokens from the held-out standard-library files, in the model's tokenizer."""
+    import numpy as np
+
+    from kdtree_jax.train import corpus_split
+
+    _, held = corpus_split()
+    ids = []
+    for path in held:
+        ids += tok.encode(path.read_text(errors="replace"))
+        if len(ids) > 50 * length * batch:
+            break
+    if len(ids) <= length:
+        raise ValueError(f"--prompt-len {length}: the held-out text has only {len(ids)} tokens")
+    starts = np.random.default_rng(seed).integers(0, len(ids) - length, size=batch)
+    return [ids[s:s + length] for s in starts]
+
+
+def bench_command(args) -> int:
+    import json
+    import statistics
+
+    import jax
+
+    import kdtree_jax as kj
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ("ar", "chain", "ddtree")]
+    if bad:
+        raise ValueError(f"--methods: unknown method(s) {bad}; choose from ar, chain, ddtree")
+    try:
+        budgets = [int(b) for b in args.budgets.split(",")] if "ddtree" in methods else []
+    except ValueError:
+        raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated integers") from None
+    if any(b < 1 for b in budgets):
+        raise ValueError(f"--budgets {args.budgets!r}: every budget must be at least 1")
+    for name in ("batch", "prompt_len", "max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    params, cfg, tok, drafter = _load(args, need_drafter=methods != ["ar"])
+    if methods != ["ar"] and drafter is None:
+        raise ValueError("chain and ddtree need a drafter; this model has none (convert one with --drafter)")
+    prompts = _bench_prompts(tok, args.batch, args.prompt_len, args.seed)
+    configs = [("ar", 1)] + [("chain", 1)] * ("chain" in methods) + [("ddtree", b) for b in budgets]
+    rows, ar_tokens = [], None
+    print(f"{'method':8s} {'budget':>6s} {'tokens/s':>10s} {'vs ar':>6s} {'tau':>5s} {'= ar':>5s} {'compile':>8s}")
+    for method, budget in configs:
+        run = lambda: kj.generate(params, cfg, prompts, max_new_tokens=args.max_new_tokens, method=method,
+                                  drafter=drafter, budget=budget)
+        first = run()
+        outs = [run() for _ in range(args.repeats)]
+        wall = statistics.median(o.stats["wall_s"] for o in outs)
+        tokens = outs[0].tokens
+        ar_tokens = tokens if method == "ar" else ar_tokens
+        row = dict(method=method, budget=budget if method == "ddtree" else None,
+                   tokens_per_s=sum(len(t) for t in tokens) / wall, wall_s=wall, tau=outs[0].stats["tau"],
+                   steps=outs[0].stats["steps"], equal_ar=tokens == ar_tokens,
+                   compile_s=first.stats.get("compile_s"))
+        row["speedup_vs_ar"] = row["tokens_per_s"] / rows[0]["tokens_per_s"] if rows else 1.0
+        rows.append(row)
+        comp = f"{row['compile_s']:.1f}s" if row["compile_s"] is not None else "-"
+        print(f"{method:8s} {str(row['budget'] or '-'):>6s} {row['tokens_per_s']:10.1f} {row['speedup_vs_ar']:5.2f}x "
+              f"{row['tau']:5.2f} {str(row['equal_ar']):>5s} {comp:>8s}", flush=True)
+    if args.json:
+        setup = dict(model=args.model or "builtin", batch=args.batch, prompt_len=args.prompt_len,
+                     max_new_tokens=args.max_new_tokens, repeats=args.repeats, mesh=args.mesh, kernels=cfg.kernels,
+                     device=str(jax.devices()[0].device_kind), devices=jax.device_count(), jax=jax.__version__)
+        with open(args.json, "w") as f:
+            json.dump(dict(setup=setup, rows=rows), f, indent=1)
+    if not all(r["equal_ar"] for r in rows):
+        print("kdtree-jax: warning: some speculative tokens differ from ar's (see the '= ar' column)", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "generate":
             return generate_command(args)
+        if args.command == "bench":
+            return bench_command(args)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         print(f"kdtree-jax: error: {e}", file=sys.stderr)
         return 2

@@ -27,3 +27,31 @@ def test_bad_arguments_are_clear_errors(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     assert "--budget" in capsys.readouterr().out
+
+
+def test_bench_rows_are_lossless_and_written(tmp_path, capsys):
+    """bench runs ar, chain and ddtree on the same held-out prompts; greedy speculative tokens equal ar's."""
+    import json
+
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--budgets", "4,16", "--batch", "2", "--prompt-len", "32", "--max-new-tokens", "12",
+                 "--repeats", "1", "--json", str(path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["method", "budget", "tokens/s"] and len(table) == 5
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("chain", None), ("ddtree", 4), ("ddtree", 16)]
+    assert all(r["equal_ar"] for r in rows)
+    assert all(r["tokens_per_s"] > 0 and r["steps"] >= 1 for r in rows)
+    assert rows[0]["tau"] == 1.0 and all(r["tau"] >= 1.0 for r in rows[1:])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "ar,beam"], "unknown method"),
+    (["--budgets", "8,0"], "at least 1"),
+    (["--budgets", "eight"], "comma-separated integers"),
+    (["--batch", "0"], "--batch must be at least 1"),
+    (["--prompt-len", "100000000"], "held-out text has only"),
+])
+def test_bench_bad_arguments(argv, message, capsys):
+    assert main(["bench", "--repeats", "1", "--max-new-tokens", "4", *argv]) == 2
+    assert message in capsys.readouterr().err
