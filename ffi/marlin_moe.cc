@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "handler_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -54,9 +55,7 @@ void Dequantize(const uint32_t* packed, const uint16_t* scale, int64_t e, int64_
   }
 }
 
-struct Dims {
-  int64_t m, d, k, e, f, gate_groups, down_groups;
-};
+using Dims = kdtree::MoeShape;
 
 struct Experts {
   const uint32_t *gate_q, *up_q, *down_q;
@@ -75,9 +74,9 @@ void Run(const T* x, const int32_t* ids, const float* weights, const Experts& w,
   std::vector<float> ys(slots * d.d, 0.0f);  // [M k, D]
   for (int64_t e = 0; e < d.e; ++e) {
     if (by_expert[e].empty()) continue;
-    Dequantize<T>(w.gate_q, w.gate_s, e, d.f, d.d, d.gate_groups, &gate);
-    Dequantize<T>(w.up_q, w.up_s, e, d.f, d.d, d.gate_groups, &up);
-    Dequantize<T>(w.down_q, w.down_s, e, d.d, d.f, d.down_groups, &down);
+    Dequantize<T>(w.gate_q, w.gate_s, e, d.f, d.d, d.gate_scales, &gate);
+    Dequantize<T>(w.up_q, w.up_s, e, d.f, d.d, d.gate_scales, &up);
+    Dequantize<T>(w.down_q, w.down_s, e, d.d, d.f, d.down_scales, &down);
     for (const int64_t s : by_expert[e]) {
       const T* row = x + (s / d.k) * d.d;
       for (int64_t i = 0; i < d.d; ++i) xv[i] = ToFloat(row[i]);
@@ -102,12 +101,6 @@ void Run(const T* x, const int32_t* ids, const float* weights, const Experts& w,
   }
 }
 
-std::string Shape(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
 ffi::Error MarlinMoeCpuImpl(ffi::AnyBuffer x,                  // [M, D]
                             ffi::Buffer<ffi::S32> ids,         // [M, k]
                             ffi::Buffer<ffi::F32> weights,     // [M, k]
@@ -118,23 +111,12 @@ ffi::Error MarlinMoeCpuImpl(ffi::AnyBuffer x,                  // [M, D]
                             ffi::Buffer<ffi::S32> down_q,      // [E, D, F/8]
                             ffi::Buffer<ffi::BF16> down_s,     // [E, D, F/G']
                             ffi::Result<ffi::AnyBuffer> out) { // [M, D]
-  const auto xd = x.dimensions(), id = ids.dimensions(), wd = weights.dimensions();
-  const auto gq = gate_q.dimensions(), gs = gate_s.dimensions(), uq = up_q.dimensions(), us = up_s.dimensions();
-  const auto dq = down_q.dimensions(), ds = down_s.dimensions();
-  if (xd.size() != 2 || id.size() != 2 || wd.size() != 2 || gq.size() != 3 || gs.size() != 3 || uq.size() != 3 ||
-      us.size() != 3 || dq.size() != 3 || ds.size() != 3) {
-    return ffi::Error::InvalidArgument("marlin_moe: expected x [M, D], ids and weights [M, k], packed experts "
-                                       "[E, out, in/8] and scales [E, out, in/group]");
-  }
-  const Dims d{xd[0], xd[1], id[1], gq[0], gq[1], gs[2], ds[2]};
-  if (id[0] != d.m || wd[0] != d.m || wd[1] != d.k || gq[2] * 8 != d.d || gs[0] != d.e || gs[1] != d.f ||
-      uq[0] != d.e || uq[1] != d.f || uq[2] != gq[2] || us[0] != d.e || us[1] != d.f || us[2] != gs[2] ||
-      dq[0] != d.e || dq[1] != d.d || dq[2] * 8 != d.f || ds[0] != d.e || ds[1] != d.d ||
-      (d.gate_groups > 0 && d.d % d.gate_groups != 0) || (d.down_groups > 0 && d.f % d.down_groups != 0) ||
-      (d.gate_groups == 0 && d.d * d.f != 0) || (d.down_groups == 0 && d.d * d.f != 0)) {
-    return ffi::Error::InvalidArgument("marlin_moe: inconsistent shapes x " + Shape(xd) + " ids " + Shape(id) +
-                                       " gate " + Shape(gq) + "/" + Shape(gs) + " up " + Shape(uq) + "/" +
-                                       Shape(us) + " down " + Shape(dq) + "/" + Shape(ds));
+  Dims d;
+  if (ffi::Error e = kdtree::CheckMoeShape(x.dimensions(), ids.dimensions(), weights.dimensions(),
+                                           gate_q.dimensions(), gate_s.dimensions(), up_q.dimensions(),
+                                           up_s.dimensions(), down_q.dimensions(), down_s.dimensions(), &d);
+      e.failure()) {
+    return e;
   }
   const ffi::DataType t = x.element_type();
   if (out->element_type() != t) return ffi::Error::InvalidArgument("marlin_moe: out must have x's dtype");

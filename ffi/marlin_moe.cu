@@ -43,6 +43,7 @@
 #include <cstdint>
 #include <string>
 
+#include "handler_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -515,17 +516,7 @@ __global__ void CombineKernel(const T* __restrict__ ys, const int32_t* __restric
 // Handler
 // ------------------------------------------------------------------------------------------------------------------
 
-std::string Shape(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-ffi::Error LastError(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("marlin_moe: ") + what + ": " + cudaGetErrorString(err));
-}
+ffi::Error LastError(const char* what) { return kdtree::CudaStatus(cudaGetLastError(), "marlin_moe", what); }
 
 unsigned GridFor(int64_t work, int64_t per_block) {
   const int64_t blocks = (work + per_block - 1) / per_block;
@@ -578,23 +569,16 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
                              ffi::Result<ffi::Buffer<ffi::S32>> block_expert,  // [max_blocks]
                              ffi::Result<ffi::AnyBuffer> h,            // [M k, F]
                              ffi::Result<ffi::AnyBuffer> ys) {         // [M k, D]
-  const auto xd = x.dimensions(), id = ids.dimensions(), wd = weights.dimensions();
-  const auto gq = gate_q.dimensions(), gs = gate_s.dimensions(), uq = up_q.dimensions(), us = up_s.dimensions();
-  const auto dq = down_q.dimensions(), ds = down_s.dimensions();
-  if (xd.size() != 2 || id.size() != 2 || wd.size() != 2 || gq.size() != 3 || gs.size() != 3 || uq.size() != 3 ||
-      us.size() != 3 || dq.size() != 3 || ds.size() != 3) {
-    return ffi::Error::InvalidArgument("marlin_moe: expected x [M, D], ids and weights [M, k], packed experts "
-                                       "[E, out, in/8] and scales [E, out, in/group]");
+  kdtree::MoeShape shape;
+  if (ffi::Error e = kdtree::CheckMoeShape(x.dimensions(), ids.dimensions(), weights.dimensions(),
+                                           gate_q.dimensions(), gate_s.dimensions(), up_q.dimensions(),
+                                           up_s.dimensions(), down_q.dimensions(), down_s.dimensions(), &shape);
+      e.failure()) {
+    return e;
   }
-  const int64_t M = xd[0], D = xd[1], topk = id[1], E = gq[0], F = gq[1];
-  const int64_t gg = gs[2] > 0 ? D / gs[2] : 0, dg = ds[2] > 0 ? F / ds[2] : 0;
-  if (id[0] != M || wd[0] != M || wd[1] != topk || gq[2] * 8 != D || gs[0] != E || gs[1] != F || gg * gs[2] != D ||
-      uq[0] != E || uq[1] != F || uq[2] != gq[2] || us[0] != E || us[1] != F || us[2] != gs[2] || dq[0] != E ||
-      dq[1] != D || dq[2] * 8 != F || ds[0] != E || ds[1] != D || dg * ds[2] != F) {
-    return ffi::Error::InvalidArgument("marlin_moe: inconsistent shapes x " + Shape(xd) + " ids " + Shape(id) +
-                                       " gate " + Shape(gq) + "/" + Shape(gs) + " up " + Shape(uq) + "/" +
-                                       Shape(us) + " down " + Shape(dq) + "/" + Shape(ds));
-  }
+  const int64_t M = shape.m, D = shape.d, topk = shape.k, E = shape.e, F = shape.f;
+  const int64_t gate_scales = shape.gate_scales, down_scales = shape.down_scales;
+  const int64_t gg = gate_scales > 0 ? D / gate_scales : 0, dg = down_scales > 0 ? F / down_scales : 0;
   const ffi::DataType t = x.element_type();
   if ((t != ffi::DataType::F32 && t != ffi::DataType::BF16) || out->element_type() != t ||
       h->element_type() != t || ys->element_type() != t) {
@@ -621,7 +605,7 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
   const int64_t bm = max_blocks > 0 ? static_cast<int64_t>(sorted->element_count()) / max_blocks : 0;
   const int align_warps = AlignWarps(E);
   const bool fast = t == ffi::DataType::BF16 && D % kChunk == 0 && F % kChunk == 0 && gg % 32 == 0 &&
-                    dg % 32 == 0 && gs[2] % 2 == 0 && ds[2] % 2 == 0 && align_warps > 0 &&
+                    dg % 32 == 0 && gate_scales % 2 == 0 && down_scales % 2 == 0 && align_warps > 0 &&
                     (bm == 8 || bm == 16 || bm == 32) && max_blocks * bm == static_cast<int64_t>(
                         sorted->element_count()) && max_blocks <= INT32_MAX / 64;
   const auto* xq = reinterpret_cast<const uint32_t*>(gate_q.typed_data());
@@ -651,9 +635,9 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
     auto* yp = static_cast<__nv_bfloat16*>(ys->untyped_data());
     GemmParams g1{xq, uqp, gsp, usp, static_cast<const __nv_bfloat16*>(x.untyped_data()), hp,
                   sorted->typed_data(), block_expert->typed_data(), static_cast<int>(F), static_cast<int>(D),
-                  static_cast<int>(gs[2]), static_cast<int>(gg), static_cast<int>(topk), static_cast<int>(S)};
+                  static_cast<int>(gate_scales), static_cast<int>(gg), static_cast<int>(topk), static_cast<int>(S)};
     GemmParams g2{dqp, nullptr, dsp, nullptr, hp, yp, sorted->typed_data(), block_expert->typed_data(),
-                  static_cast<int>(D), static_cast<int>(F), static_cast<int>(ds[2]), static_cast<int>(dg), 1,
+                  static_cast<int>(D), static_cast<int>(F), static_cast<int>(down_scales), static_cast<int>(dg), 1,
                   static_cast<int>(S)};
     ffi::Error err = bm == 8    ? LaunchGemms<1>(stream, g1, g2, static_cast<int>(max_blocks))
                      : bm == 16 ? LaunchGemms<2>(stream, g1, g2, static_cast<int>(max_blocks))
@@ -667,10 +651,10 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
 
   if (D % 8 != 0 || F % 8 != 0) return ffi::Error::InvalidArgument("marlin_moe: D and F must be multiples of 8");
   GenericParams p1{xq, uqp, gsp, usp, ids.typed_data(), static_cast<int>(E), static_cast<int>(F),
-                   static_cast<int>(D), static_cast<int>(gs[2]), static_cast<int>(gg), static_cast<int>(topk),
+                   static_cast<int>(D), static_cast<int>(gate_scales), static_cast<int>(gg), static_cast<int>(topk),
                    static_cast<int>(S)};
   GenericParams p2{dqp, nullptr, dsp, nullptr, ids.typed_data(), static_cast<int>(E), static_cast<int>(D),
-                   static_cast<int>(F), static_cast<int>(ds[2]), static_cast<int>(dg), 1, static_cast<int>(S)};
+                   static_cast<int>(F), static_cast<int>(down_scales), static_cast<int>(dg), 1, static_cast<int>(S)};
   if (t == ffi::DataType::F32) {
     return LaunchGeneric<float>(stream, p1, p2, static_cast<const float*>(x.untyped_data()),
                                 static_cast<float*>(h->untyped_data()), static_cast<float*>(ys->untyped_data()),

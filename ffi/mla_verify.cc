@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "handler_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -30,9 +31,7 @@ using kdtree::ToFloat;
 inline void FromFloat(float x, float* out) { *out = x; }
 inline void FromFloat(float x, uint16_t* out) { *out = kdtree::Bf16Bits(x); }
 
-struct Dims {
-  int64_t b, n, h, r, dr, s;
-};
+using Dims = kdtree::MlaShape;
 
 template <typename T>
 void Attend(const T* q_lat, const T* q_pe, const T* latent, const T* pe, const int32_t* lens, const bool* mask,
@@ -106,12 +105,6 @@ void Attend(const T* q_lat, const T* q_pe, const T* latent, const T* pe, const i
   }
 }
 
-std::string Shape(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
 ffi::Error MlaVerifyCpuImpl(ffi::AnyBuffer q_lat,                // [B, N, H, R]
                             ffi::AnyBuffer q_pe,                 // [B, N, H, dr]
                             ffi::AnyBuffer latent,               // [B, S, R]
@@ -120,18 +113,12 @@ ffi::Error MlaVerifyCpuImpl(ffi::AnyBuffer q_lat,                // [B, N, H, R]
                             ffi::Buffer<ffi::PRED> tree_mask,    // [B, N, N]
                             float scale,                         // softmax scale
                             ffi::Result<ffi::AnyBuffer> out) {   // [B, N, H, R]
-  const auto qd = q_lat.dimensions();
-  if (qd.size() != 4 || q_pe.dimensions().size() != 4 || latent.dimensions().size() != 3 ||
-      pe.dimensions().size() != 3) {
-    return ffi::Error::InvalidArgument("mla_verify: expected q [B,N,H,R], q_pe [B,N,H,dr], latent [B,S,R], pe [B,S,dr]");
-  }
-  const Dims d{qd[0], qd[1], qd[2], qd[3], q_pe.dimensions()[3], latent.dimensions()[1]};
-  const auto pd = q_pe.dimensions(), ld = latent.dimensions(), ed = pe.dimensions();
-  if (pd[0] != d.b || pd[1] != d.n || pd[2] != d.h || ld[0] != d.b || ld[2] != d.r || ed[0] != d.b ||
-      ed[1] != d.s || ed[2] != d.dr || cache_lens.element_count() != static_cast<size_t>(d.b) ||
-      tree_mask.element_count() != static_cast<size_t>(d.b * d.n * d.n) || d.s < d.n) {
-    return ffi::Error::InvalidArgument("mla_verify: inconsistent shapes q " + Shape(qd) + " q_pe " + Shape(pd) +
-                                       " latent " + Shape(ld) + " pe " + Shape(ed));
+  Dims d;
+  if (ffi::Error e = kdtree::CheckMlaShape(q_lat.dimensions(), q_pe.dimensions(), latent.dimensions(),
+                                           pe.dimensions(), cache_lens.element_count(), tree_mask.element_count(),
+                                           &d);
+      e.failure()) {
+    return e;
   }
   const ffi::DataType t = q_lat.element_type();
   if (q_pe.element_type() != t || latent.element_type() != t || pe.element_type() != t ||

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <string>
 
+#include "handler_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -689,17 +690,7 @@ __global__ void __launch_bounds__(128) GenericKernel(const GenericParams<T> p) {
 // Handler
 // ------------------------------------------------------------------------------------------------------------------
 
-std::string Shape(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-ffi::Error LastError(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("mla_verify: ") + what + ": " + cudaGetErrorString(err));
-}
+ffi::Error LastError(const char* what) { return kdtree::CudaStatus(cudaGetLastError(), "mla_verify", what); }
 
 template <typename T>
 ffi::Error LaunchGeneric(cudaStream_t stream, const GenericParams<T>& p) {
@@ -719,17 +710,15 @@ ffi::Error MlaVerifyCudaImpl(cudaStream_t stream,
                              ffi::Result<ffi::AnyBuffer> out,      // [B, N, H, R]
                              ffi::Result<ffi::Buffer<ffi::F32>> part,    // [B, splits, M or 0, R]
                              ffi::Result<ffi::Buffer<ffi::F32>> stats) { // [B, splits, M or 0, 2]
-  const auto qd = q_lat.dimensions(), pd = q_pe.dimensions(), ld = latent.dimensions(), ed = pe.dimensions();
-  if (qd.size() != 4 || pd.size() != 4 || ld.size() != 3 || ed.size() != 3) {
-    return ffi::Error::InvalidArgument("mla_verify: expected q [B,N,H,R], q_pe [B,N,H,dr], latent [B,S,R], pe [B,S,dr]");
+  kdtree::MlaShape shape;
+  if (ffi::Error e = kdtree::CheckMlaShape(q_lat.dimensions(), q_pe.dimensions(), latent.dimensions(),
+                                           pe.dimensions(), cache_lens.element_count(), tree_mask.element_count(),
+                                           &shape);
+      e.failure()) {
+    return e;
   }
-  const int64_t B = qd[0], N = qd[1], H = qd[2], R = qd[3], DR = pd[3], S = ld[1], M = N * H;
-  if (pd[0] != B || pd[1] != N || pd[2] != H || ld[0] != B || ld[2] != R || ed[0] != B || ed[1] != S ||
-      ed[2] != DR || cache_lens.element_count() != static_cast<size_t>(B) ||
-      tree_mask.element_count() != static_cast<size_t>(B * N * N) || S < N || S > INT32_MAX / 2) {
-    return ffi::Error::InvalidArgument("mla_verify: inconsistent shapes q " + Shape(qd) + " q_pe " + Shape(pd) +
-                                       " latent " + Shape(ld) + " pe " + Shape(ed));
-  }
+  const int64_t B = shape.b, N = shape.n, H = shape.h, R = shape.r, DR = shape.dr, S = shape.s, M = N * H;
+  if (S > INT32_MAX / 2) return ffi::Error::InvalidArgument("mla_verify: cache length beyond 32-bit indexing");
   const ffi::DataType t = q_lat.element_type();
   if (q_pe.element_type() != t || latent.element_type() != t || pe.element_type() != t ||
       out->element_type() != t) {
@@ -743,7 +732,7 @@ ffi::Error MlaVerifyCudaImpl(cudaStream_t stream,
     const int64_t splits = xd.size() == 4 ? xd[1] : 0;
     if (xd.size() != 4 || sd.size() != 4 || xd[0] != B || splits < 1 || splits > kMaxSplits || sd[1] != splits ||
         (splits > 1 && (xd[2] != M || xd[3] != R || sd[0] != B || sd[2] != M || sd[3] != 2))) {
-      return ffi::Error::InvalidArgument("mla_verify: partials " + Shape(xd) + " / stats " + Shape(sd) +
+      return ffi::Error::InvalidArgument("mla_verify: partials " + kdtree::ShapeString(xd) + " / stats " + kdtree::ShapeString(sd) +
                                          " do not match [B, splits, M, R] / [B, splits, M, 2]");
     }
     if (B > 65535) return ffi::Error::InvalidArgument("mla_verify: batch over 65535");

@@ -19,6 +19,7 @@
 #include <string>
 
 #include "common.h"
+#include "handler_checks.h"
 #include "tree_levels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -479,10 +480,7 @@ __global__ void VisKernel(int64_t bsz, int n, int l, const int32_t* __restrict__
   }
 }
 
-ffi::Error CudaCheck(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("tree_build (CUDA) ") + what + ": " + cudaGetErrorString(e));
-}
+ffi::Error CudaCheck(cudaError_t e, const char* what) { return kdtree::CudaStatus(e, "tree_build (CUDA)", what); }
 
 // Raises a kernel's dynamic shared memory limit when a launch needs more than was set before on this device (one
 // cudaFuncSetAttribute per kernel and device in steady state).

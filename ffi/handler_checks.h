@@ -1,0 +1,88 @@
+// Shared by the C++ (CPU) and CUDA handlers of mla_verify and marlin_moe: the operand-shape checks (one rule per
+// op for both platforms, with the same error text) and, in CUDA builds, CUDA status -> ffi::Error.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+#ifdef __CUDACC__
+#include <cuda_runtime.h>
+#endif
+
+namespace kdtree {
+
+namespace xffi = xla::ffi;
+using Dims = xffi::AnyBuffer::Dimensions;  // what every buffer's dimensions() returns
+
+// "[2, 3, 4]"
+inline std::string ShapeString(Dims dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+#ifdef __CUDACC__
+// Success, or Internal("<op>: <what>: <CUDA's message>").
+inline xffi::Error CudaStatus(cudaError_t err, const char* op, const char* what) {
+  if (err == cudaSuccess) return xffi::Error::Success();
+  return xffi::Error::Internal(std::string(op) + ": " + what + ": " + cudaGetErrorString(err));
+}
+#endif
+
+// mla_verify: q [B, N, H, R], q_pe [B, N, H, dr], latent [B, S, R], pe [B, S, dr], cache_lens [B],
+// tree_mask [B, N, N], S >= N.
+struct MlaShape {
+  int64_t b, n, h, r, dr, s;
+};
+
+inline xffi::Error CheckMlaShape(Dims qd, Dims pd, Dims ld, Dims ed, size_t cache_lens, size_t tree_mask,
+                                 MlaShape* shape) {
+  if (qd.size() != 4 || pd.size() != 4 || ld.size() != 3 || ed.size() != 3) {
+    return xffi::Error::InvalidArgument(
+        "mla_verify: expected q [B,N,H,R], q_pe [B,N,H,dr], latent [B,S,R], pe [B,S,dr]");
+  }
+  const MlaShape d{qd[0], qd[1], qd[2], qd[3], pd[3], ld[1]};
+  if (pd[0] != d.b || pd[1] != d.n || pd[2] != d.h || ld[0] != d.b || ld[2] != d.r || ed[0] != d.b ||
+      ed[1] != d.s || ed[2] != d.dr || cache_lens != static_cast<size_t>(d.b) ||
+      tree_mask != static_cast<size_t>(d.b * d.n * d.n) || d.s < d.n) {
+    return xffi::Error::InvalidArgument("mla_verify: inconsistent shapes q " + ShapeString(qd) + " q_pe " +
+                                        ShapeString(pd) + " latent " + ShapeString(ld) + " pe " + ShapeString(ed));
+  }
+  *shape = d;
+  return xffi::Error::Success();
+}
+
+// marlin_moe: x [M, D], ids and weights [M, k], gate and up packed [E, F, D/8] with scales [E, F, gate_scales],
+// down packed [E, D, F/8] with scales [E, D, down_scales]; each scale count divides its row (or the rows are empty).
+struct MoeShape {
+  int64_t m, d, k, e, f, gate_scales, down_scales;
+};
+
+// Arguments: the dimensions of x, ids, weights, gate packed / scales, up packed / scales, down packed / scales.
+inline xffi::Error CheckMoeShape(Dims xd, Dims id, Dims wd, Dims gq, Dims gs, Dims uq, Dims us, Dims dq, Dims ds,
+                                 MoeShape* shape) {
+  if (xd.size() != 2 || id.size() != 2 || wd.size() != 2 || gq.size() != 3 || gs.size() != 3 || uq.size() != 3 ||
+      us.size() != 3 || dq.size() != 3 || ds.size() != 3) {
+    return xffi::Error::InvalidArgument("marlin_moe: expected x [M, D], ids and weights [M, k], packed experts "
+                                        "[E, out, in/8] and scales [E, out, in/group]");
+  }
+  const MoeShape d{xd[0], xd[1], id[1], gq[0], gq[1], gs[2], ds[2]};
+  const auto divides = [](int64_t scales, int64_t row, int64_t other) {
+    return scales > 0 ? row % scales == 0 : row * other == 0;
+  };
+  if (id[0] != d.m || wd[0] != d.m || wd[1] != d.k || gq[2] * 8 != d.d || gs[0] != d.e || gs[1] != d.f ||
+      uq[0] != d.e || uq[1] != d.f || uq[2] != gq[2] || us[0] != d.e || us[1] != d.f || us[2] != gs[2] ||
+      dq[0] != d.e || dq[1] != d.d || dq[2] * 8 != d.f || ds[0] != d.e || ds[1] != d.d ||
+      !divides(d.gate_scales, d.d, d.f) || !divides(d.down_scales, d.f, d.d)) {
+    return xffi::Error::InvalidArgument("marlin_moe: inconsistent shapes x " + ShapeString(xd) + " ids " +
+                                        ShapeString(id) + " gate " + ShapeString(gq) + "/" + ShapeString(gs) +
+                                        " up " + ShapeString(uq) + "/" + ShapeString(us) + " down " +
+                                        ShapeString(dq) + "/" + ShapeString(ds));
+  }
+  *shape = d;
+  return xffi::Error::Success();
+}
+
+}  // namespace kdtree
