@@ -1,8 +1,26 @@
-"""Measurement helpers shared by the benchmarks: timing of queued device calls, and the ceilings (copy bandwidth,
-bf16 matmul rate) measured in the same run as the kernels they judge."""
+"""Measurement helpers shared by the benchmarks: timing of queued device calls, the ceilings (copy bandwidth,
+bf16 matmul rate) measured in the same run as the kernels they judge, and random draft trees."""
 
 import statistics
 import time
+
+import numpy as np
+
+
+def random_trees(b: int, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(depths int32 [B, N], ancestor-or-self mask bool [B, N, N]) of random trees rooted at node 0 (the parent of
+    node i is uniform in 0..i-1)."""
+    depths = np.zeros((b, n), np.int32)
+    vis = np.zeros((b, n, n), bool)
+    for r in range(b):
+        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+        for i in range(n):
+            depths[r, i] = 0 if i == 0 else depths[r, parents[i]] + 1
+            j = i
+            while j >= 0:
+                vis[r, i, j] = True
+                j = parents[j]
+    return depths, vis
 
 
 def timed(fn, args, ops: int, min_batch: float = 0.02, samples: int = 3):

@@ -20,21 +20,10 @@ import os
 import time
 
 import numpy as np
-from common import ceilings, timed
+from common import ceilings, random_trees, timed
 
 R, DR = 512, 64
 SCALE = 0.1309
-
-
-def _ancestors(rng, n: int) -> np.ndarray:
-    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
-    vis = np.zeros((n, n), bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            vis[i, j] = True
-            j = parents[j]
-    return vis
 
 
 def cost(b: int, n: int, h: int, s: int) -> tuple[float, float]:
@@ -48,7 +37,7 @@ def make_sets(b, n, h, s, count, seed):
     import jax.numpy as jnp
 
     rng = np.random.default_rng(seed)
-    mask = jnp.asarray(np.stack([_ancestors(rng, n) for _ in range(b)]))
+    mask = jnp.asarray(random_trees(b, n, rng)[1])
     lens = jnp.full((b,), s - n, jnp.int32)
     sets = []
     for i in range(count):

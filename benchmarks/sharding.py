@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import kdtree_jax as kj  # noqa: E402
-from common import timed  # noqa: E402
+from common import random_trees, timed  # noqa: E402
 from kdtree_jax.generate import trace_context  # noqa: E402
 from kdtree_jax.model import init_cache, step  # noqa: E402
 
@@ -45,21 +45,6 @@ def layer_cfg(n_moe: int, small: bool, kernels: str) -> kj.ModelConfig:
     return kj.configs.k2_6(**base)
 
 
-def random_tree(b: int, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
-    """(depths [B, N], ancestor mask [B, N, N]) of random trees rooted at node 0."""
-    depths = np.zeros((b, n), np.int32)
-    vis = np.zeros((b, n, n), bool)
-    for r in range(b):
-        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
-        for i in range(n):
-            depths[r, i] = 0 if i == 0 else depths[r, parents[i]] + 1
-            j = i
-            while j >= 0:
-                vis[r, i, j] = True
-                j = parents[j]
-    return depths, vis
-
-
 def step_time(cfg, mesh, batch: int, t: int, context: int, rng) -> tuple[float, str]:
     """(seconds of one cached step of T new tokens per row after `context` tokens, compiled HLO text)."""
     params = kj.init_params(cfg, jax.random.key(0))
@@ -68,7 +53,7 @@ def step_time(cfg, mesh, batch: int, t: int, context: int, rng) -> tuple[float, 
     cache = init_cache(cfg, batch, context + t + 8)
     cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
     tokens = jnp.asarray(rng.integers(0, 1000, size=(batch, t)), jnp.int32)
-    depths, vis = random_tree(batch, t, rng)
+    depths, vis = random_trees(batch, t, rng)
     fn = jax.jit(lambda p, c, tok, d, m: step(p, cfg, tok, c, depths=d, tree_mask=m).logits)
     args = (params, cache, tokens, jnp.asarray(depths), jnp.asarray(vis))
     with trace_context(params, cfg):
