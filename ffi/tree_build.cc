@@ -223,21 +223,18 @@ ffi::Error CudaUnavailable(ffi::RemainingArgs, ffi::RemainingRets) {
 }  // namespace
 }  // namespace kdtree
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KdTreeBuildCpu, kdtree::TreeBuildHeap,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()                // draft_logits [B, L, V] f32 | bf16
-                                  .Ret<I32Mat>()      // tokens [B, N]
-                                  .Ret<I32Mat>()      // parents [B, N]
-                                  .Ret<I32Mat>()      // depths [B, N]
-                                  .Ret<BoolCube>());   // visibility [B, N + 1, N + 1]
+// The operands of both CPU builders (the heap and the level-by-level one).
+static auto TreeBuildCpuBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()  // draft_logits [B, L, V] f32 | bf16
+      .Ret<I32Mat>()          // tokens [B, N]
+      .Ret<I32Mat>()          // parents [B, N]
+      .Ret<I32Mat>()          // depths [B, N]
+      .Ret<BoolCube>();       // visibility [B, N + 1, N + 1]
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KdTreeBuildLevelsCpu, kdtree::TreeBuildLevels,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()                // draft_logits [B, L, V] f32 | bf16
-                                  .Ret<I32Mat>()      // tokens [B, N]
-                                  .Ret<I32Mat>()      // parents [B, N]
-                                  .Ret<I32Mat>()      // depths [B, N]
-                                  .Ret<BoolCube>());   // visibility [B, N + 1, N + 1]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KdTreeBuildCpu, kdtree::TreeBuildHeap, TreeBuildCpuBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KdTreeBuildLevelsCpu, kdtree::TreeBuildLevels, TreeBuildCpuBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KdCudaUnavailable, kdtree::CudaUnavailable,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets());
