@@ -1,10 +1,32 @@
 """Measurement helpers shared by the benchmarks: timing of queued device calls, the ceilings (copy bandwidth,
 bf16 matmul rate) measured in the same run as the kernels they judge, and random draft trees."""
 
+import json
+import os
 import statistics
 import time
 
 import numpy as np
+
+
+def add_report_args(ap, unit: str) -> None:
+    """--out, --commit, --budget and --plot, shared by the benchmarks that save numbers (.json) and redraw from them."""
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                    help="directory for the table (.md), plot (.png) and numbers (.json) (default: results/)")
+    ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"),
+                    help="commit stamped on the results (default: $KDTREE_COMMIT)")
+    ap.add_argument("--budget", type=float, default=1e9, help=f"stop starting new {unit} after this long (s)")
+    ap.add_argument("--plot", metavar="JSON", help="redraw the table and plot from saved numbers")
+
+
+def replot(args, write_report) -> bool:
+    """With --plot: redraw the report next to the saved JSON (write_report(dir, meta, rows, sweep)); True if done."""
+    if not args.plot:
+        return False
+    with open(args.plot) as f:
+        saved = json.load(f)
+    write_report(os.path.dirname(os.path.abspath(args.plot)), saved["meta"], saved["rows"], saved["sweep"])
+    return True
 
 
 def random_trees(b: int, n: int, rng) -> tuple[np.ndarray, np.ndarray]:

@@ -23,7 +23,7 @@ import statistics
 import time
 
 import numpy as np
-from common import ceilings, timed
+from common import add_report_args, ceilings, replot, timed
 
 E, D, F, TOPK, GROUP = 384, 7168, 2048, 8, 32
 EXPERT_BYTES = (3 * F * D) // 2 + 2 * (3 * F * D) // GROUP  # nibbles + bf16 scales of gate, up and down
@@ -176,18 +176,12 @@ def plot(out_dir: str, meta: dict, rows: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
     ap.add_argument("--quick", action="store_true", help="M = 1, 4, 16, 64, 256, 1024, 4096 only")
     ap.add_argument("--sweep", action="store_true", help="also time block_m = 8, 16, 32 at a few M")
     ap.add_argument("--no-xla", action="store_true", help="skip the XLA reference")
-    ap.add_argument("--budget", type=float, default=1e9, help="stop starting new sizes after this long (s)")
-    ap.add_argument("--plot", metavar="JSON", help="redraw the table and plot from saved numbers")
+    add_report_args(ap, "sizes")
     args = ap.parse_args()
-    if args.plot:
-        with open(args.plot) as f:
-            saved = json.load(f)
-        write_report(os.path.dirname(os.path.abspath(args.plot)), saved["meta"], saved["rows"], saved["sweep"])
+    if replot(args, write_report):
         return
 
     import jax

@@ -20,7 +20,7 @@ import os
 import time
 
 import numpy as np
-from common import ceilings, random_trees, timed
+from common import add_report_args, ceilings, random_trees, replot, timed
 
 R, DR = 512, 64
 SCALE = 0.1309
@@ -166,17 +166,11 @@ def plot(out_dir: str, meta: dict, rows: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
     ap.add_argument("--quick", action="store_true", help="ten configurations instead of the full grid")
     ap.add_argument("--sweep", action="store_true", help="also time several key-split counts in the decode regime")
-    ap.add_argument("--budget", type=float, default=1e9, help="stop starting new configurations after this long (s)")
-    ap.add_argument("--plot", metavar="JSON", help="redraw the table and plot from saved numbers")
+    add_report_args(ap, "configurations")
     args = ap.parse_args()
-    if args.plot:
-        with open(args.plot) as f:
-            saved = json.load(f)
-        write_report(os.path.dirname(os.path.abspath(args.plot)), saved["meta"], saved["rows"], saved["sweep"])
+    if replot(args, write_report):
         return
 
     ceil = ceilings()
