@@ -61,6 +61,10 @@ def _common(g: argparse.ArgumentParser) -> None:
                         "their product must equal the device count). Default: one device")
     g.add_argument("--kernels", choices=("xla", "ffi"), default=None,
                    help="custom calls (ffi) or their pure-JAX references (xla). Default: the model's setting")
+    g.add_argument("--ffi-ops", default=None, metavar="OPS",
+                   help="with custom calls, only these (comma-separated, from tree_build, tree_accept, mla_verify, "
+                        "marlin_moe; the rest in pure JAX), e.g. 'tree_build,tree_accept' for a small fp32 model "
+                        "whose attention and experts are off the CUDA fast paths. Implies --kernels ffi")
 
 
 def _load(args, need_drafter: bool):
@@ -72,6 +76,10 @@ def _load(args, need_drafter: bool):
     params, cfg, tok, drafter, note = _read_model(args, need_drafter)
     if args.kernels is not None:
         cfg = dataclasses.replace(cfg, kernels=args.kernels)
+    if args.ffi_ops is not None:
+        if args.kernels == "xla":
+            raise ValueError("--ffi-ops selects custom calls; it cannot go with --kernels xla")
+        cfg = dataclasses.replace(cfg, kernels="ffi", ffi_ops=tuple(o.strip() for o in args.ffi_ops.split(",")))
     if args.mesh is not None:
         import kdtree_jax as kj
 
@@ -158,7 +166,7 @@ def _bench_prompts(tok, batch: int, length: int, seed: int) -> list[list[int]]:
     """`batch` windows of `length` tokens from the held-out standard-library files, in the model's tokenizer."""
     import numpy as np
 
-    from kdtree_jax.train import corpus_split
+    from kdtree_jax.train import corpus_split, windows
 
     _, held = corpus_split()
     ids = []
@@ -168,8 +176,7 @@ def _bench_prompts(tok, batch: int, length: int, seed: int) -> list[list[int]]:
             break
     if len(ids) <= length:
         raise ValueError(f"--prompt-len {length}: the held-out text has only {len(ids)} tokens")
-    starts = np.random.default_rng(seed).integers(0, len(ids) - length, size=batch)
-    return [ids[s:s + length] for s in starts]
+    return windows(np.asarray(ids, np.int32), np.random.default_rng(seed), batch, length).tolist()
 
 
 def bench_command(args) -> int:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call (under ten minutes): build ffi/ with CMake; a probe of the embedded model's generate (ar, chain,
+# One GPU call (under ten minutes): build ffi/ with CMake; `kdtree-jax bench` on the embedded model (ar, chain,
 # ddtree; pure-JAX kernels, then the CUDA tree kernels) with compile and run times and the equality with AR; the
 # per-stage step breakdown of the embedded model and of a 2-layer model of K2 widths. Every step has its own
 # time limit and writes its log under $OUT as it goes (a step that runs out of time still leaves its lines).
@@ -20,8 +20,9 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
 (cmake -S . -B /tmp/kd_build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python3)" &&
   cmake --build /tmp/kd_build -j "$(nproc)") > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 export KDTREE_JAX_FFI_DIR=/tmp/kd_build/ffi
-step probe_xla 90 python3 benchmarks/probe_builtin.py ""
-step probe_ffi 90 python3 benchmarks/probe_builtin.py tree_build,tree_accept
+BENCH=(python3 -m kdtree_jax.cli bench --budgets 16,64 --batch 2 --prompt-len 64 --max-new-tokens 32 --repeats 3)
+step bench_xla 90 "${BENCH[@]}" --kernels xla --json "$OUT/bench_xla.json"
+step bench_ffi 90 "${BENCH[@]}" --ffi-ops tree_build,tree_accept --json "$OUT/bench_ffi.json"
 step e2e_builtin 120 env KDTREE_FFI_OPS=tree_build,tree_accept python3 benchmarks/ddtree_e2e.py --builtin \
   --kernels ffi --out "$OUT" --budgets 16,64,256 --batches 1,8 --prompt-len 128 --repeats 10 ${E2E_BUILTIN_ARGS:-}
 step e2e_k2 200 python3 benchmarks/ddtree_e2e.py --kernels ffi --out "$OUT" --budgets 64 --batches 1,8 \

@@ -35,10 +35,12 @@ def test_bench_rows_are_lossless_and_written(tmp_path, capsys):
 
     path = tmp_path / "bench.json"
     assert main(["bench", "--budgets", "4,16", "--batch", "2", "--prompt-len", "32", "--max-new-tokens", "12",
-                 "--repeats", "1", "--json", str(path)]) == 0
+                 "--repeats", "1", "--ffi-ops", "tree_build,tree_accept", "--json", str(path)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:3] == ["method", "budget", "tokens/s"] and len(table) == 5
-    rows = json.loads(path.read_text())["rows"]
+    saved = json.loads(path.read_text())
+    assert saved["setup"]["kernels"] == "ffi"  # the tree custom calls (C++ handlers here), the rest pure JAX
+    rows = saved["rows"]
     assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("chain", None), ("ddtree", 4), ("ddtree", 16)]
     assert all(r["equal_ar"] for r in rows)
     assert all(r["tokens_per_s"] > 0 and r["steps"] >= 1 for r in rows)
@@ -51,6 +53,8 @@ def test_bench_rows_are_lossless_and_written(tmp_path, capsys):
     (["--budgets", "eight"], "comma-separated integers"),
     (["--batch", "0"], "--batch must be at least 1"),
     (["--prompt-len", "100000000"], "held-out text has only"),
+    (["--ffi-ops", "tree_build,beam_search"], "unknown custom calls"),
+    (["--ffi-ops", "tree_build", "--kernels", "xla"], "cannot go with --kernels xla"),
 ])
 def test_bench_bad_arguments(argv, message, capsys):
     assert main(["bench", "--repeats", "1", "--max-new-tokens", "4", *argv]) == 2
