@@ -12,8 +12,8 @@ A checkpoint is a directory:
 An item is a directory of orbax checkpoints `part_000`, `part_001`, ... that together hold its arrays: the arrays
 are written in parts of about PART_BYTES (a larger array alone), each freed once written, because orbax buffers
 about half of what one save writes. Layers are stored one item each so that the converter streams (one layer in
-memory) and resumes per layer; `load` restores each layer straight into its sharding and writes it into the
-stacked arrays of `model.Params` in place.
+memory) and resumes per layer; `load` restores each layer straight into its sharding as one of `model.Params`'s
+layers (the model keeps every layer in arrays of its own).
 """
 
 from __future__ import annotations
@@ -99,15 +99,9 @@ def from_flat(flat: dict[Path, Any], like):
     return jax.tree.unflatten(jax.tree.structure(like), [flat[p] for p in flatten(like)])
 
 
-def unstacked(stack):
-    """ShapeDtypeStructs of one layer of a stacked Layer (drop the leading layer axis)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack)
-
-
 def layer_struct(cfg: ModelConfig, i: int):
     """ShapeDtypeStructs of decoder layer i as stored (a Layer pytree)."""
-    params = abstract_params(cfg)
-    return unstacked(params.dense_layers if i < cfg.num_dense_layers else params.moe_layers)
+    return abstract_params(cfg).layers[i]
 
 
 def top_struct(cfg: ModelConfig) -> dict:
@@ -122,8 +116,8 @@ def _expert_arrays(cfg: ModelConfig, item: str) -> set[Path]:
     info = param_info(cfg)
     if item == TOP_ITEM:
         return set()
-    stack = info.dense_layers if int(item.removeprefix("layer_")) < cfg.num_dense_layers else info.moe_layers
-    return {p for p, a in flatten(stack).items() if a.axes[1:2] == ("experts",)}
+    layer = info.layers[int(item.removeprefix("layer_"))]
+    return {p for p, a in flatten(layer).items() if a.axes[:1] == ("experts",)}
 
 
 def check_arrays(what: str, found: dict[Path, Any], expected: dict[Path, Any]) -> None:
@@ -279,10 +273,9 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None) -> Mode
     params_dir = os.path.join(path, PARAMS_DIR)
     top = _restore(os.path.join(params_dir, TOP_ITEM), TOP_ITEM, {k: getattr(abstract, k) for k in TOP_FIELDS},
                    {k: getattr(shardings, k) for k in TOP_FIELDS})
-    nd = cfg.num_dense_layers
-    dense = _restore_stack(params_dir, range(nd), abstract.dense_layers, shardings.dense_layers)
-    moe = _restore_stack(params_dir, range(nd, cfg.num_hidden_layers), abstract.moe_layers, shardings.moe_layers)
-    params = Params(dense_layers=dense, moe_layers=moe, **top)
+    layers = tuple(_restore(os.path.join(params_dir, layer_item(i)), layer_item(i), abstract.layers[i],
+                            shardings.layers[i]) for i in range(cfg.num_hidden_layers))
+    params = Params(layers=layers, **top)
     drafter_dir = os.path.join(path, DRAFTER_DIR)
     drafter = load_drafter(drafter_dir, mesh) if os.path.isdir(drafter_dir) else None
     return Model(cfg=cfg, params=params, drafter=drafter, tokenizer=load_tokenizer(path), manifest=manifest)
@@ -303,30 +296,3 @@ def _restore(directory: str, what: str, expected, shardings):
                 for p in paths}
         out.update(flatten(reader.restore(part, args=ocp.args.PyTreeRestore(restore_args=nest(args)))))
     return from_flat(out, expected)
-
-
-def _layer_sharding(s):
-    """The sharding of one layer of a stacked array with sharding s (the leading layer axis dropped)."""
-    if isinstance(s, NamedSharding):
-        return NamedSharding(s.mesh, PartitionSpec(*s.spec[1:]))
-    return s
-
-
-def _write_layer(stacked, layer, j):
-    """stacked with layer j replaced by `layer` (jitted with stacked donated: updated in place)."""
-    return jax.tree.map(lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x, j, 0), stacked, layer)
-
-
-def _restore_stack(params_dir: str, layers: range, abstract, shardings):
-    """The stacked Layer of `layers`: allocated sharded, then each restored layer written in place (donated)."""
-    if abstract is None:
-        return None
-    stacked = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
-                      out_shardings=shardings)()
-    write = jax.jit(_write_layer, donate_argnums=0, out_shardings=shardings)
-    one, one_sharding = unstacked(abstract), jax.tree.map(_layer_sharding, shardings)
-    for j, i in enumerate(layers):
-        layer = _restore(os.path.join(params_dir, layer_item(i)), layer_item(i), one, one_sharding)
-        stacked = write(stacked, layer, jnp.int32(j))
-        del layer
-    return stacked

@@ -94,7 +94,7 @@ def compact(cache: KVCache, starts: jax.Array, path: jax.Array, n_nodes: int) ->
         tree = _take_rows(c, starts, n_nodes)  # [B, N, C]
         return _put_rows(c, jnp.take_along_axis(tree, idx[:, :, None], axis=1), starts)
 
-    return dataclasses.replace(cache, latent=jax.vmap(move)(cache.latent), k_pe=jax.vmap(move)(cache.k_pe))
+    return dataclasses.replace(cache, latent=tuple(map(move, cache.latent)), k_pe=tuple(map(move, cache.k_pe)))
 
 
 def oracle_draft(params: Params, cfg: ModelConfig, oracle: OracleDrafter, s: SpecState) -> jax.Array:

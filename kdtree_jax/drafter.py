@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ConfigError, ModelConfig
-from .model import ArrayInfo, Params, _init_one, _is_info, _stack, pytree_dataclass, rms_norm
+from .model import ArrayInfo, Params, _stack, init_from_info, pytree_dataclass, rms_norm
 
 
 @jax.tree_util.register_static
@@ -153,10 +153,7 @@ def init_drafter(cfg: ModelConfig, key: jax.Array, num_layers: int = 1, block_si
                       vocab_size=cfg.vocab_size, target_num_layers=cfg.num_hidden_layers,
                       rms_norm_eps=cfg.rms_norm_eps, dtype=cfg.dtype)
     d.check_target(cfg)
-    infos, treedef = jax.tree.flatten(drafter_info(d), is_leaf=_is_info)
-    keys = jax.random.split(key, len(infos))
-    leaves = [jax.jit(partial(_init_one, a, group=cfg.group_size))(k) for a, k in zip(infos, keys)]
-    return Drafter(params=jax.tree.unflatten(treedef, leaves), cfg=d)
+    return Drafter(params=init_from_info(drafter_info(d), key, cfg.group_size), cfg=d)
 
 
 def init_draft_cache(d: DrafterConfig, batch: int, max_len: int) -> DraftCache:
@@ -215,8 +212,7 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
     rep = d.num_heads // d.num_kv_heads
     scale = 1.0 / math.sqrt(d.head_dim)
 
-    def layer(x, xs):
-        lp, ck, cv = xs
+    def layer(x, lp, ck, cv):
         h = rms_norm(x, lp.attn_norm, d.rms_norm_eps)
         q = _rope(rms_norm(jnp.einsum("btd,dhk->bthk", h, lp.q), lp.q_norm, d.rms_norm_eps), positions, d.rope_theta)
         kb, vb = _kv(lp, h, positions, d)  # [B, bs, Hkv, hd]
@@ -231,11 +227,11 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
              + jnp.einsum("btgru,bugk->btgrk", probs[..., s:].astype(x.dtype), vb))
         x = x + jnp.einsum("bthk,hkd->btd", o.reshape(b, bs, d.num_heads, d.head_dim), lp.o)
         h = rms_norm(x, lp.mlp_norm, d.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ lp.gate) * (h @ lp.up)) @ lp.down
-        return x, None
+        return x + (jax.nn.silu(h @ lp.gate) * (h @ lp.up)) @ lp.down
 
     with jax.named_scope("drafter"):
-        x, _ = jax.lax.scan(layer, x, (p.layers, cache.k, cache.v))
+        for i in range(d.num_layers):  # unrolled: each layer's weights read in place (a scan copied them per step)
+            x = layer(x, jax.tree.map(lambda a: a[i], p.layers), cache.k[i], cache.v[i])
         x = rms_norm(x[:, 1:], p.norm, d.rms_norm_eps)  # positions 1 .. bs-1 predict depths 1 .. bs-1
         return jnp.einsum("btd,dv->btv", x, target.lm_head, preferred_element_type=jnp.float32)
 

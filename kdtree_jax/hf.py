@@ -155,18 +155,11 @@ def top_from_hf(get: Getter, has: Callable[[str], bool], cfg: ModelConfig) -> di
     return {"embed": embed, "final_norm": _vec(get, "model.norm.weight", d, dt), "lm_head": head}
 
 
-def stack_layers(layers: list[Layer]) -> Layer | None:
-    if not layers:
-        return None
-    return jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *layers)
-
-
 def params_from_hf(get: Getter, has: Callable[[str], bool], cfg: ModelConfig) -> Params:
     """The whole model in memory (small models and tests; `kdtree-convert` streams large ones)."""
-    layers = [layer_from_hf(get, has, cfg, i) for i in range(cfg.num_hidden_layers)]
+    layers = tuple(jax.tree.map(jnp.asarray, layer_from_hf(get, has, cfg, i)) for i in range(cfg.num_hidden_layers))
     top = {k: jnp.asarray(v) for k, v in top_from_hf(get, has, cfg).items()}
-    return Params(dense_layers=stack_layers(layers[:cfg.num_dense_layers]),
-                  moe_layers=stack_layers(layers[cfg.num_dense_layers:]), **top)
+    return Params(layers=layers, **top)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ f MLP width, e experts, v (in the vocabulary matmul only) vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from functools import partial
 from typing import Any
@@ -87,10 +88,14 @@ class Layer:
 @pytree_dataclass
 class Params:
     embed: jax.Array  # [V, D]
-    dense_layers: Layer | None  # every leaf stacked: [L_dense, ...]
-    moe_layers: Layer | None  # every leaf stacked: [L_moe, ...]
+    layers: tuple[Layer, ...]  # the decoder layers in order, each holding its own arrays (no layer axis): the
+    #                            first num_dense_layers with an MLP, the others with a MoE
     final_norm: jax.Array  # [D]
     lm_head: jax.Array  # [D, V]
+
+    @property
+    def moe_layers(self) -> tuple[Layer, ...]:
+        return tuple(lp for lp in self.layers if isinstance(lp.mlp, MoE))
 
 
 def _mlp_info(cfg: ModelConfig, width: int) -> MLP:
@@ -138,10 +143,8 @@ def _is_info(x) -> bool:
     return isinstance(x, ArrayInfo)
 
 
-def _stack(info: Layer, n: int) -> Layer | None:
-    """Prefix every declaration with a layer axis of length n (None when there are no such layers)."""
-    if n == 0:
-        return None
+def _stack(info, n: int):
+    """Prefix every declaration with a layer axis of length n (the drafter's layers, run by a scan)."""
     return jax.tree.map(lambda a: dataclasses.replace(a, shape=(n, *a.shape), axes=("layers", *a.axes),
                                                       fan_in_axes=tuple(i + 1 for i in a.fan_in_axes)),
                         info, is_leaf=_is_info)
@@ -151,8 +154,7 @@ def param_info(cfg: ModelConfig) -> Params:
     """The declaration of every weight of the model (a Params pytree of ArrayInfo)."""
     dt, d, v = cfg.jnp_dtype, cfg.hidden_size, cfg.vocab_size
     return Params(embed=ArrayInfo((v, d), dt, ("vocab", "embed"), "small"),
-                  dense_layers=_stack(_layer_info(cfg, moe=False), cfg.num_dense_layers),
-                  moe_layers=_stack(_layer_info(cfg, moe=True), cfg.num_moe_layers),
+                  layers=tuple(_layer_info(cfg, moe=i >= cfg.num_dense_layers) for i in range(cfg.num_hidden_layers)),
                   final_norm=ArrayInfo((d,), dt, ("embed",), "ones"),
                   lm_head=ArrayInfo((d, v), dt, ("embed", "vocab")))
 
@@ -169,27 +171,114 @@ def abstract_params(cfg: ModelConfig) -> Params:
                         else jax.ShapeDtypeStruct(a.shape, a.dtype), param_info(cfg), is_leaf=_is_info)
 
 
-def _init_one(a: ArrayInfo, key, group: int):
+def _init_one(a: ArrayInfo, key):
+    """A float weight of declaration `a` (not INT4), from its own key."""
     if a.init == "ones":
         return jnp.ones(a.shape, a.dtype)
     if a.init == "small":
         return (0.02 * jax.random.normal(key, a.shape, jnp.float32)).astype(a.dtype)
     fan_in = math.prod(a.shape[i] for i in a.fan_in_axes)
-    w = jax.random.normal(key, a.shape, jnp.float32) / math.sqrt(fan_in)
-    return quantize_int4(w, group) if a.init == "int4" else w.astype(a.dtype)
+    return (jax.random.normal(key, a.shape, jnp.float32) / math.sqrt(fan_in)).astype(a.dtype)
 
 
-def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
-    """Random weights with the exact pytree layout, shapes and dtypes of a loaded checkpoint.
+def _int4_experts(a: ArrayInfo, key, group: int, first, count: int, split=None) -> Int4Array:
+    """Experts first .. first + count - 1 of the INT4 declaration `a` [E, out, in], one expert at a time.
+
+    Expert e is a normal [out, in] weight with std 1/sqrt(in) from key fold_in(key, e), quantized with
+    `quantize_int4`: only one expert's fp32 weight exists at any time, and an expert's values do not depend on which
+    device makes it. split = (axis, index, parts) keeps part `index` of `parts` along that axis of the per-expert
+    packed and scale arrays (the expert width split over the "tp" mesh axis).
+    """
+    fan_in = a.shape[-1]
+
+    def one(e):
+        w = jax.random.normal(jax.random.fold_in(key, e), a.shape[1:], jnp.float32) / math.sqrt(fan_in)
+        q = quantize_int4(w, group)
+        if split is None:
+            return q
+        axis, index, parts = split
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, index * (x.shape[axis] // parts),
+                                                                   x.shape[axis] // parts, axis), q)
+
+    shapes = jax.eval_shape(one, jnp.int32(0))
+    empty = jax.tree.map(lambda x: jnp.zeros((count, *x.shape), x.dtype), shapes)
+
+    def body(j, acc):
+        return jax.tree.map(lambda buf, x: buf.at[j].set(x), acc, one(first + j))
+
+    return jax.lax.fori_loop(0, count, body, empty)
+
+
+def init_from_info(infos, key: jax.Array, group: int = 32, shardings=None):
+    """Random weights for a pytree of declarations, each leaf from its own key (fold_in(key, leaf index)) and
+    created directly in its sharding (a pytree of shardings like the weights, or None: one device). One compiled
+    function per distinct declaration (the 61 layers of K2 share theirs), called per leaf. INT4 leaves are made
+    expert by expert on the devices that hold them, so that no fp32 copy of an expert stack ever exists; sharded
+    and unsharded results are equal bit for bit."""
+    leaves, treedef = jax.tree.flatten(infos, is_leaf=_is_info)
+    flat_shardings = (jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, Int4Array)) if shardings is not None
+                      else [None] * len(leaves))
+    out = [_leaf_initializer(a, group, sh)(key, jnp.uint32(i)) for i, (a, sh) in enumerate(zip(leaves, flat_shardings))]
+    return jax.tree.unflatten(treedef, out)
+
+
+@functools.cache
+def _leaf_initializer(a: ArrayInfo, group: int, sharding):
+    """jit(key, leaf index) -> the leaf of declaration `a` in `sharding` (cached per declaration)."""
+
+    def make(key, i):
+        k = jax.random.fold_in(key, i)
+        if a.init != "int4":
+            return _init_one(a, k)
+        if sharding is None:
+            return _int4_experts(a, k, group, 0, a.shape[0])
+        return _int4_sharded(a, k, group, sharding)
+
+    return jax.jit(make, out_shardings=sharding)
+
+
+def _int4_sharded(a: ArrayInfo, key, group: int, sh: Int4Array) -> Int4Array:
+    """The INT4 leaf `a` made inside shard_map: each device makes the experts (and the slice of their width) that
+    its shard of sh.packed holds."""
+    mesh, spec = sh.packed.mesh, sh.packed.spec
+    entries = list(spec) + [None] * (len(a.shape) - len(spec))
+    names = lambda e: () if e is None else (e if isinstance(e, tuple) else (e,))
+    split_axes = [i for i, e in enumerate(entries[1:]) if names(e)]
+    if len(split_axes) > 1:
+        raise ValueError(f"INT4 weight {a.shape}: at most one axis besides the experts may be sharded, got {spec}")
+    size = lambda e: math.prod(mesh.shape[n] for n in names(e))
+    e_local = a.shape[0] // size(entries[0])
+    data = jax.random.key_data(key)
+
+    def local(data):
+        k = jax.random.wrap_key_data(data)
+        first = (jax.lax.axis_index(names(entries[0])) * e_local) if names(entries[0]) else 0
+        split = None
+        if split_axes:
+            ax = split_axes[0]
+            split = (ax, jax.lax.axis_index(names(entries[ax + 1])), size(entries[ax + 1]))
+        return _int4_experts(a, k, group, first, e_local, split)
+
+    spec_out = Int4Array(packed=sh.packed.spec, scale=sh.scale.spec)
+    return jax.shard_map(local, mesh=mesh, in_specs=jax.sharding.PartitionSpec(), out_specs=spec_out,
+                         check_vma=False)(data)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> Params:
+    """Random weights with the exact pytree layout, shapes and dtypes of a loaded checkpoint, in one compiled call.
 
     Matmul weights are normal with std 1/sqrt(fan_in) (activations keep their scale through the layers),
     norms are ones, the router and its selection bias are small random values (a zero bias would never test
-    the biased selection). INT4 experts are random weights quantized with `quantize_int4`.
+    the biased selection). INT4 experts are random normal weights quantized with `quantize_int4`, made one expert
+    at a time. With a mesh, every weight is created in its sharding (no device ever holds a replicated copy), and
+    the values equal the unsharded ones for the same key.
     """
-    infos, treedef = jax.tree.flatten(param_info(cfg), is_leaf=_is_info)
-    keys = jax.random.split(key, len(infos))
-    leaves = [jax.jit(partial(_init_one, a, group=cfg.group_size))(k) for a, k in zip(infos, keys)]
-    return jax.tree.unflatten(treedef, leaves)
+    shardings = None
+    if mesh is not None:
+        from .sharding import param_shardings
+
+        shardings = param_shardings(cfg, mesh)
+    return init_from_info(param_info(cfg), key, cfg.group_size, shardings)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -199,20 +288,23 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
 
 @pytree_dataclass
 class KVCache:
-    latent: jax.Array  # [L, B, S, R]   RMSNorm_kva(c_kv) of every cached token
-    k_pe: jax.Array  # [L, B, S, dr]  rope(k_pe) at the token's position (= its slot)
+    """One buffer per layer, so that a layer's new rows are written where they lie (a donated cache is updated
+    in place; no stacked array is ever sliced or re-assembled)."""
+
+    latent: tuple[jax.Array, ...]  # L x [B, S, R]   RMSNorm_kva(c_kv) of every cached token
+    k_pe: tuple[jax.Array, ...]  # L x [B, S, dr]  rope(k_pe) at the token's position (= its slot)
     lengths: jax.Array  # int32 [B]      committed tokens per row; slots >= lengths[b] are free
 
     @property
     def max_len(self) -> int:
-        return self.latent.shape[2]
+        return self.latent[0].shape[1]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     """An empty cache of `max_len` slots per row. Token positions equal their slot index."""
-    layers = cfg.num_hidden_layers
-    return KVCache(latent=jnp.zeros((layers, batch, max_len, cfg.kv_lora_rank), cfg.jnp_dtype),
-                   k_pe=jnp.zeros((layers, batch, max_len, cfg.qk_rope_head_dim), cfg.jnp_dtype),
+    layers = range(cfg.num_hidden_layers)
+    return KVCache(latent=tuple(jnp.zeros((batch, max_len, cfg.kv_lora_rank), cfg.jnp_dtype) for _ in layers),
+                   k_pe=tuple(jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), cfg.jnp_dtype) for _ in layers),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
 
@@ -493,33 +585,23 @@ class StepOutput:
 
 
 def _run_layers(params: Params, cfg: ModelConfig, h, cos, sin, mode, cache: KVCache | None, tree_mask):
-    """Scan the dense then the MoE layers. Returns (h, every layer's output [L, B, T, D], updated cache)."""
+    """The decoder layers, unrolled (each reads its own weight and cache buffers where they lie: a scan over
+    stacked layers copied each layer's weights and cache slice per step). Returns (h, every layer's output
+    [L, B, T, D], updated cache)."""
     outs, lat_out, pe_out = [], [], []
-    offset = 0
-    for stack in (params.dense_layers, params.moe_layers):
-        if stack is None:
-            continue
-        n = jax.tree.leaves(stack)[0].shape[0]
-        if cache is None:
-            def body(h, lp):
-                h, _ = _layer(h, lp, cos, sin, cfg, mode, None, None, None)
-                return h, h
-            h, hs = jax.lax.scan(body, h, stack)
-        else:
-            def body(h, xs):
-                lp, lat, pe = xs
-                h, (lat, pe) = _layer(h, lp, cos, sin, cfg, mode, (lat, pe), cache.lengths, tree_mask)
-                return h, (h, lat, pe)
-            sl = slice(offset, offset + n)
-            h, (hs, lat, pe) = jax.lax.scan(body, h, (stack, cache.latent[sl], cache.k_pe[sl]))
-            lat_out.append(lat)
-            pe_out.append(pe)
-        outs.append(hs)
-        offset += n
+    for i, lp in enumerate(params.layers):
+        cache_layer = None if cache is None else (cache.latent[i], cache.k_pe[i])
+        with jax.named_scope(f"layer_{i}"):
+            h, new = _layer(h, lp, cos, sin, cfg, mode, cache_layer, None if cache is None else cache.lengths,
+                            tree_mask)
+        outs.append(h)
+        if new is not None:
+            lat_out.append(new[0])
+            pe_out.append(new[1])
     new_cache = None
     if cache is not None:
-        new_cache = dataclasses.replace(cache, latent=jnp.concatenate(lat_out), k_pe=jnp.concatenate(pe_out))
-    return h, jnp.concatenate(outs), new_cache
+        new_cache = dataclasses.replace(cache, latent=tuple(lat_out), k_pe=tuple(pe_out))
+    return h, jnp.stack(outs), new_cache
 
 
 def _logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:

@@ -158,27 +158,31 @@ def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array):
     cos, sin = rope_tables(cfg, positions)
     h = embed(params, tokens)
     loads = []
-    for stack in (params.dense_layers, params.moe_layers):
-        if stack is None:
+    for lp in params.layers:
+        a, _ = mla(lp.attn, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps), cos, sin, cfg, "prefill")
+        h = h + a
+        x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
+        if not isinstance(lp.mlp, MoE):
+            h = h + swiglu(lp.mlp, x)
             continue
+        flat = x.reshape(-1, x.shape[-1])
+        ids, w = route(lp.mlp, flat, cfg)
+        y = moe_experts_dense(flat, ids, w, lp.mlp.we_gate, lp.mlp.we_up, lp.mlp.we_down)
+        y = y + swiglu(lp.mlp.shared, flat)
+        loads.append(jnp.bincount(ids.reshape(-1), length=cfg.n_routed_experts) / ids.size)
+        h = h + y.reshape(x.shape)
+    return _logits(params, cfg, h), (jnp.stack(loads) if loads else None)
 
-        def body(h, lp):
-            a, _ = mla(lp.attn, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps), cos, sin, cfg, "prefill")
-            h = h + a
-            x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
-            if not isinstance(lp.mlp, MoE):
-                return h + swiglu(lp.mlp, x), jnp.zeros((cfg.n_routed_experts,), jnp.float32)
-            flat = x.reshape(-1, x.shape[-1])
-            ids, w = route(lp.mlp, flat, cfg)
-            y = moe_experts_dense(flat, ids, w, lp.mlp.we_gate, lp.mlp.we_up, lp.mlp.we_down)
-            y = y + swiglu(lp.mlp.shared, flat)
-            load = jnp.bincount(ids.reshape(-1), length=cfg.n_routed_experts) / ids.size
-            return h + y.reshape(x.shape), load
 
-        h, load = jax.lax.scan(body, h, stack)
-        if isinstance(stack.mlp, MoE):
-            loads.append(load)
-    return _logits(params, cfg, h), (jnp.concatenate(loads) if loads else None)
+def _map_moe(params: Params, fn) -> Params:
+    """params with the MoE of the j-th MoE layer replaced by fn(moe, j)."""
+    layers, j = [], 0
+    for lp in params.layers:
+        if isinstance(lp.mlp, MoE):
+            lp = dataclasses.replace(lp, mlp=fn(lp.mlp, j))
+            j += 1
+        layers.append(lp)
+    return dataclasses.replace(params, layers=tuple(layers))
 
 
 def lm_loss(params: Params, cfg: ModelConfig, tokens: jax.Array):
@@ -192,11 +196,9 @@ def lm_loss(params: Params, cfg: ModelConfig, tokens: jax.Array):
 def target_step(params, opt, tokens, step, cfg, warmup, total, peak_lr, bias_rate):
     (loss, loads), grads = jax.value_and_grad(lm_loss, has_aux=True)(params, cfg, tokens)
     params, opt, gnorm = adam_update(params, grads, opt, lr_at(step, peak_lr, warmup, total))
-    if params.moe_layers is not None:  # aux-loss-free balancing of the selection bias
-        mlp = params.moe_layers.mlp
-        bias = mlp.router_bias + bias_rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)
-        params = dataclasses.replace(params, moe_layers=dataclasses.replace(
-            params.moe_layers, mlp=dataclasses.replace(mlp, router_bias=bias)))
+    if loads is not None:  # aux-loss-free balancing of the selection bias
+        step_sign = bias_rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)  # [L_moe, E]
+        params = _map_moe(params, lambda mlp, j: dataclasses.replace(mlp, router_bias=mlp.router_bias + step_sign[j]))
     return params, opt, loss, gnorm
 
 
@@ -231,10 +233,8 @@ def train_target(cfg: ModelConfig, train: np.ndarray, held: np.ndarray, *, steps
 
 def export_int4(params: Params, cfg: ModelConfig) -> tuple[Params, ModelConfig]:
     """Routed experts to INT4 group-32 (the checkpoint format), everything else in the config's dtype."""
-    mlp = params.moe_layers.mlp
-    q = {name: quantize_int4(getattr(mlp, name), cfg.group_size) for name in ("we_gate", "we_up", "we_down")}
-    params = dataclasses.replace(params, moe_layers=dataclasses.replace(params.moe_layers,
-                                                                        mlp=dataclasses.replace(mlp, **q)))
+    params = _map_moe(params, lambda mlp, _: dataclasses.replace(
+        mlp, **{name: quantize_int4(getattr(mlp, name), cfg.group_size) for name in ("we_gate", "we_up", "we_down")}))
     return params, dataclasses.replace(cfg, expert_format="int4", kernels="xla")
 
 

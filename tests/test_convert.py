@@ -111,7 +111,7 @@ def test_bf16_source_is_copied_bit_exactly(fp32, tmp_path):
     t = load_file(os.path.join(src, "model.safetensors"))
     np.testing.assert_array_equal(np.asarray(m.params.embed), t["model.embed_tokens.weight"])
     np.testing.assert_array_equal(np.asarray(m.params.lm_head), t["lm_head.weight"].T)
-    np.testing.assert_array_equal(np.asarray(m.params.moe_layers.mlp.we_down[1, 5]),
+    np.testing.assert_array_equal(np.asarray(m.params.moe_layers[1].mlp.we_down[5]),
                                   t["model.layers.2.mlp.experts.5.down_proj.weight"])
     # bf16 activations against transformers in fp32 on the same bf16 weights
     assert rel_err(logits(m), hf_logits(model.to(torch.float32))) <= 3e-2
@@ -136,14 +136,14 @@ def test_int4_source_repacked_bit_exactly(int4):
     t = load_file(os.path.join(src, "model.safetensors"))
     for j, layer in enumerate(range(1, 3)):
         for proj in ("gate", "up", "down"):
-            w = getattr(m.params.moe_layers.mlp, f"we_{proj}")
+            w = getattr(m.params.moe_layers[j].mlp, f"we_{proj}")
             assert isinstance(w, Int4Array)
             for e in (0, 7, 15):
                 name = f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj"
-                np.testing.assert_array_equal(np.asarray(w.packed[j, e]), t[f"{name}.weight_packed"])
-                np.testing.assert_array_equal(np.asarray(w.scale[j, e]).view(np.uint16),
+                np.testing.assert_array_equal(np.asarray(w.packed[e]), t[f"{name}.weight_packed"])
+                np.testing.assert_array_equal(np.asarray(w.scale[e]).view(np.uint16),
                                               t[f"{name}.weight_scale"].view(np.uint16))
-    assert int(np.asarray(unpack_int4(m.params.moe_layers.mlp.we_up.packed[0, 0]))[0, 0]) == -8
+    assert int(np.asarray(unpack_int4(m.params.moe_layers[0].mlp.we_up.packed[0]))[0, 0]) == -8
     assert rel_err(logits(m), hf_logits(ref)) <= 1e-5
 
 
@@ -153,17 +153,17 @@ def test_int4_source_dequantized_experts(int4, tmp_path):
     deq, packed = kj.load(str(tmp_path / "out")), kj.load(out)
     assert deq.cfg.expert_format == "bf16"
     r = load_file(os.path.join(ref, "model.safetensors"))
-    np.testing.assert_array_equal(np.asarray(deq.params.moe_layers.mlp.we_gate[1, 3]),
+    np.testing.assert_array_equal(np.asarray(deq.params.moe_layers[1].mlp.we_gate[3]),
                                   r["model.layers.2.mlp.experts.3.gate_proj.weight"])
-    np.testing.assert_array_equal(np.asarray(packed.params.moe_layers.mlp.we_gate.dequantize()),
-                                  np.asarray(deq.params.moe_layers.mlp.we_gate))
+    for a, b in zip(packed.params.moe_layers, deq.params.moe_layers):
+        np.testing.assert_array_equal(np.asarray(a.mlp.we_gate.dequantize()), np.asarray(b.mlp.we_gate))
     assert rel_err(logits(packed), logits(deq)) <= 1e-6
 
 
 def test_float_source_quantized_to_int4(fp32, tmp_path):
     quiet_convert(fp32[1], str(tmp_path / "out"), dtype="float32", experts="int4")
     m = kj.load(str(tmp_path / "out"))
-    assert isinstance(m.params.moe_layers.mlp.we_down, Int4Array)
+    assert isinstance(m.params.moe_layers[0].mlp.we_down, Int4Array)
     err = rel_err(logits(m), hf_logits(fp32[0]))
     assert 1e-4 < err <= 0.2  # lossy, but close
 
@@ -251,9 +251,9 @@ def test_load_onto_mesh(int4):
     want = param_shardings(m.cfg, mesh)
     for a, s in zip(jax.tree.leaves(m.params), jax.tree.leaves(want)):
         assert a.sharding.is_equivalent_to(s, a.ndim), (a.shape, a.sharding, s)
-    expert = m.params.moe_layers.mlp.we_gate  # [L, E, F, D/8] and [L, E, F, D/32], E over ep
-    assert {tuple(sh.data.shape) for sh in expert.packed.addressable_shards} == {(2, 4, 32, 8)}
-    assert {tuple(sh.data.shape) for sh in expert.scale.addressable_shards} == {(2, 4, 32, 2)}
+    expert = m.params.moe_layers[0].mlp.we_gate  # [E, F, D/8] and [E, F, D/32], E over ep
+    assert {tuple(sh.data.shape) for sh in expert.packed.addressable_shards} == {(4, 32, 8)}
+    assert {tuple(sh.data.shape) for sh in expert.scale.addressable_shards} == {(4, 32, 2)}
     assert_same_params(m, ref)
 
 

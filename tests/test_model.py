@@ -43,7 +43,7 @@ def test_quantize_int4_error_bounded():
 
 def test_int4_model_equals_dequantized_model(tiny):
     cfg, params = tiny
-    assert isinstance(params.moe_layers.mlp.we_gate, Int4Array)
+    assert isinstance(params.moe_layers[0].mlp.we_gate, Int4Array)
     deq = jax.tree.map(lambda x: x.dequantize(jnp.float32) if isinstance(x, Int4Array) else x, params,
                        is_leaf=lambda x: isinstance(x, Int4Array))
     cfg_dense = dataclasses.replace(cfg, expert_format="bf16")

@@ -40,8 +40,8 @@ def test_sharded_forward_equals_single_device(model, axes):
     cfg, params, _, tokens, ref = model
     mesh = kj.make_mesh(**axes)
     sharded = kj.shard_params(params, cfg, mesh)
-    moe = sharded.moe_layers.mlp.we_gate.packed
-    assert moe.sharding.spec[1] == "ep" and len(moe.addressable_shards) == N  # experts really split
+    moe = sharded.moe_layers[0].mlp.we_gate.packed
+    assert moe.sharding.spec[0] == "ep" and len(moe.addressable_shards) == N  # experts really split
     with jax.set_mesh(mesh):  # model-parallel meshes take the shard_map paths (experts, heads)
         assert (current_mesh() is not None) == (mesh.shape["ep"] * mesh.shape["tp"] > 1)
     assert rel_err(kj.forward(sharded, cfg, tokens), ref["logits"]) <= 1e-5

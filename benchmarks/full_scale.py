@@ -1,0 +1,297 @@
+"""Full-scale K2.6 as one GPU of an N-GPU mesh runs it: the per-device step, its bytes floor, a kernel profile,
+and a projection to N GPUs built from measured terms only.
+
+The per-device program of an ep=N mesh (heads, vocabulary, dense and shared-expert widths split N ways, 384/N
+local experts, each token routed to 8/N local experts: the expected share of top-8 over N devices), for all 61
+layers, random weights made by `kj.init_params` (one compiled call, INT4 experts made one at a time), run on one
+GPU without collectives. For each cell (batch x tree nodes per row, context) it measures the cached `step` with
+the cache donated and fed back (as generate runs it), and computes the bytes floor of the same cell from the same
+config: every weight read once, the local experts the tokens touch (expected number for uniform routing), the
+latent cache read up to the context, the new rows written, at the copy bandwidth measured in the same run. A
+jax.profiler trace of the decode and verify steps is parsed into per-kernel rows. The drafter (K2.5-DFlash shape:
+6 layers, 64 heads, 8 KV heads, MLP 18,432, block 8; replicated) is timed against its own floor.
+
+The projection to N GPUs: tokens/s = C x tau / (per-device verify step + drafter step + tree build and accept +
+61 x the collectives of one layer), each term measured: the step and drafter here, the collectives from the 2-GPU
+measurement committed in results/sharding.md (per layer, with the current 3 all-reduces), tau from the embedded
+model's `kdtree-jax bench` on the H200 (results/RESULTS.md).
+
+    python benchmarks/full_scale.py --out benchmarks/results            # on one H200 (~80 GB of weights)
+    python benchmarks/full_scale.py --layers 3 --small --out /tmp/x     # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import kdtree_jax as kj  # noqa: E402
+from common import ceilings, random_trees  # noqa: E402
+from kdtree_jax.generate import trace_context  # noqa: E402
+from kdtree_jax.model import MLP, Int4Array, MoE, init_cache, step  # noqa: E402
+from profile_tools import profile_calls, top_kernels  # noqa: E402
+
+CELLS = [(4096, 1, 1), (4096, 1, 17), (4096, 1, 65), (4096, 10, 1), (4096, 10, 65), (131072, 1, 1),
+         (65536, 10, 1), (4096, 10, 17), (32768, 1, 65), (131072, 1, 65), (32768, 10, 1)]  # most telling first
+SMALL_CELLS = [(256, 1, 1), (256, 1, 17), (256, 2, 1)]
+PROFILED = [(4096, 1, 1), (4096, 1, 17)]
+# measured terms taken from committed results (see the module docstring)
+COMM_PER_LAYER_S = {(1, 1): 0.115e-3, (1, 65): 0.127e-3, (10, 1): 0.123e-3, (10, 65): 0.498e-3}  # sharding.md
+TAU = {17: 3.00, 65: 3.69}  # embedded model, kdtree-jax bench, H200, batch 1, budgets 16 / 64
+
+
+def per_device_cfg(n: int, layers: int, small: bool, kernels: str) -> kj.ModelConfig:
+    """The config whose model is one device's share of an ep=n mesh (the shared expert narrowed after init)."""
+    if small:
+        return kj.configs.tiny(num_hidden_layers=layers, kernels=kernels, n_routed_experts=8, num_experts_per_tok=1,
+                               n_group=1, topk_group=1, max_position_embeddings=4096)
+    base = kj.configs.k2_6()
+    return kj.configs.k2_6(num_hidden_layers=layers, kernels=kernels, n_routed_experts=base.n_routed_experts // n,
+                           num_experts_per_tok=max(1, base.num_experts_per_tok // n), n_group=1, topk_group=1,
+                           num_attention_heads=base.num_attention_heads // n, vocab_size=base.vocab_size // n,
+                           intermediate_size=base.intermediate_size // n)
+
+
+def narrow_shared(params, width: int):
+    """The shared expert of every MoE layer cut to `width` (its 1/N column/row share), donating the rest."""
+    def cut(lp):
+        if not isinstance(lp.mlp, MoE):
+            return lp
+        sh = lp.mlp.shared
+        sh = MLP(gate=sh.gate[:, :width], up=sh.up[:, :width], down=sh.down[:width])
+        return dataclasses.replace(lp, mlp=dataclasses.replace(lp.mlp, shared=sh))
+
+    return jax.jit(lambda p: dataclasses.replace(p, layers=tuple(cut(lp) for lp in p.layers)), donate_argnums=0)(
+        params)
+
+
+def nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def floor_bytes(params, cfg, batch: int, t: int, context: int) -> dict:
+    """Bytes a step must move: weights read once (routed experts: those the M = batch x t tokens touch, expected
+    value for uniform routing of k per token over E), cache read (context + t slots) and written (t slots),
+    per row, every layer."""
+    experts, other = 0, 0
+    for lp in params.layers:
+        if isinstance(lp.mlp, MoE):
+            m = lp.mlp
+            e = m.router.shape[1]
+            per_expert = sum(nbytes(w) for w in (m.we_gate, m.we_up, m.we_down)) / e
+            touched = e * (1 - (1 - cfg.num_experts_per_tok / e) ** (batch * t))
+            experts += per_expert * touched
+            other += nbytes(dataclasses.replace(m, we_gate=None, we_up=None, we_down=None))
+            other += nbytes(dataclasses.replace(lp, mlp=None))
+        else:
+            other += nbytes(lp)
+    other += nbytes(params.lm_head) + nbytes(params.final_norm) + batch * t * params.embed.shape[1] * 2
+    row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * jnp.dtype(cfg.jnp_dtype).itemsize
+    cache = cfg.num_hidden_layers * batch * row * (context + 2 * t)
+    return dict(weights=other, experts=experts, cache=cache, total=other + experts + cache)
+
+
+def time_step(params, cfg, batch: int, t: int, context: int, rng, repeats: int, profile: bool):
+    """(seconds per step, compile s, profile or None) for T tree nodes per row after `context` cached tokens."""
+    depths, vis = random_trees(batch, t, rng)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, t)), jnp.int32)
+    cache = init_cache(cfg, batch, context + t + 8)
+    cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
+    fn = jax.jit(lambda p, c, tok, d, m: (lambda o: (o.logits[:, 0, :8], o.cache))(
+        step(p, cfg, tok, c, depths=d, tree_mask=m)), donate_argnums=1)
+    state = [params, cache, tokens, jnp.asarray(depths), jnp.asarray(vis)]
+
+    def call(st):
+        out, st[1] = fn(*st)
+        return out
+
+    with trace_context(params, cfg):
+        t0 = time.perf_counter()
+        fn.lower(*state).compile()
+        compile_s = time.perf_counter() - t0
+        jax.block_until_ready(call(state))
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(5):
+                out = call(state)
+            jax.block_until_ready(out)
+            samples.append((time.perf_counter() - t0) / 5)
+        prof = profile_calls(call, (state,), 3) if profile else None
+    del state
+    return float(np.median(samples)), compile_s, prof
+
+
+def time_drafter(cfg, params, small: bool, context: int, batch: int, repeats: int) -> dict:
+    """The K2.5-DFlash-shaped drafter's step (draft logits for one block) and its bytes floor."""
+    from kdtree_jax.drafter import draft, init_draft_cache
+
+    if small:
+        drafter = kj.init_drafter(cfg, jax.random.key(1), num_layers=1, block_size=8)
+    else:
+        drafter = kj.init_drafter(cfg, jax.random.key(1), num_layers=6, block_size=8, num_heads=64, num_kv_heads=8,
+                                  intermediate_size=kj.configs.k2_6().intermediate_size)
+    dcache = init_draft_cache(drafter.cfg, batch, context + 16)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    bonus = jnp.zeros((batch,), jnp.int32)
+    fn = jax.jit(draft)
+    args = (drafter, params, dcache, lengths, bonus)
+    with trace_context(params, cfg):
+        jax.block_until_ready(fn(*args))
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(5):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            samples.append((time.perf_counter() - t0) / 5)
+    byts = nbytes(drafter.params) + nbytes(params.lm_head) + nbytes(dcache.k) * context / dcache.k.shape[2] * 2
+    return dict(step_s=float(np.median(samples)), bytes=byts, layers=drafter.cfg.num_layers, batch=batch,
+                context=context)
+
+
+def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "full_scale.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows, **extra), f, indent=1)
+    bw = meta["copy_Bps"]
+    lines = [f"# Full-scale K2.6, the per-device program of an ep={meta['n']} mesh on one GPU "
+             f"({meta['date']}, {meta['device']}, commit {meta['commit']}, kernels={meta['kernels']})", "",
+             f"{meta['layers']} layers, {meta['params_gb']:.1f} GB of weights on the device; copy bandwidth "
+             f"measured in this run {bw / 1e12:.2f} TB/s. Floor = bytes / that bandwidth (weights once, the "
+             "local experts the tokens touch, the cache read and written). `python benchmarks/full_scale.py`.", "",
+             "| context | batch x nodes | step ms | floor ms | x floor | weights GB | experts GB | cache GB | "
+             "compile s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['context']} | {r['batch']} x {r['tokens']} | {1e3 * r['step_s']:.2f} | "
+                     f"{1e3 * r['floor_s']:.2f} | {r['step_s'] / r['floor_s']:.2f} | {r['bytes']['weights'] / 1e9:.2f}"
+                     f" | {r['bytes']['experts'] / 1e9:.2f} | {r['bytes']['cache'] / 1e9:.2f} | "
+                     f"{r['compile_s']:.0f} |")
+    d = extra.get("drafter")
+    if d:
+        lines += ["", f"Drafter (K2.5-DFlash shape, {d['layers']} layers, replicated, batch {d['batch']}, context "
+                      f"{d['context']}): {1e3 * d['step_s']:.2f} ms vs a {1e3 * d['bytes'] / bw:.2f} ms floor "
+                      f"({d['bytes'] / bw / d['step_s']:.0%} of the floor)."]
+    for name, prof in extra.get("profiles", {}).items():
+        lines += ["", f"## Kernel profile, {name} (per step; {prof['launches']:.0f} kernels, GPU busy "
+                      f"{prof['busy_us'] / 1e3:.2f} ms)", "", "| kernel | launches | µs | share |", "|---|---|---|---|"]
+        for k, c, us in prof["top"]:
+            lines.append(f"| `{k[:80]}` | {c:.0f} | {us:.0f} | {us / prof['busy_us']:.0%} |")
+    proj = extra.get("projection")
+    if proj:
+        lines += ["", f"## Projection to {meta['n']} GPUs (every term measured; see the module docstring)", "",
+                  "| method | C | per-device step ms | drafter ms | collectives ms (61 layers) | tau | tok/s |",
+                  "|---|---|---|---|---|---|---|"]
+        for p in proj:
+            lines.append(f"| {p['method']} | {p['C']} | {1e3 * p['step_s']:.2f} | {1e3 * p['drafter_s']:.2f} | "
+                         f"{1e3 * p['comm_s']:.2f} | {p['tau']:.2f} | {p['tok_s']:.0f} |")
+        lines += ["", "Collectives: per layer on 2 H200s with today's 3 all-reduces per layer (results/sharding.md); "
+                      "tree build and accept are not included (0.1-0.4 ms per step measured in results/tree_build.md)."]
+    with open(os.path.join(out_dir, "full_scale.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        labels = [f"{r['context'] // 1024}k\n{r['batch']}x{r['tokens']}" for r in rows]
+        x = np.arange(len(rows))
+        ax.bar(x - 0.2, [1e3 * r["step_s"] for r in rows], 0.4, label="measured step")
+        ax.bar(x + 0.2, [1e3 * r["floor_s"] for r in rows], 0.4, label="bytes floor")
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.set_ylabel("ms")
+        ax.set_title(f"K2.6 per-device step (ep={meta['n']}), {meta['device']}, {meta['commit']}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "full_scale.png"), dpi=120)
+    except ImportError:
+        pass
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
+    ap.add_argument("--n", type=int, default=8, help="GPUs of the mesh whose per-device program runs (default 8)")
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--kernels", default="ffi", choices=("ffi", "xla"))
+    ap.add_argument("--small", action="store_true", help="a tiny config (CPU smoke run)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--budget", type=float, default=1e9, help="stop starting new cells after this many seconds")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    cfg = per_device_cfg(args.n, args.layers, args.small, args.kernels)
+    t0 = time.perf_counter()
+    params = kj.init_params(cfg, jax.random.key(0))
+    if not args.small:
+        params = narrow_shared(params, cfg.moe_intermediate_size * cfg.n_shared_experts // args.n)
+    jax.block_until_ready(params)
+    init_s = time.perf_counter() - t0
+    ceil = ceilings() if jax.default_backend() == "gpu" else {"copy_Bps": 50e9}
+    meta = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), commit=args.commit,
+                kernels=args.kernels, n=args.n, layers=args.layers, params_gb=nbytes(params) / 1e9, init_s=init_s,
+                copy_Bps=ceil["copy_Bps"])
+    print(f"params {meta['params_gb']:.1f} GB made in {init_s:.1f} s; copy {ceil['copy_Bps'] / 1e12:.2f} TB/s",
+          flush=True)
+    rng = np.random.default_rng(0)
+    rows, extra = [], {"profiles": {}}
+    try:
+        extra["drafter"] = time_drafter(cfg, params, args.small, 4096 if not args.small else 256, 1, args.repeats)
+        print(f"drafter {1e3 * extra['drafter']['step_s']:.2f} ms", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"drafter failed: {str(e).splitlines()[0][:200]}", flush=True)
+    for context, batch, t in (SMALL_CELLS if args.small else CELLS):
+        if time.perf_counter() - t_start > args.budget:
+            print("time budget reached", flush=True)
+            break
+        prof_it = (context, batch, t) in PROFILED or args.small and (context, batch, t) == SMALL_CELLS[0]
+        try:
+            step_s, compile_s, prof = time_step(params, cfg, batch, t, context, rng, args.repeats, prof_it)
+        except Exception as e:  # noqa: BLE001 (out of memory at the largest cells is a result to record)
+            print(f"context {context} {batch}x{t}: failed: {str(e).splitlines()[0][:200]}", flush=True)
+            continue
+        fb = floor_bytes(params, cfg, batch, t, context)
+        row = dict(context=context, batch=batch, tokens=t, step_s=step_s, compile_s=compile_s, bytes=fb,
+                   floor_s=fb["total"] / ceil["copy_Bps"])
+        rows.append(row)
+        if prof is not None and jax.default_backend() == "gpu":
+            extra["profiles"][f"context {context}, {batch} x {t}"] = dict(
+                busy_us=prof["busy_us"], launches=sum(c for c, _ in prof["kernels"].values()),
+                top=top_kernels(prof, 25))
+        print(f"context {context:6d} {batch:2d}x{t:2d}: {1e3 * step_s:8.2f} ms  floor {1e3 * row['floor_s']:6.2f} ms "
+              f"({step_s / row['floor_s']:.2f}x)  compile {compile_s:.0f}s", flush=True)
+        write_report(args.out, meta, rows, extra)
+    by = {(r["batch"], r["tokens"]): r for r in rows if r["context"] == 4096}
+    proj = []
+    for c, t, method in ((1, 1, "ar"), (1, 65, "ddtree@64"), (10, 1, "ar"), (10, 65, "ddtree@64")):
+        if (c, t) not in by or (c, t) not in COMM_PER_LAYER_S:
+            continue
+        drafter_s = extra.get("drafter", {}).get("step_s", 0.0) if t > 1 else 0.0
+        comm = 61 * COMM_PER_LAYER_S[(c, t)]
+        tau = TAU.get(t, 1.0)
+        total = by[(c, t)]["step_s"] + drafter_s + comm
+        proj.append(dict(method=method, C=c, step_s=by[(c, t)]["step_s"], drafter_s=drafter_s, comm_s=comm, tau=tau,
+                         tok_s=c * tau / total))
+    extra["projection"] = proj
+    write_report(args.out, meta, rows, extra)
+    print(open(os.path.join(args.out, "full_scale.md")).read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""GPU kernel profiles of a jitted call: a jax.profiler trace (perfetto JSON) parsed into per-kernel rows."""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import tempfile
+
+
+def _kernel_family(name: str) -> str:
+    """A kernel's name without return type, namespaces, template arguments, parameters and fusion numbers (so that
+    repeats group together): "void (anonymous namespace)::Foo<64>(int)" -> "Foo", "loop_add_fusion_3" ->
+    "loop_add_fusion"."""
+    name = name.replace("(anonymous namespace)::", "").strip()
+    name = re.sub(r"^void\s+", "", name)
+    name = re.split(r"[<(]", name, maxsplit=1)[0].split("::")[-1]
+    return re.sub(r"[._]\d+$", "", name.strip()) or "?"
+
+
+def parse_trace(path: str) -> dict:
+    """{"kernels": {family: [launches, total_us]}, "busy_us": sum of stream events, "span_us": first to last} of
+    every event on the GPU streams of a perfetto trace (threads named "Stream ..." of a GPU process)."""
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = str(e.get("args", {}).get("name", ""))
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e["tid"])] = str(e.get("args", {}).get("name", ""))
+    gpu = {pid for pid, n in procs.items() if "GPU" in n or "/device:" in n}
+    kernels = collections.defaultdict(lambda: [0, 0.0])
+    busy, t0, t1 = 0.0, None, None
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in gpu:
+            continue
+        if not threads.get((e["pid"], e.get("tid")), "").startswith("Stream"):
+            continue
+        dur = float(e.get("dur", 0.0))
+        k = kernels[_kernel_family(e["name"])]
+        k[0] += 1
+        k[1] += dur
+        busy += dur
+        ts = float(e["ts"])
+        t0 = ts if t0 is None else min(t0, ts)
+        t1 = ts + dur if t1 is None else max(t1, ts + dur)
+    return {"kernels": dict(kernels), "busy_us": busy, "span_us": (t1 - t0) if t0 is not None else 0.0}
+
+
+def profile_calls(fn, args, calls: int, logdir: str | None = None) -> dict:
+    """Run fn(*args) `calls` times under the profiler (after one warm call) and parse the GPU streams' kernels.
+    Kernel totals are divided by `calls` (per call)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    logdir = logdir or tempfile.mkdtemp(prefix="kdtree_prof_")
+    with jax.profiler.trace(logdir, create_perfetto_trace=True):
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    paths = sorted(glob.glob(os.path.join(logdir, "**", "perfetto_trace.json*"), recursive=True))
+    if not paths:
+        raise RuntimeError(f"no perfetto trace under {logdir}")
+    res = parse_trace(paths[-1])
+    res["kernels"] = {k: [n / calls, us / calls] for k, (n, us) in res["kernels"].items()}
+    res["busy_us"] /= calls
+    res["span_us"] /= calls
+    return res
+
+
+def top_kernels(prof: dict, n: int = 25) -> list[tuple[str, float, float]]:
+    """[(family, launches per call, µs per call)] sorted by time, the n largest."""
+    rows = sorted(((k, c, us) for k, (c, us) in prof["kernels"].items()), key=lambda r: -r[2])
+    return rows[:n]
