@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 import kdtree_jax as kj
 from kdtree_jax.checkpoint import Model
 from kdtree_jax.config import ConfigError
-from kdtree_jax.convert import KILL_AFTER_ENV, convert, main
+from kdtree_jax.convert import FAULT_ENV, convert, main
 from kdtree_jax.hf import CheckpointError
 from kdtree_jax.quant import Int4Array, unpack_int4
 from kdtree_jax.tokenizer import ByteTokenizer, TiktokenTokenizer
@@ -228,7 +228,7 @@ def test_killed_conversion_resumes_identically(fp32, tmp_path):
     _, src, reference = fp32
     out = str(tmp_path / "out")
     partial = str(tmp_path / ".out.partial")
-    killed = run_cli(src, out, "--dtype", "float32", env={KILL_AFTER_ENV: "2"})
+    killed = run_cli(src, out, "--dtype", "float32", env={FAULT_ENV: "written:2=KILL"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not os.path.exists(out)
     # items 1 and 2 were written, the second one not recorded: the rerun redoes it and the rest
