@@ -462,7 +462,11 @@ def _write_json(path: str, obj) -> None:
 
 
 def _check_out(out: str, overwrite: bool) -> None:
-    """Refuse an existing out_dir unless overwrite is given and it is an empty directory or a checkpoint."""
+    """Refuse an existing out_dir unless overwrite is given and it is an empty directory or a checkpoint, and an
+    out_dir whose parent is not a directory."""
+    parent = os.path.dirname(out)
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise CheckpointError(f"cannot write {out}: {parent} is not a directory")
     if not os.path.lexists(out):
         return
     if not overwrite:

@@ -352,6 +352,11 @@ def _drop_all(suffix):
     return fn
 
 
+def _poison(tensors):
+    w = tensors["model.layers.2.mlp.experts.3.up_proj.weight"].view(-1)
+    w[5], w[9], w[11] = float("nan"), float("inf"), -float("inf")
+
+
 BAD_INPUTS = {
     "missing_in_one_layer": (
         _edit_tensors(lambda t: t.pop("model.layers.2.self_attn.kv_a_layernorm.weight")), CheckpointError,
@@ -366,6 +371,13 @@ BAD_INPUTS = {
         _edit_tensors(lambda t: t.update({"model.norm.weight": torch.ones(65)})), CheckpointError,
         r"'model\.norm\.weight' has shape \(65,\), expected \(64,\)"),
     "corrupt_header": (_corrupt_header, CheckpointError, "corrupt safetensors header"),
+    "non_finite": (
+        _edit_tensors(_poison), CheckpointError,
+        r"'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight' \(model\.safetensors\) has 3 non-finite value"),
+    "no_router_bias": (
+        _edit_tensors(_drop_all("e_score_correction_bias")), CheckpointError,
+        r"missing tensor 'model\.layers\.1\.mlp\.gate\.e_score_correction_bias' \(config.json routes with "
+        r"topk_method noaux_tc"),
     "unknown_quantization": (
         _edit_config(lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4})), CheckpointError,
         "unknown quantization method 'awq'"),
