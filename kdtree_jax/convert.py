@@ -233,6 +233,8 @@ class Source:
         if os.path.exists(index):
             try:
                 weight_map = ckpt.read_json(index)["weight_map"]
+                if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                    raise ValueError("weight_map is not an object of file names")
             except (ValueError, KeyError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
             self._weight_map = weight_map
