@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 import kdtree_jax as kj
@@ -252,6 +251,17 @@ def test_corrupt_orbax_files_are_clear_errors(source, tmp_path, damage, capsys):
     assert cli(["generate", "--model", bad, "--prompt", "x", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is corrupt" in err[0] and len(err[0]) < 1000
+
+
+@pytest.mark.parametrize("text, message", [("[]", "expected a JSON object"),
+                                           ('{"num_layers": 1}', "not a drafter config")])
+def test_bogus_drafter_in_a_checkpoint_is_a_clear_error(source, tmp_path, text, message):
+    bad = tmp_path / "bad"
+    shutil.copytree(source[1], bad)
+    (bad / "drafter").mkdir()
+    (bad / "drafter" / "drafter_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        kj.load(str(bad))
 
 
 # ---------------------------------------------------------------------------------------------------------------
