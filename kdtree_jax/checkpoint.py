@@ -3,7 +3,8 @@
 A checkpoint is a directory:
 
     config.json        ModelConfig.to_dict()
-    manifest.json      what it was converted from: source files and sizes, tensor count, format, skipped tensors
+    manifest.json      what it was converted from: source files and sizes, tensor count, format, skipped tensors;
+                       "checksums": {item: {array path: CRC-32 of its bytes}} (checked by `verify`)
     params/top         item: embed [V, D], final_norm [D], lm_head [D, V]
     params/layer_000   item: decoder layer 0, unstacked (the fields of model.Layer as nested dicts)
     ...                one item per decoder layer
@@ -21,6 +22,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
+import zipfile
+import zlib
 from typing import Any
 
 import jax
@@ -162,8 +166,20 @@ def _parts(flat: dict[Path, np.ndarray]) -> list[list[Path]]:
     return parts
 
 
-def save_item(directory: str | os.PathLike, flat: dict[Path, np.ndarray], cfg: ModelConfig, item: str) -> None:
-    """Write one item ({path: numpy array}) as orbax checkpoints directory/part_000, ..., synchronously.
+def crc32(a: np.ndarray) -> str:
+    """The CRC-32 of an array's bytes (C order), as 8 hex digits: what the manifest records per array."""
+    return f"{zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8)):08x}"
+
+
+def checksums(flat: dict[Path, Any]) -> dict[str, str]:
+    """{dotted array path: crc32} of a flat pytree of arrays."""
+    return {".".join(p): crc32(np.asarray(a)) for p, a in flat.items()}
+
+
+def save_item(directory: str | os.PathLike, flat: dict[Path, np.ndarray], cfg: ModelConfig,
+              item: str) -> dict[str, str]:
+    """Write one item ({path: numpy array}) as orbax checkpoints directory/part_000, ..., synchronously; return
+    the checksums of its arrays.
 
     The arrays are written part by part and popped from `flat` once written: when `flat` holds the only
     references, memory shrinks while the item is written. Orbax writes each part into a temporary directory and
@@ -171,14 +187,17 @@ def save_item(directory: str | os.PathLike, flat: dict[Path, np.ndarray], cfg: M
     """
     experts = _expert_arrays(cfg, item)
     os.makedirs(directory, exist_ok=True)
+    sums = {}
     for k, paths in enumerate(_parts(flat)):
         part = {p: flat.pop(p) for p in paths}
+        sums.update(checksums(part))
         save_args = {p: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES,
                                      shard_axes=(0,) if p in experts or p[:-1] in experts else ()) for p in paths}
         _writer().save(os.path.join(directory, f"{PART_PREFIX}{k:03d}"),
                        args=ocp.args.PyTreeSave(nest(part), save_args=nest(save_args),
                                                 ocdbt_target_data_file_size=OCDBT_FILE_BYTES))
         del part
+    return sums
 
 
 def _part_dirs(directory: str) -> list[str]:
@@ -219,31 +238,79 @@ def load_drafter(directory: str, mesh: jax.sharding.Mesh | None = None):
     from .builtin import load_npz
     from .drafter import Drafter, DrafterConfig, drafter_info
 
-    raw = read_json(os.path.join(directory, "drafter_config.json"))
-    dcfg = DrafterConfig(**{**raw, "target_layer_ids": tuple(raw["target_layer_ids"])})
-    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), drafter_info(dcfg),
-                        is_leaf=lambda x: hasattr(x, "fan_in_axes"))
+    config = os.path.join(directory, "drafter_config.json")
+    raw = read_json(config)
+    try:
+        dcfg = DrafterConfig(**{**raw, "target_layer_ids": tuple(raw["target_layer_ids"])})
+        like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), drafter_info(dcfg),
+                            is_leaf=lambda x: hasattr(x, "fan_in_axes"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{config}: not a drafter config ({_one_line(e)})") from None
     try:
         params = load_npz(os.path.join(directory, "params.npz"), like)
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(f"drafter: {e}") from None
+    except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise CheckpointError(f"drafter: {_one_line(e)}") from None
     if mesh is not None:
         params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
     return Drafter(params=params, cfg=dcfg)
 
 
+def sibling(path: str, suffix: str) -> str:
+    """The hidden sibling `.NAME.suffix` of path NAME: kdtree-convert's work directory ("partial"), lock file
+    ("lock") and the checkpoint an --overwrite replaces, kept until the new one is in place ("old")."""
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{suffix}")
+
+
+def open_regular(path: str | os.PathLike, mode: str = "r"):
+    """open(path, mode) for reading, with a CheckpointError when path is not a regular file (a FIFO would block)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_json(path: str | os.PathLike) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    """The JSON object in a file, with a CheckpointError naming the file when it holds anything else."""
+    with open_regular(path) as f:
+        try:
+            obj = json.load(f)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found a JSON {type(obj).__name__}")
+    return obj
 
 
-def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None) -> Model:
+def read_manifest(path: str) -> dict:
+    """The manifest of the checkpoint at (absolute) path, with a CheckpointError when path is not a checkpoint of
+    this format."""
+    if not os.path.exists(os.path.join(path, MANIFEST_FILE)):
+        old = sibling(path, "old")
+        if not os.path.lexists(path) and os.path.isdir(old):
+            raise CheckpointError(f"{path} does not exist, but {old} holds the checkpoint a `kdtree-convert "
+                                  "--overwrite` was replacing when it stopped: rerun that command to finish it")
+        raise CheckpointError(f"{path} is not a kdtree-jax checkpoint (no {MANIFEST_FILE}); "
+                              "convert a Hugging Face checkpoint with kdtree-convert")
+    manifest = read_json(os.path.join(path, MANIFEST_FILE))
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: unsupported checkpoint format {manifest.get('format')!r} version "
+                              f"{manifest.get('format_version')!r} (this is {FORMAT} {FORMAT_VERSION})")
+    return manifest
+
+
+def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, verify: bool = False) -> Model:
     """Load a checkpoint written by `kdtree-convert` (or "builtin": the embedded default model).
 
     Every array is checked against `model.abstract_params(cfg)` (shape and dtype) before it is read. With a mesh,
     each array is restored straight into its sharding (`kdtree_jax.sharding.param_shardings`): every device
     reads only its shard, and the stacked layer arrays are filled one layer at a time in place, so no device
-    ever holds a full copy. Without a mesh, everything goes to the first device.
+    ever holds a full copy. Without a mesh, everything goes to the first device. With verify, every array is
+    first checked against the checksum the manifest records (`verify_checksums`).
     """
     path = os.fspath(path)
     if path == "builtin":  # the embedded default model shipped in the package
@@ -254,14 +321,14 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None) -> Mode
         if mesh is not None:
             model = dataclasses.replace(model, params=shard_params(model.params, model.cfg, mesh))
         return model
-    if not os.path.exists(os.path.join(path, MANIFEST_FILE)):
-        raise CheckpointError(f"{path} is not a kdtree-jax checkpoint (no {MANIFEST_FILE}); "
-                              "convert a Hugging Face checkpoint with kdtree-convert")
-    manifest = read_json(os.path.join(path, MANIFEST_FILE))
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: unsupported checkpoint format {manifest.get('format')!r} version "
-                              f"{manifest.get('format_version')!r} (this is {FORMAT} {FORMAT_VERSION})")
-    cfg = ModelConfig.from_dict(read_json(os.path.join(path, CONFIG_FILE)))
+    path = os.path.abspath(path)  # orbax takes absolute paths only
+    manifest = read_manifest(path)
+    if verify:
+        verify_checksums(path)
+    try:
+        cfg = ModelConfig.from_dict(read_json(os.path.join(path, CONFIG_FILE)))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)}: {e}") from None
     abstract = abstract_params(cfg)
     if mesh is None:
         device = SingleDeviceSharding(jax.devices()[0])
@@ -281,18 +348,77 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None) -> Mode
     return Model(cfg=cfg, params=params, drafter=drafter, tokenizer=load_tokenizer(path), manifest=manifest)
 
 
-def _restore(directory: str, what: str, expected, shardings):
-    """Restore one item into `shardings` after checking its arrays against `expected` (same structure)."""
+def verify_checksums(path: str | os.PathLike) -> int:
+    """Read every array of the checkpoint at path to the host, one part at a time, and check it against the CRC-32
+    that its manifest records; return the number of arrays checked. A CheckpointError names the first array
+    that differs (flipped bytes), is missing or is not recorded, and a checkpoint without checksums."""
+    path = os.path.abspath(path)
+    sums = read_manifest(path).get("checksums")
+    if not sums:
+        raise CheckpointError(f"{path}: the manifest records no checksums (converted by an older kdtree-convert); "
+                              "convert it again to verify it")
+    for item, want in sums.items():
+        if item == DRAFTER_DIR:
+            got = checksums(flatten(load_drafter(os.path.join(path, DRAFTER_DIR)).params))
+        else:
+            got = {}
+            for part in _item_parts(os.path.join(path, PARAMS_DIR, item), item):
+                meta = _part_metadata(part, item)
+                args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+                got.update(checksums(flatten(_read_part(part, item, args))))
+        if missing := sorted(want.keys() - got.keys()):
+            raise CheckpointError(f"{item}: array {missing[0]!r} is missing (the manifest records it)")
+        if extra := sorted(got.keys() - want.keys()):
+            raise CheckpointError(f"{item}: array {extra[0]!r} is not in the manifest")
+        if bad := sorted(k for k in want if want[k] != got[k]):
+            raise CheckpointError(f"{item}: array {bad[0]!r} does not match its checksum (crc32 {got[bad[0]]}, the "
+                                  f"manifest records {want[bad[0]]}): the checkpoint is corrupt"
+                                  + (f", as are {len(bad) - 1} other array(s)" if len(bad) > 1 else ""))
+    return sum(len(v) for v in sums.values())
+
+
+def _item_parts(directory: str, what: str) -> list[str]:
     parts = _part_dirs(directory)
     if not parts:
         raise CheckpointError(f"{what}: item {directory} is missing or incomplete")
-    reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
-    stored = [flatten(reader.metadata(p).item_metadata.tree) for p in parts]
+    return parts
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    """The message of e (of its cause when it has one: orbax wraps tensorstore's errors), on one line."""
+    text = " ".join(str(e.__cause__ or e).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _part_metadata(part: str, what: str):
+    """The tree of array metadata of one orbax part, with a CheckpointError when it does not read."""
+    try:
+        meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(part).item_metadata
+    except Exception as e:  # orbax and tensorstore raise plain Exceptions
+        raise CheckpointError(f"{what}: {part} is corrupt ({_one_line(e)})") from None
+    if meta is None:
+        raise CheckpointError(f"{what}: {part} is corrupt or truncated (its orbax metadata does not read)")
+    return meta.tree
+
+
+def _read_part(part: str, what: str, restore_args):
+    """Restore one orbax part, with a CheckpointError when its data files are corrupt or truncated."""
+    try:
+        return ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
+            part, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    except Exception as e:  # orbax and tensorstore raise plain Exceptions
+        raise CheckpointError(f"{what}: {part} is corrupt or truncated ({_one_line(e)})") from None
+
+
+def _restore(directory: str, what: str, expected, shardings):
+    """Restore one item into `shardings` after checking its arrays against `expected` (same structure)."""
+    parts = _item_parts(directory, what)
+    stored = [flatten(_part_metadata(p, what)) for p in parts]
     check_arrays(what, {k: v for part in stored for k, v in part.items()}, flatten(expected))
     want, where = flatten(expected), flatten(shardings)
     out = {}
     for part, paths in zip(parts, stored):
         args = {p: ocp.ArrayRestoreArgs(sharding=where[p], global_shape=want[p].shape, dtype=want[p].dtype)
                 for p in paths}
-        out.update(flatten(reader.restore(part, args=ocp.args.PyTreeRestore(restore_args=nest(args)))))
+        out.update(flatten(_read_part(part, what, nest(args))))
     return from_flat(out, expected)

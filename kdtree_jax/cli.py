@@ -4,6 +4,7 @@ the equality with AR of ar / chain / ddtree on held-out text, side by side in on
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
@@ -18,6 +19,7 @@ def _parser() -> argparse.ArgumentParser:
                "  kdtree-jax generate --model /ckpt/k2 --method ddtree --budget 64 --prompt 'Hello'\n"
                "  kdtree-jax bench --budgets 16,64 --batch 4\n"
                "  kdtree-jax bench --model /ckpt/k2 --mesh tp=8 --kernels ffi --json k2.json\n")
+    p.add_argument("--debug", action="store_true", help="on an error, show the traceback")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a continuation of a prompt",
                        description="Generate a continuation of --prompt, streaming the text, then print a stats line "
@@ -55,7 +57,8 @@ def _common(g: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="a converted checkpoint directory (kdtree-convert), or 'builtin'. Default: the embedded "
                         "model shipped in the package (else a random tiny model with a byte tokenizer)")
-    g.add_argument("--seed", type=int, default=0, help="sampling, prompt-choice and random-model seed (default: 0)")
+    g.add_argument("--seed", type=_seed, default=0,
+                   help="sampling, prompt-choice and random-model seed, in [0, 2**63 - 1) (default: 0)")
     g.add_argument("--mesh", default=None, metavar="AXES",
                    help="shard over the local devices, e.g. 'tp=8' or 'ep=4,tp=2' or 'dp=2,ep=4' (axes dp, ep, tp; "
                         "their product must equal the device count). Default: one device")
@@ -65,6 +68,17 @@ def _common(g: argparse.ArgumentParser) -> None:
                    help="with custom calls, only these (comma-separated, from tree_build, tree_accept, mla_verify, "
                         "marlin_moe; the rest in pure JAX), e.g. 'tree_build,tree_accept' for a small fp32 model "
                         "whose attention and experts are off the CUDA fast paths. Implies --kernels ffi")
+
+
+def _seed(text: str) -> int:
+    """--seed: an integer that fits int64 (with room for the drafter's seed + 1)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= seed < 2**63 - 1:
+        raise argparse.ArgumentTypeError(f"{seed} is outside [0, 2**63 - 1) (the seed is an int64)")
+    return seed
 
 
 def _load(args, need_drafter: bool):
@@ -132,13 +146,15 @@ def generate_command(args) -> int:
     params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
     ids = tok.encode(args.prompt)
     t0 = time.perf_counter()
-    sys.stdout.write(args.prompt)
     if args.method == "ar":
         from kdtree_jax.generate import stream_ar
 
         new = []
-        for chunk in stream_ar(params, cfg, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               seed=args.seed, eos_id=tok.eos_id):
+        chunks = stream_ar(params, cfg, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           seed=args.seed, eos_id=tok.eos_id)
+        first = next(chunks, [])  # the inputs are checked here: a prompt that is refused is not echoed
+        sys.stdout.write(args.prompt)
+        for chunk in itertools.chain([first], chunks):
             before = tok.decode(new)
             new += chunk
             sys.stdout.write(tok.decode(new)[len(before):])
@@ -150,7 +166,7 @@ def generate_command(args) -> int:
         out = kj.generate(params, cfg, [ids], max_new_tokens=args.max_new_tokens, method=args.method,
                           drafter=drafter, budget=args.budget, temperature=args.temperature, seed=args.seed,
                           eos_id=tok.eos_id)
-        sys.stdout.write(tok.decode(out.tokens[0]))
+        sys.stdout.write(args.prompt + tok.decode(out.tokens[0]))
         stats = out.stats
         elapsed = time.perf_counter() - t0
     print()
@@ -235,17 +251,34 @@ def bench_command(args) -> int:
     return 0
 
 
+MAX_ERROR_CHARS = 1000
+
+
+def report_errors(prog: str, command, debug: bool, status: int) -> int:
+    """command() -> its exit status. Any exception becomes one line `prog: error: ...` on stderr (with the
+    exception's notes, at most MAX_ERROR_CHARS) and exit status `status`; an interrupt `prog: interrupted` and 130.
+    With debug, the exception propagates with its traceback."""
+    try:
+        return command()
+    except (Exception, KeyboardInterrupt) as e:
+        if debug:
+            raise
+        text = " ".join(" ".join([str(e), *getattr(e, "__notes__", ())]).split())
+        if isinstance(e, KeyboardInterrupt):
+            print(f"{prog}: interrupted {text}".rstrip(), file=sys.stderr)
+            return 130
+        if not isinstance(e, (ValueError, TypeError, OSError)):  # not an expected failure: say what it was
+            text = f"{type(e).__name__}: {text} (rerun with --debug for the traceback)"
+        if len(text) > MAX_ERROR_CHARS:
+            text = text[:MAX_ERROR_CHARS] + "..."
+        print(f"{prog}: error: {text}", file=sys.stderr)
+        return status
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        if args.command == "generate":
-            return generate_command(args)
-        if args.command == "bench":
-            return bench_command(args)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
-        print(f"kdtree-jax: error: {e}", file=sys.stderr)
-        return 2
-    return 1
+    command = generate_command if args.command == "generate" else bench_command
+    return report_errors("kdtree-jax", lambda: command(args), args.debug, status=2)
 
 
 if __name__ == "__main__":

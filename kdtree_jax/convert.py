@@ -1,6 +1,6 @@
 """`kdtree-convert`: a Hugging Face Kimi K2.x / DeepSeek-V3 checkpoint -> this project's orbax checkpoint.
 
-Sources (../shared/reference/k2_arch.md §1, §3):
+Sources (docs/convert.md):
   - bf16 / fp32 / fp16 weights, as `save_pretrained` writes them;
   - FP8 e4m3 weights with fp32 `weight_scale_inv` per 128x128 block (Kimi-K2-Instruct, DeepSeek-V3), dequantized;
   - compressed-tensors `pack-quantized` INT4 routed experts (K2-Thinking, K2.5, K2.6): kept bit-exactly with
@@ -14,15 +14,18 @@ source. The tensor-name mapping is `kdtree_jax.hf`; the output layout is `kdtree
 
 Work goes to a hidden sibling directory `.OUT_DIR.partial` that is renamed to OUT_DIR only when complete. Each
 item (the embedding/head, then one item per decoder layer) is recorded when written: a killed conversion resumes
-on rerun from the last finished item, and gives the same checkpoint as an uninterrupted run.
+on rerun from the last finished item, and gives the same checkpoint as an uninterrupted run. One conversion at a
+time writes to OUT_DIR (an exclusive lock on `.OUT_DIR.lock`); the finish is crash-safe (see `_publish`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -39,6 +42,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import checkpoint as ckpt
+from .cli import report_errors
 from .config import ConfigError, ModelConfig
 from .hf import CheckpointError, drafter_config_from_hf, drafter_from_hf, layer_from_hf, top_from_hf
 from .model import abstract_params
@@ -48,9 +52,11 @@ INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = (TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "chat_template.jinja")
 LM_PREFIX = "language_model."
 MAX_HEADER_BYTES = 100 << 20  # safetensors caps its JSON header at 100 MB
-# Test hook: SIGKILL the conversion right after it has written this many items (before recording the last one),
-# so that tests can check resuming from the worst moment. Unset in normal use.
-KILL_AFTER_ENV = "KDTREE_CONVERT_KILL_AFTER"
+# Test hook: "STAGE=SIGNAL" sends the conversion SIGNAL (KILL, STOP, ...) at STAGE, so that tests can check
+# resuming from the worst moments. The stages: "written:N" (N items written, the last one not yet recorded), then
+# the finish's "manifest", "sealed", "aside" and "landed" (see _seal and _publish). Unset in normal use.
+FAULT_ENV = "KDTREE_CONVERT_FAULT"
+NONFINITE_CHUNK = 1 << 24  # elements checked for NaN / inf at a time (bounds the temporary mask)
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
@@ -68,8 +74,9 @@ EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.")
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """Where one tensor lies: its file, dtype, shape and absolute byte range."""
+    """Where one tensor lies: its name in the file, the file, dtype, shape and absolute byte range."""
 
+    name: str
     file: str
     dtype: np.dtype
     shape: tuple[int, ...]
@@ -79,8 +86,8 @@ class Tensor:
 
 def read_header(path: str) -> dict[str, Tensor]:
     """The tensors of one safetensors file, with a CheckpointError for anything that is not a valid header."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with ckpt.open_regular(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointError(f"{path}: corrupt safetensors file ({size} bytes, shorter than its header length)")
@@ -110,12 +117,12 @@ def read_header(path: str) -> dict[str, Tensor]:
                 or min(shape, default=0) < 0):
             raise CheckpointError(f"{path}: corrupt safetensors header: tensor {name!r} {dtype}{list(shape)} has "
                                   f"byte range [{begin}, {end}) in a data section of {size - base} bytes")
-        out[name] = Tensor(path, dt, shape, base + begin, end - begin)
+        out[name] = Tensor(name, path, dt, shape, base + begin, end - begin)
     return out
 
 
 def read_tensor(t: Tensor, fd: int) -> np.ndarray:
-    """Read tensor t from the open file descriptor fd into a new array."""
+    """Read tensor t from the open file descriptor fd into a new array; a CheckpointError when it holds NaN or inf."""
     a = np.empty(t.shape, t.dtype)
     buf, pos = memoryview(a.reshape(-1).view(np.uint8)), t.offset
     while len(buf):
@@ -123,7 +130,19 @@ def read_tensor(t: Tensor, fd: int) -> np.ndarray:
         if n == 0:
             raise CheckpointError(f"{t.file}: file ends inside a tensor (truncated?)")
         buf, pos = buf[n:], pos + n
+    if bad := count_nonfinite(a):
+        raise CheckpointError(f"tensor {t.name!r} ({os.path.basename(t.file)}) has {bad} non-finite value(s) (NaN "
+                              f"or inf) of {a.size}: the source checkpoint is corrupt")
     return a
+
+
+def count_nonfinite(a: np.ndarray) -> int:
+    """The number of NaN / inf values of a float array (0 for integers), counted in chunks of NONFINITE_CHUNK."""
+    if a.dtype.kind in "iub":
+        return 0
+    flat = a.reshape(-1)
+    return sum(int(flat.size - np.count_nonzero(np.isfinite(flat[i:i + NONFINITE_CHUNK])))
+               for i in range(0, flat.size, NONFINITE_CHUNK))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -184,14 +203,15 @@ class Source:
         if not os.path.exists(config_path):
             raise ConfigError(f"no config.json in {self.dir}")
         self.config = ckpt.read_json(config_path)
-        text = self.config.get("text_config", self.config)
-        self.quant = parse_quantization(text.get("quantization_config") or self.config.get("quantization_config"))
+        with config_errors(config_path):
+            text = self.config.get("text_config", self.config)
+            self.quant = parse_quantization(text.get("quantization_config") or self.config.get("quantization_config"))
+            n, n_mtp = int(text.get("num_hidden_layers") or 0), int(text.get("num_nextn_predict_layers") or 0)
         self.files = self._find_files()
         everything = self._read_headers()
         self.num_tensors = len(everything)
         self.prefix = LM_PREFIX if any(n.startswith(LM_PREFIX) for n in everything) else ""
         # DeepSeek-V3's multi-token-prediction modules are extra layers after the last one, with an eh_proj
-        n, n_mtp = text.get("num_hidden_layers") or 0, text.get("num_nextn_predict_layers") or 0
         mtp = {f"model.layers.{i}." for i in range(n, n + n_mtp) if f"{self.prefix}model.layers.{i}.eh_proj.weight"
                in everything}
         self.tensors: dict[str, Tensor] = {}
@@ -213,6 +233,8 @@ class Source:
         if os.path.exists(index):
             try:
                 weight_map = ckpt.read_json(index)["weight_map"]
+                if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                    raise ValueError("weight_map is not an object of file names")
             except (ValueError, KeyError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
             self._weight_map = weight_map
@@ -269,10 +291,23 @@ class Source:
         return items
 
 
+@contextlib.contextmanager
+def config_errors(path: str):
+    """Turn what a config.json of unexpected content raises (a string where a number belongs, a list where an object
+    does) into a ConfigError naming the file."""
+    try:
+        yield
+    except (CheckpointError, ConfigError):
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: unexpected content ({e})") from None
+
+
 def check_structure(src: Source, cfg: ModelConfig) -> None:
     """Check the source against the config from the headers alone, before any tensor is read: the embedding's
     shape, the layer count, the routed experts of each layer, and that the layers of each kind (dense, MoE) hold
-    the same tensor names with the same shapes. Exact shapes are checked per tensor as layers are converted."""
+    the same tensor names with the same shapes, and that MoE layers have the router bias (every supported config
+    routes with topk_method noaux_tc, which adds it). Exact shapes are checked per tensor as layers are converted."""
     embed = src.tensors.get("model.embed_tokens.weight")
     if embed is None:
         raise CheckpointError(f"missing tensor {src.source_name('model.embed_tokens.weight')!r}")
@@ -299,6 +334,10 @@ def check_structure(src: Source, cfg: ModelConfig) -> None:
         if i >= cfg.num_dense_layers and experts != list(range(cfg.n_routed_experts)):
             raise ConfigError(f"config.json says n_routed_experts={cfg.n_routed_experts} and first_k_dense_replace="
                               f"{cfg.first_k_dense_replace}, but layer {i} has routed experts {_ids(experts)}")
+    bias = "mlp.gate.e_score_correction_bias"
+    if no_bias := [i for i in range(cfg.num_dense_layers, n) if bias not in layers[i]]:
+        raise CheckpointError(f"missing tensor {src.source_name(f'model.layers.{no_bias[0]}.{bias}')!r} (config.json "
+                              "routes with topk_method noaux_tc, which needs the router bias)")
     for kind, ids in (("dense", range(cfg.num_dense_layers)), ("MoE", range(cfg.num_dense_layers, n))):
         union = set().union(*(layers[i] for i in ids)) if ids else set()
         for i in ids:
@@ -424,7 +463,16 @@ def _write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
-def _check_replaceable(out: str) -> None:
+def _check_out(out: str, overwrite: bool) -> None:
+    """Refuse an existing out_dir unless overwrite is given and it is an empty directory or a checkpoint, and an
+    out_dir whose parent is not a directory."""
+    parent = os.path.dirname(out)
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise CheckpointError(f"cannot write {out}: {parent} is not a directory")
+    if not os.path.lexists(out):
+        return
+    if not overwrite:
+        raise CheckpointError(f"{out} already exists (pass --overwrite to replace it)")
     if os.path.isdir(out) and (not os.listdir(out) or os.path.exists(os.path.join(out, ckpt.MANIFEST_FILE))):
         return
     raise CheckpointError(f"refusing to overwrite {out}: it is not an empty directory or a kdtree-jax checkpoint")
@@ -432,6 +480,13 @@ def _check_replaceable(out: str) -> None:
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
+
+
+def _fault(stage: str) -> None:
+    """The test hook of FAULT_ENV: signal this process at `stage` when the variable names it."""
+    where, _, sig = os.environ.get(FAULT_ENV, "").rpartition("=")
+    if where == stage:
+        os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))
 
 
 class DrafterSource:
@@ -442,7 +497,9 @@ class DrafterSource:
         config = os.path.join(self.dir, "config.json")
         if not os.path.exists(config):
             raise CheckpointError(f"drafter: no config.json in {self.dir}")
-        self.cfg = dataclasses.replace(drafter_config_from_hf(ckpt.read_json(config), target), dtype=target.dtype)
+        raw = ckpt.read_json(config)
+        with config_errors(f"drafter {config}"):
+            self.cfg = dataclasses.replace(drafter_config_from_hf(raw, target), dtype=target.dtype)
         files = sorted(f for f in os.listdir(self.dir) if f.endswith(".safetensors"))
         if not files:
             raise CheckpointError(f"drafter: no .safetensors files in {self.dir}")
@@ -450,8 +507,9 @@ class DrafterSource:
         for f in files:
             self.tensors.update(read_header(os.path.join(self.dir, f)))
 
-    def write(self, out: str) -> None:
-        """Read, map and check every tensor, then write out/config.json and out/params.npz."""
+    def write(self, out: str) -> dict[str, str]:
+        """Read, map and check every tensor, then write out/drafter_config.json and out/params.npz; return the
+        checksums of the arrays."""
         fds: dict[str, int] = {}
 
         def get(name: str) -> np.ndarray:
@@ -467,6 +525,7 @@ class DrafterSource:
                 os.close(fd)
         os.makedirs(out, exist_ok=True)
         ckpt.save_drafter(out, self.cfg, params)
+        return ckpt.checksums(ckpt.flatten(params))
 
 
 def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, experts: str | None = None,
@@ -477,20 +536,21 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, experts: 
     experts: "int4" or "bf16" (dense arrays in `dtype`); default: int4 when the source's experts are INT4, else bf16.
     dtype: "bfloat16" or "float32", for every weight except the router (fp32) and INT4 experts.
     drafter: a DFlash drafter checkpoint directory, converted along into out_dir/drafter (checked first).
+    overwrite: replace out_dir when it is a checkpoint (or empty); when out_dir is a symbolic link, its target.
     With dry_run, check the source from its headers and return the plan without reading tensors or writing.
     Returns the manifest (dry run: the plan), with a "stats" entry: seconds spent reading, converting, writing.
     Raises CheckpointError / ConfigError, leaving nothing in out_dir; other failures (a kill, a full disk) keep
-    the partial work next to out_dir for a rerun to resume.
+    the partial work next to out_dir for a rerun to resume. A second conversion to the same out_dir while one
+    runs fails at once with a CheckpointError naming the running one's pid.
     """
-    out = os.path.abspath(out_dir)
-    if os.path.lexists(out):
-        if not overwrite:
-            raise CheckpointError(f"{out} already exists (pass --overwrite to replace it)")
-        _check_replaceable(out)
+    out = os.path.realpath(out_dir)
+    _check_out(out, overwrite)
     src = Source(src_dir)
     if experts is None:
         experts = "int4" if src.has_int4_experts else "bf16"
-    cfg = ModelConfig.from_hf(src.config, dtype=dtype, expert_format=experts, group_size=src.quant.group_size or 32)
+    with config_errors(os.path.join(src.dir, "config.json")):
+        cfg = ModelConfig.from_hf(src.config, dtype=dtype, expert_format=experts,
+                                  group_size=src.quant.group_size or 32)
     check_structure(src, cfg)
     draft_src = DrafterSource(drafter, cfg) if drafter is not None else None
     items = src.item_tensors(cfg)
@@ -512,18 +572,80 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, experts: 
     if dry_run:
         return manifest
 
-    work = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial")
-    job = {"source": manifest["source"], "converted": manifest["converted"],
-           "mtimes": [os.stat(os.path.join(src.dir, f)).st_mtime_ns for f in src.files]}
-    done = _prepare_work(work, job, log)
+    job = json.loads(json.dumps({"source": manifest["source"], "converted": manifest["converted"],
+                                 "drafter": manifest.get("drafter"),
+                                 "mtimes": [os.stat(os.path.join(src.dir, f)).st_mtime_ns for f in src.files]}))
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with _exclusive(ckpt.sibling(out, "lock"), out):
+        _recover(out, job, log)
+        _check_out(out, overwrite)  # again: another conversion may have finished since the first check
+        start = time.perf_counter()
+        work = ckpt.sibling(out, "partial")
+        done = _prepare_work(work, job, log)
+        stats = {"read_s": 0.0, "convert_s": 0.0, "write_s": 0.0}
+        if done is None:
+            log(f"finishing {work}: a complete conversion that was stopped before it was moved to {out}")
+            manifest = ckpt.read_json(os.path.join(work, ckpt.MANIFEST_FILE))
+        else:
+            if done:
+                log(f"resuming {work}: {len(done)} of {len(items)} items already written")
+            try:
+                _write_items(src, cfg, items, work, done, stats, progress)
+                read = set().union(*(d["tensors"] for d in done.values()))
+                for name in sorted(set(src.tensors) - read):
+                    manifest["skipped"][src.source_name(name)] = "not used by the conversion"
+                manifest["skipped"] = dict(sorted(manifest["skipped"].items()))
+                manifest["checksums"] = {k: done[k]["crc32"] for k in items}
+                if draft_src is not None:
+                    manifest["checksums"][ckpt.DRAFTER_DIR] = draft_src.write(os.path.join(work, ckpt.DRAFTER_DIR))
+                _seal(src, cfg, work, manifest)
+            except (CheckpointError, ConfigError):
+                shutil.rmtree(work, ignore_errors=True)
+                raise
+            except BaseException as e:
+                e.add_note(f"(the finished items are kept in {work}: rerun the same command to resume)")
+                raise
+        _publish(work, out)
+    manifest["stats"] = {**stats, "total_s": time.perf_counter() - start}
+    return manifest
+
+
+@contextlib.contextmanager
+def _exclusive(lock: str, out: str):
+    """Hold an exclusive lock (flock) on the file `lock` while converting to `out`. When another process holds it,
+    a CheckpointError naming that process at once. The file holds the holder's pid and is removed on release."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CheckpointError(f"another kdtree-convert (pid {holder}) is writing {out}: wait for it to finish "
+                                  f"(or stop it, then rerun to resume its work); lock {lock}") from None
+        try:
+            current = os.stat(lock)
+        except FileNotFoundError:
+            current = None
+        if current is not None and os.path.samestat(current, os.fstat(fd)):
+            break
+        os.close(fd)  # the previous holder removed this file after we opened it: lock the new one
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.unlink(lock)
+        os.close(fd)
+
+
+def _write_items(src: Source, cfg: ModelConfig, items: dict[str, list[str]], work: str, done: dict, stats: dict,
+                 progress: bool) -> None:
+    """Convert and write the items not in `done`, recording each in done and work/progress.json once written:
+    {item: {"tensors": source tensors it read, "crc32": {array: checksum}}}."""
     todo = [k for k in items if k not in done]
-    if done:
-        log(f"resuming {work}: {len(done)} of {len(items)} items already written")
-    kill_after = int(os.environ[KILL_AFTER_ENV]) if os.environ.get(KILL_AFTER_ENV) else None
-    stats = {"read_s": 0.0, "convert_s": 0.0, "write_s": 0.0}
-    start = time.perf_counter()
-    bar = tqdm(total=sum(item_bytes[k] for k in todo), unit="B", unit_scale=True, unit_divisor=1024,
-               desc="kdtree-convert", disable=not progress, mininterval=1.0, dynamic_ncols=True)
+    bar = tqdm(total=sum(src.tensors[n].nbytes for k in todo for n in items[k]), unit="B", unit_scale=True,
+               unit_divisor=1024, desc="kdtree-convert", disable=not progress, mininterval=1.0, dynamic_ncols=True)
     tally = Counter(total=sum(len(items[k]) for k in todo))
     if todo:
         prefetch([src.tensors[n] for n in items[todo[0]]])
@@ -545,84 +667,103 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, experts: 
             if n_written < len(todo):
                 prefetch([src.tensors[n] for n in items[todo[n_written]]])
             t1 = time.perf_counter()
-            ckpt.save_item(os.path.join(work, ckpt.PARAMS_DIR, item), arrays, cfg, item)  # empties `arrays`
+            sums = ckpt.save_item(os.path.join(work, ckpt.PARAMS_DIR, item), arrays, cfg, item)  # empties `arrays`
             release_freed_memory()
             stats["read_s"] += reader.seconds
             stats["convert_s"] += t1 - t0 - reader.seconds
             stats["write_s"] += time.perf_counter() - t1
-            if kill_after == n_written:
-                os.kill(os.getpid(), signal.SIGKILL)
-            done[item] = sorted(reader.read_names)
+            _fault(f"written:{n_written}")
+            done[item] = {"tensors": sorted(reader.read_names), "crc32": sums}
             _write_json(os.path.join(work, "progress.json"), done)
-    except (CheckpointError, ConfigError):
+    finally:
         bar.close()
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    except BaseException:
-        bar.close()
-        log(f"kdtree-convert: stopped; the finished items are kept in {work}: rerun the same command to resume")
-        raise
-    bar.close()
-    read = set().union(*map(set, done.values()))
-    for name in sorted(set(src.tensors) - read):
-        manifest["skipped"][src.source_name(name)] = "not used by the conversion"
-    manifest["skipped"] = dict(sorted(manifest["skipped"].items()))
-    if draft_src is not None:
-        try:
-            draft_src.write(os.path.join(work, ckpt.DRAFTER_DIR))
-        except (CheckpointError, ConfigError):
-            shutil.rmtree(work, ignore_errors=True)
-            raise
-    _finish(src, cfg, work, out, manifest)
-    manifest["stats"] = {**stats, "total_s": time.perf_counter() - start}
-    return manifest
 
 
-def _prepare_work(work: str, job: dict, log) -> dict[str, list[str]]:
-    """Create the work directory, or reopen one of the same job: {finished item: tensor names it read}."""
+def _complete(work: str, job: dict) -> bool:
+    """Whether work holds a finished conversion of this job (its manifest is written last, see _seal)."""
+    path = os.path.join(work, ckpt.MANIFEST_FILE)
+    if not os.path.exists(path):
+        return False
+    manifest = ckpt.read_json(path)
+    return all(manifest.get(k) == job[k] for k in ("source", "converted", "drafter"))
+
+
+def _prepare_work(work: str, job: dict, log) -> dict | None:
+    """Create the work directory, or reopen one of the same job: {finished item: what _write_items records};
+    None when it holds the finished conversion, to be published."""
     job_file, progress_file = os.path.join(work, "job.json"), os.path.join(work, "progress.json")
     if os.path.lexists(work):
-        if not os.path.exists(job_file):
+        if _complete(work, job):
+            return None
+        finished = os.path.exists(os.path.join(work, ckpt.MANIFEST_FILE))
+        if not finished and not os.path.exists(job_file):
             raise CheckpointError(f"{work} exists but is not a kdtree-convert work directory: remove it")
-        if ckpt.read_json(job_file) == json.loads(json.dumps(job)):
+        if not finished and ckpt.read_json(job_file) == job:
             done = ckpt.read_json(progress_file) if os.path.exists(progress_file) else {}
             params = os.path.join(work, ckpt.PARAMS_DIR)
             for entry in os.listdir(params):  # items written but not recorded, and orbax's temporary directories
                 if entry not in done:
                     shutil.rmtree(os.path.join(params, entry))
             return done
-        log(f"discarding {work}: a partial conversion of another source or with other options")
+        log(f"discarding {work}: a conversion of another source or with other options")
         shutil.rmtree(work)
     os.makedirs(os.path.join(work, ckpt.PARAMS_DIR))
     _write_json(job_file, job)
     return {}
 
 
-def _finish(src: Source, cfg: ModelConfig, work: str, out: str, manifest: dict) -> None:
-    """Add config, manifest and tokenizer files to the work directory, then move it to out."""
+def _seal(src: Source, cfg: ModelConfig, work: str, manifest: dict) -> None:
+    """Complete the work directory into a checkpoint: tokenizer files, config, then the manifest (which marks it
+    finished: a rerun after a kill publishes it as it is), then remove the job's bookkeeping."""
     copied = []
     for f in TOKENIZER_FILES:
         if os.path.exists(os.path.join(src.dir, f)):
-            shutil.copyfile(os.path.join(src.dir, f), os.path.join(work, f))
+            with ckpt.open_regular(os.path.join(src.dir, f), "rb") as r, open(os.path.join(work, f), "wb") as w:
+                shutil.copyfileobj(r, w)
             copied.append(f)
     try:
         load_tokenizer(work)
     except (OSError, ValueError) as e:
-        shutil.rmtree(work, ignore_errors=True)
         raise CheckpointError(f"tokenizer files of {src.dir} do not load: {e}") from None
     manifest["tokenizer_files"] = copied
     _write_json(os.path.join(work, ckpt.CONFIG_FILE), cfg.to_dict())
     _write_json(os.path.join(work, ckpt.MANIFEST_FILE), manifest)
+    _fault("manifest")
     os.remove(os.path.join(work, "progress.json"))
     os.remove(os.path.join(work, "job.json"))
+    _fault("sealed")
+
+
+def _publish(work: str, out: str) -> None:
+    """Move the finished work directory to out. A checkpoint at out is first renamed aside to `.OUT.old`, and
+    renamed back if the move fails; after a kill in between, the next run's _recover completes or undoes this."""
+    old = ckpt.sibling(out, "old")
     if os.path.lexists(out):
-        old = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.old")
-        shutil.rmtree(old, ignore_errors=True)
         os.rename(out, old)
-        os.rename(work, out)
-        shutil.rmtree(old)
+        _fault("aside")
+        try:
+            os.rename(work, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        _fault("landed")
     else:
         os.rename(work, out)
+    if os.path.lexists(old):
+        shutil.rmtree(old)
+
+
+def _recover(out: str, job: dict, log) -> None:
+    """After a run killed inside _publish: remove `.OUT.old` when out is in place, else leave it for this run to
+    publish its finished work over, or (work unfinished, or of another job) rename it back to out."""
+    old = ckpt.sibling(out, "old")
+    if not os.path.lexists(old):
+        return
+    if os.path.lexists(out):
+        shutil.rmtree(old)
+    elif not _complete(ckpt.sibling(out, "partial"), job):
+        os.rename(old, out)
+        log(f"restored {out} from {old}: the conversion replacing it was stopped before it finished")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -641,10 +782,13 @@ def _parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  kdtree-convert /models/Kimi-K2.6 /ckpt/k2.6                  # INT4 experts kept bit-exact\n"
                "  kdtree-convert /models/Kimi-K2-Instruct /ckpt/k2 --experts int4   # FP8 -> INT4 experts\n"
-               "  kdtree-convert /models/Kimi-K2.6 /ckpt/k2.6 --dry-run        # check and print the plan\n")
-    p.add_argument("src_dir", metavar="SRC_DIR", help="Hugging Face checkpoint directory (config.json, *.safetensors "
-                                                      "or model.safetensors.index.json, tokenizer files)")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="output directory; created only when the conversion completes")
+               "  kdtree-convert /models/Kimi-K2.6 /ckpt/k2.6 --dry-run        # check and print the plan\n"
+               "  kdtree-convert --verify /ckpt/k2.6                           # check every array's checksum\n")
+    p.add_argument("src_dir", metavar="SRC_DIR", nargs="?",
+                   help="Hugging Face checkpoint directory (config.json, *.safetensors or "
+                        "model.safetensors.index.json, tokenizer files)")
+    p.add_argument("out_dir", metavar="OUT_DIR", nargs="?",
+                   help="output directory; created only when the conversion completes")
     p.add_argument("--drafter", metavar="DIR", help="a DFlash drafter checkpoint (z-lab/dflash format: config.json "
                                                      "with dflash_config, safetensors) to convert along")
     p.add_argument("--experts", choices=("int4", "bf16"), default=None,
@@ -657,24 +801,36 @@ def _parser() -> argparse.ArgumentParser:
                    help="check the source against its config from the safetensors headers and print the plan; "
                         "reads no tensor data and writes nothing")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is a kdtree-jax checkpoint")
+    p.add_argument("--verify", metavar="CKPT", help="instead of converting, read every array of the converted "
+                                                    "checkpoint CKPT and check it against its manifest's checksums")
+    p.add_argument("--debug", action="store_true", help="on an error, show the traceback")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.verify is not None and (args.src_dir or args.out_dir):
+        p.error("--verify CKPT takes no SRC_DIR or OUT_DIR")
+    if args.verify is None and not args.out_dir:
+        p.error("the following arguments are required: SRC_DIR OUT_DIR")
+    return report_errors("kdtree-convert", lambda: _command(args), args.debug, status=1)
+
+
+def _command(args) -> int:
+    if args.verify is not None:
+        n = ckpt.verify_checksums(args.verify)
+        print(f"verified {os.path.abspath(args.verify)}: all {n} arrays match the checksums of its manifest")
+        return 0
     log = lambda msg: print(msg, file=sys.stderr)
-    try:
-        m = convert(args.src_dir, args.out_dir, experts=args.experts, dtype=args.dtype, overwrite=args.overwrite,
-                    dry_run=args.dry_run, drafter=args.drafter, log=log)
-    except (CheckpointError, ConfigError) as e:
-        print(f"kdtree-convert: error: {e}", file=sys.stderr)
-        return 1
+    m = convert(args.src_dir, args.out_dir, experts=args.experts, dtype=args.dtype, overwrite=args.overwrite,
+                dry_run=args.dry_run, drafter=args.drafter, log=log)
     s, c = m["source"], m["converted"]
     reasons = Counter(m["skipped"].values())
     skipped = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())) or "none"
     print(f"source   {s['dir']}: {s['format']}, {len(s['files'])} file(s), {_gb(s['bytes'])}, {s['tensors']} "
           f"tensors; largest item {_gb(s['largest_item_bytes'])}")
-    print(f"output   {os.path.abspath(args.out_dir)}: {len(c['items'])} items, experts {c['experts']}, dtype "
+    print(f"output   {os.path.realpath(args.out_dir)}: {len(c['items'])} items, experts {c['experts']}, dtype "
           f"{c['dtype']}, {_gb(c['bytes'])}")
     print(f"skipped  {skipped}")
     if args.dry_run:

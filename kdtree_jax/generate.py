@@ -176,6 +176,10 @@ def prepare(cfg: ModelConfig, prompts, max_new_tokens: int, temperature: float =
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    tiny, huge = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    if 0 < temperature < tiny or temperature > huge:  # sampling divides float32 logits by it
+        raise ValueError(f"temperature {temperature!r} is outside float32's normal range [{tiny:.4g}, {huge:.4g}] "
+                         "(it would round to 0 or inf); use 0 for greedy decoding")
     if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
         raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
     longest = max(len(r) for r in rows)

@@ -23,7 +23,8 @@ Getter = Callable[[str], np.ndarray]
 
 
 class CheckpointError(ValueError):
-    """A tensor is missing, has the wrong shape, or cannot be read."""
+    """A checkpoint (a source or a converted one) cannot be read or written as asked: a tensor is missing, has the
+    wrong shape or bad values, a file is corrupt, or another conversion holds the output."""
 
 
 def _np_dtype(cfg: ModelConfig):
@@ -128,8 +129,7 @@ def _moe(get: Getter, has, prefix: str, cfg: ModelConfig, dt) -> MoE:
                                      for j in range(e)), e)
                for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f)))}
     return MoE(router=_linear(get, f"{prefix}.gate.weight", e, d, np.float32),
-               router_bias=(_vec(get, f"{prefix}.gate.e_score_correction_bias", e, np.float32)
-                            if has(f"{prefix}.gate.e_score_correction_bias") else np.zeros((e,), np.float32)),
+               router_bias=_vec(get, f"{prefix}.gate.e_score_correction_bias", e, np.float32),  # noaux_tc's
                we_gate=experts["gate"], we_up=experts["up"], we_down=experts["down"],
                shared=_mlp(get, f"{prefix}.shared_experts", d, f * cfg.n_shared_experts, dt))
 

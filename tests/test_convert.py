@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 import kdtree_jax as kj
 from kdtree_jax.checkpoint import Model
 from kdtree_jax.config import ConfigError
-from kdtree_jax.convert import KILL_AFTER_ENV, convert, main
+from kdtree_jax.convert import FAULT_ENV, convert, main
 from kdtree_jax.hf import CheckpointError
 from kdtree_jax.quant import Int4Array, unpack_int4
 from kdtree_jax.tokenizer import ByteTokenizer, TiktokenTokenizer
@@ -228,7 +228,7 @@ def test_killed_conversion_resumes_identically(fp32, tmp_path):
     _, src, reference = fp32
     out = str(tmp_path / "out")
     partial = str(tmp_path / ".out.partial")
-    killed = run_cli(src, out, "--dtype", "float32", env={KILL_AFTER_ENV: "2"})
+    killed = run_cli(src, out, "--dtype", "float32", env={FAULT_ENV: "written:2=KILL"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not os.path.exists(out)
     # items 1 and 2 were written, the second one not recorded: the rerun redoes it and the rest
@@ -352,6 +352,11 @@ def _drop_all(suffix):
     return fn
 
 
+def _poison(tensors):
+    w = tensors["model.layers.2.mlp.experts.3.up_proj.weight"].view(-1)
+    w[5], w[9], w[11] = float("nan"), float("inf"), -float("inf")
+
+
 BAD_INPUTS = {
     "missing_in_one_layer": (
         _edit_tensors(lambda t: t.pop("model.layers.2.self_attn.kv_a_layernorm.weight")), CheckpointError,
@@ -366,6 +371,13 @@ BAD_INPUTS = {
         _edit_tensors(lambda t: t.update({"model.norm.weight": torch.ones(65)})), CheckpointError,
         r"'model\.norm\.weight' has shape \(65,\), expected \(64,\)"),
     "corrupt_header": (_corrupt_header, CheckpointError, "corrupt safetensors header"),
+    "non_finite": (
+        _edit_tensors(_poison), CheckpointError,
+        r"'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight' \(model\.safetensors\) has 3 non-finite value"),
+    "no_router_bias": (
+        _edit_tensors(_drop_all("e_score_correction_bias")), CheckpointError,
+        r"missing tensor 'model\.layers\.1\.mlp\.gate\.e_score_correction_bias' \(config.json routes with "
+        r"topk_method noaux_tc"),
     "unknown_quantization": (
         _edit_config(lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4})), CheckpointError,
         "unknown quantization method 'awq'"),

@@ -80,6 +80,10 @@ def test_drafter_converts_loads_and_drafts_identically(target, tmp_path):
     ({"num_target_layers": 7}, None, ConfigError, "target of 7 layers"),
     ({"dflash_config": {"block_size": 4, "target_layer_ids": [1]}}, None, ConfigError, "mask_token_id"),
     (None, "layers.1.self_attn.k_norm.weight", CheckpointError, "layers.1.self_attn.k_norm.weight"),
+    ({"dflash_config": {"block_size": "four", "mask_token_id": 1, "target_layer_ids": [1]}}, None, ConfigError,
+     r"drafter .*config.json: unexpected content \(invalid literal for int\(\)"),
+    ({"dflash_config": {"block_size": 4, "mask_token_id": 1, "target_layer_ids": 7}}, None, ConfigError,
+     "drafter .*config.json: unexpected content"),
 ])
 def test_bad_drafter_is_a_clear_error_and_leaves_nothing(target, tmp_path, overrides, drop, error, match):
     src, _, drafter = target

@@ -1,0 +1,369 @@
+"""kdtree-convert and kdtree_jax.load under concurrency, kills and faults: nothing lost, nothing half-written.
+
+Two real processes for the lock; a SIGKILL at every stage of the finish (kdtree_jax.convert.FAULT_ENV) followed by
+a rerun; an OSError injected into the final rename.
+"""
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import kdtree_jax as kj
+from kdtree_jax import convert as conv
+from kdtree_jax.checkpoint import sibling
+from kdtree_jax.hf import CheckpointError
+
+from hf_models import build_hf_model, save_hf_model
+
+pytest.importorskip("transformers")
+
+
+def quiet_convert(src, out, **kw):
+    logged = []
+    conv.convert(src, out, progress=False, log=logged.append, **kw)
+    return logged
+
+
+def run_cli(*args, env=None, wait=True):
+    cmd = [sys.executable, "-m", "kdtree_jax.convert", *args]
+    kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": {**os.environ, **(env or {})}}
+    if not wait:
+        return subprocess.Popen(cmd, **kw)
+    return subprocess.run(cmd, check=False, timeout=300, **kw)
+
+
+def leftovers(out: str) -> list[str]:
+    """The hidden siblings a conversion to out may leave: its work directory, lock and the replaced checkpoint."""
+    return [s for s in ("partial", "lock", "old") if os.path.lexists(sibling(out, s))]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """(a saved tiny Hugging Face model, its float32 conversion: the 'old' checkpoint that --overwrite replaces)."""
+    root = tmp_path_factory.mktemp("src")
+    src = save_hf_model(build_hf_model("yarn"), str(root / "hf"))
+    quiet_convert(src, str(root / "old"), dtype="float32")
+    return src, str(root / "old")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Concurrency and the crash-safe finish
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def wait_stopped(pid: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"process {pid} did not stop")
+
+
+def test_second_conversion_fails_at_once_naming_the_first(source, tmp_path):
+    src, _ = source
+    out = str(tmp_path / "out")
+    first = run_cli(src, out, env={conv.FAULT_ENV: "written:1=STOP"}, wait=False)  # stops holding the lock
+    try:
+        wait_stopped(first.pid)
+        progress = sorted(os.listdir(os.path.join(sibling(out, "partial"), "params")))
+        t0 = time.monotonic()
+        second = run_cli(src, out)
+        assert second.returncode == 1 and time.monotonic() - t0 < 60
+        err = second.stderr.strip().splitlines()
+        assert len(err) == 1 and f"another kdtree-convert (pid {first.pid}) is writing {out}" in err[0], err
+        assert sorted(os.listdir(os.path.join(sibling(out, "partial"), "params"))) == progress  # untouched
+        os.kill(first.pid, signal.SIGCONT)
+        _, stderr = first.communicate(timeout=300)
+        assert first.returncode == 0, stderr
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    m = kj.load(out, verify=True)
+    assert m.cfg.dtype == "bfloat16" and leftovers(out) == []
+
+
+def same_file_tree(a: str, b: str) -> bool:
+    """Whether two checkpoints hold the same config and manifest (the converted arrays are checked by verify)."""
+    return all(open(os.path.join(a, f)).read() == open(os.path.join(b, f)).read()
+               for f in ("config.json", "manifest.json"))
+
+
+# stage -> what OUT holds right after a kill there: the old checkpoint, or nothing (moved aside)
+STAGES = {"written:4": "old", "manifest": "old", "sealed": "old", "aside": None, "landed": "new"}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_kill_at_each_stage_of_the_finish(source, tmp_path, stage):
+    src, old = source
+    out = str(tmp_path / "out")
+    shutil.copytree(old, out)
+    killed = run_cli(src, out, "--overwrite", env={conv.FAULT_ENV: f"{stage}=KILL"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    if STAGES[stage] is None:
+        assert not os.path.exists(out)
+        with pytest.raises(CheckpointError, match="rerun that command to finish it"):
+            kj.load(out)
+    else:
+        assert kj.load(out, verify=True).cfg.dtype == {"old": "float32", "new": "bfloat16"}[STAGES[stage]]
+    logged = quiet_convert(src, out, overwrite=True)  # the rerun
+    complete = stage in ("manifest", "sealed", "aside")
+    assert any(line.startswith("finishing") for line in logged) == complete, logged
+    assert kj.load(out, verify=True).cfg.dtype == "bfloat16" and leftovers(out) == []
+
+
+def test_kill_while_replacing_then_other_options_restores_the_old_checkpoint(source, tmp_path):
+    """Killed with OUT moved aside and the new work unfinished: any later run puts the old checkpoint back first."""
+    src, old = source
+    out = str(tmp_path / "out")
+    shutil.copytree(old, out)
+    assert run_cli(src, out, "--overwrite", env={conv.FAULT_ENV: "aside=KILL"}).returncode == -signal.SIGKILL
+    with pytest.raises(CheckpointError, match="already exists"):  # other options, no --overwrite
+        quiet_convert(src, out, dtype="float32")
+    assert same_file_tree(out, old) and leftovers(out) == ["partial"]  # the killed run's finished work is kept
+    kj.load(out, verify=True)
+    assert any(line.startswith("finishing") for line in quiet_convert(src, out, overwrite=True))  # and published
+    assert kj.load(out, verify=True).cfg.dtype == "bfloat16" and leftovers(out) == []
+
+
+def test_failed_final_rename_restores_the_old_checkpoint(source, tmp_path, monkeypatch):
+    src, old = source
+    out = str(tmp_path / "out")
+    shutil.copytree(old, out)
+    rename = os.rename
+
+    def failing(a, b):
+        if a == sibling(out, "partial"):
+            raise OSError(errno.EIO, "Input/output error", a)
+        return rename(a, b)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        quiet_convert(src, out, overwrite=True)
+    monkeypatch.setattr(os, "rename", rename)
+    assert same_file_tree(out, old) and leftovers(out) == ["partial"]
+    assert any(line.startswith("finishing") for line in quiet_convert(src, out, overwrite=True))
+    assert kj.load(out).cfg.dtype == "bfloat16" and leftovers(out) == []
+
+
+def test_overwrite_through_a_symlink_replaces_its_target(source, tmp_path, capsys):
+    src, old = source
+    target, link = tmp_path / "target", tmp_path / "link"
+    shutil.copytree(old, target)
+    link.symlink_to(target)
+    assert conv.main([src, str(link), "--overwrite"]) == 0, capsys.readouterr().err
+    assert link.is_symlink() and kj.load(str(link)).cfg.dtype == "bfloat16"
+    assert sorted(os.listdir(tmp_path)) == ["link", "target"]
+
+
+def test_full_disk_is_one_line_and_the_rerun_resumes(source, tmp_path, monkeypatch, capsys):
+    src, _ = source
+    out = str(tmp_path / "out")
+    save_item = conv.ckpt.save_item
+    calls = []
+
+    def full(*args):
+        calls.append(args[-1])
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", args[0])
+        return save_item(*args)
+
+    monkeypatch.setattr(conv.ckpt, "save_item", full)
+    assert conv.main([src, out]) == 1
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]  # after the progress bar
+    assert "Traceback" not in err and line.startswith("kdtree-convert: error: [Errno 28] No space left on device")
+    assert "rerun the same command to resume" in line
+    assert leftovers(out) == ["partial"]
+    monkeypatch.setattr(conv.ckpt, "save_item", save_item)
+    assert conv.main([src, out]) == 0 and "resuming" in capsys.readouterr().err
+    kj.load(out, verify=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Relative paths, checksums, corrupt checkpoints
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_relative_paths(source, tmp_path, monkeypatch, capsys):
+    from kdtree_jax.cli import main as cli
+
+    src, old = source
+    shutil.copytree(src, tmp_path / "hf")
+    monkeypatch.chdir(tmp_path)
+    assert conv.main(["hf", "out", "--dtype", "float32"]) == 0
+    assert kj.load("out").manifest["checksums"] == kj.load(old).manifest["checksums"]  # the same arrays
+    capsys.readouterr()
+    assert cli(["generate", "--model", "out", "--prompt", "ab", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("ab")
+
+
+def flip_byte(item_dir: str) -> None:
+    """Flip one byte in the middle of an item's largest data file (array values, not metadata)."""
+    files = [os.path.join(r, f) for r, _, fs in os.walk(item_dir) for f in fs if os.sep + "d" + os.sep in
+             os.path.join(r, f)]
+    path = max(files, key=os.path.getsize)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_checksums_catch_flipped_bytes(source, tmp_path, capsys):
+    _, old = source
+    assert conv.main(["--verify", old]) == 0 and "all 52 arrays match" in capsys.readouterr().out
+    bad = str(tmp_path / "bad")
+    shutil.copytree(old, bad)
+    flip_byte(os.path.join(bad, "params", "layer_001"))
+    kj.load(bad)  # without verify, flipped bytes load as they are
+    with pytest.raises(CheckpointError, match=r"layer_001: array '.*' does not match its checksum"):
+        kj.load(bad, verify=True)
+    assert conv.main(["--verify", bad]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not match its checksum" in err[0]
+
+
+@pytest.mark.parametrize("damage", ["truncated_data", "truncated_metadata"])
+def test_corrupt_orbax_files_are_clear_errors(source, tmp_path, damage, capsys):
+    from kdtree_jax.cli import main as cli
+
+    _, old = source
+    bad = str(tmp_path / "bad")
+    shutil.copytree(old, bad)
+    part = os.path.join(bad, "params", "layer_002", "part_000")
+    if damage == "truncated_data":
+        data = [os.path.join(part, "ocdbt.process_0", "d", f) for f in os.listdir(os.path.join(part, "ocdbt.process_0",
+                                                                                             "d"))]
+        os.truncate(max(data, key=os.path.getsize), 100)
+    else:
+        os.truncate(os.path.join(part, "_METADATA"), 10)
+    with pytest.raises(CheckpointError, match="layer_002: .* is corrupt"):
+        kj.load(bad)
+    assert cli(["generate", "--model", bad, "--prompt", "x", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is corrupt" in err[0] and len(err[0]) < 1000
+
+
+@pytest.mark.parametrize("text, message", [("[]", "expected a JSON object"),
+                                           ('{"num_layers": 1}', "not a drafter config")])
+def test_bogus_drafter_in_a_checkpoint_is_a_clear_error(source, tmp_path, text, message):
+    bad = tmp_path / "bad"
+    shutil.copytree(source[1], bad)
+    (bad / "drafter").mkdir()
+    (bad / "drafter" / "drafter_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        kj.load(str(bad))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad sources and outputs: one line, exit status 1, nothing written (a traceback only with --debug)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def copy_source(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_fifo_source_is_refused_not_read(source, tmp_path):
+    src = copy_source(source[0], tmp_path / "hf")
+    os.remove(os.path.join(src, "model.safetensors"))
+    os.mkfifo(os.path.join(src, "model.safetensors"))
+    signal.alarm(60)  # a read of the FIFO would block forever
+    try:
+        with pytest.raises(CheckpointError, match="model.safetensors is not a regular file"):
+            quiet_convert(src, str(tmp_path / "out"))
+        os.rename(os.path.join(src, "model.safetensors"), os.path.join(src, "config.json"))
+        with pytest.raises(CheckpointError, match="config.json is not a regular file"):
+            quiet_convert(src, str(tmp_path / "out"))
+    finally:
+        signal.alarm(0)
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def write_config(src: str, text: str) -> None:
+    with open(os.path.join(src, "config.json"), "w") as f:
+        f.write(text)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("malformed_config", "not valid JSON"),
+    ("list_config", "expected a JSON object, found a JSON list"),
+    ("config_value_types", "unexpected content"),
+    ("out_parent_is_a_file", "file is not a directory"),
+    ("read_only", "Read-only file system"),
+])
+def test_failures_are_one_line(source, tmp_path, monkeypatch, capsys, case, message):
+    src = copy_source(source[0], tmp_path / "hf")
+    out = str(tmp_path / "out")
+    if case == "malformed_config":
+        write_config(src, '{"vocab_size": 264,')
+    elif case == "list_config":
+        write_config(src, "[1, 2]")
+    elif case == "config_value_types":
+        write_config(src, '{"quantization_config": "fp8"}')
+    elif case == "out_parent_is_a_file":
+        (tmp_path / "file").write_text("")
+        out = str(tmp_path / "file" / "out")
+    else:
+        makedirs = os.makedirs
+
+        def read_only(path, *args, **kw):
+            if str(path).startswith(str(tmp_path)):
+                raise OSError(errno.EROFS, "Read-only file system", path)
+            return makedirs(path, *args, **kw)
+
+        monkeypatch.setattr(os, "makedirs", read_only)
+        out = str(tmp_path / "new" / "out")
+    assert conv.main([src, out]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kdtree-convert: error: ") and message in err[0], err
+    assert sorted(os.listdir(tmp_path)) == sorted(["hf"] + ["file"] * (case == "out_parent_is_a_file"))
+    with pytest.raises(Exception, match=message):
+        conv.main([src, out, "--debug"])
+
+
+def test_verify_takes_no_other_arguments(capsys):
+    with pytest.raises(SystemExit):
+        conv.main(["a", "b", "--verify", "c"])
+    assert "--verify CKPT takes no SRC_DIR" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kdtree-jax generate: inputs refused before anything runs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-39, 1e39])
+def test_temperatures_outside_float32_are_refused(temperature):
+    from kdtree_jax.generate import prepare
+
+    with pytest.raises(ValueError, match="outside float32's normal range"):
+        prepare(kj.configs.tiny(), [[1, 2]], 4, temperature)
+    prepare(kj.configs.tiny(), [[1, 2]], 4, 1e-30)  # small but normal: accepted
+
+
+def test_cli_refuses_without_echoing_or_tracebacks(capsys):
+    from kdtree_jax.cli import main as cli
+
+    prompt = "never echo me " * 20000
+    assert cli(["generate", "--prompt", prompt, "--max-new-tokens", "4"]) == 2
+    out = capsys.readouterr()
+    assert "never echo me" not in out.out + out.err and "exceeds the context" in out.err
+    assert cli(["generate", "--prompt", "x", "--temperature", "1e-45"]) == 2
+    assert "use 0 for greedy" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli(["generate", "--prompt", "x", "--seed", str(2**64)])
+    assert e.value.code == 2 and "the seed is an int64" in capsys.readouterr().err
+    assert cli(["generate", "--model", "/nonexistent/ckpt", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kdtree-jax: error: /nonexistent/ckpt is not a kdtree-jax checkpoint")
