@@ -48,8 +48,9 @@ CELLS = [(4096, 1, 1), (4096, 1, 17), (4096, 1, 65), (4096, 10, 1), (4096, 10, 6
          (65536, 10, 1), (4096, 10, 17), (32768, 1, 65), (131072, 1, 65), (32768, 10, 1)]  # most telling first
 SMALL_CELLS = [(256, 1, 1), (256, 1, 17), (256, 2, 1)]
 PROFILED = [(4096, 1, 1), (4096, 1, 17)]
-# measured terms taken from committed results (see the module docstring)
+# measured terms taken from committed results when this machine has one GPU (see the module docstring)
 COMM_PER_LAYER_S = {(1, 1): 0.115e-3, (1, 65): 0.127e-3, (10, 1): 0.123e-3, (10, 65): 0.498e-3}  # sharding.md
+COMM_CELLS = [(1, 1), (1, 65), (10, 1), (10, 65)]
 TAU = {17: 3.00, 65: 3.69}  # embedded model, kdtree-jax bench, H200, batch 1, budgets 16 / 64
 
 
@@ -163,6 +164,22 @@ def time_drafter(cfg, params, small: bool, context: int, batch: int, repeats: in
                 context=context)
 
 
+def measure_comm(rng, small: bool, kernels: str) -> dict:
+    """On >= 2 devices: the all-reduces of one K2-width MoE layer on an ep=2 mesh (sizes read from the compiled
+    step), each timed alone with its real message size. {(batch, tokens): (seconds per layer, [bytes])}."""
+    from sharding import allreduce_bytes, allreduce_time, layer_cfg, step_time
+
+    mesh = kj.make_mesh(ep=2, devices=jax.devices()[:2])
+    out = {}
+    for batch, t in COMM_CELLS:
+        _, hlo = step_time(layer_cfg(2, small, kernels), mesh, batch, t, 256 if small else 1024, rng)
+        sizes = allreduce_bytes(hlo, layer=1)
+        out[(batch, t)] = (sum(allreduce_time(mesh, b) for b in sizes), sizes)
+        print(f"collectives of one layer, {batch}x{t}: {len(sizes)} all-reduces {sizes} bytes, "
+              f"{1e6 * out[(batch, t)][0]:.0f} us", flush=True)
+    return out
+
+
 def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "full_scale.json"), "w") as f:
@@ -198,8 +215,9 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> Non
         for p in proj:
             lines.append(f"| {p['method']} | {p['C']} | {1e3 * p['step_s']:.2f} | {1e3 * p['drafter_s']:.2f} | "
                          f"{1e3 * p['comm_s']:.2f} | {p['tau']:.2f} | {p['tok_s']:.0f} |")
-        lines += ["", "Collectives: per layer on 2 H200s with today's 3 all-reduces per layer (results/sharding.md); "
-                      "tree build and accept are not included (0.1-0.4 ms per step measured in results/tree_build.md)."]
+        lines += ["", f"Collectives: the all-reduces of one MoE layer on an ep=2 mesh, {extra.get('comm_source')}, "
+                      "times the layers; tau: the embedded model's acceptance (byte tokens; results/RESULTS.md); "
+                      "tree build and accept are not included (0.1-0.4 ms per step, results/tree_build.md)."]
     with open(os.path.join(out_dir, "full_scale.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
@@ -235,6 +253,14 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=1e9, help="stop starting new cells after this many seconds")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
+    rng = np.random.default_rng(0)
+    rows, extra = [], {"profiles": {}}
+    comm, comm_source = {k: (v, None) for k, v in COMM_PER_LAYER_S.items()}, "results/sharding.md (2 H200s, 98aa1f1)"
+    if jax.device_count() >= 2:
+        comm = measure_comm(rng, args.small, args.kernels)
+        comm_source = f"measured in this run on 2 devices (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')})"
+    extra["comm"] = {f"{b}x{t}": dict(seconds=v[0], bytes=v[1]) for (b, t), v in comm.items()}
+    extra["comm_source"] = comm_source
     cfg = per_device_cfg(args.n, args.layers, args.small, args.kernels)
     t0 = time.perf_counter()
     params = kj.init_params(cfg, jax.random.key(0))
@@ -248,8 +274,6 @@ def main(argv=None) -> int:
                 copy_Bps=ceil["copy_Bps"])
     print(f"params {meta['params_gb']:.1f} GB made in {init_s:.1f} s; copy {ceil['copy_Bps'] / 1e12:.2f} TB/s",
           flush=True)
-    rng = np.random.default_rng(0)
-    rows, extra = [], {"profiles": {}}
     try:
         extra["drafter"] = time_drafter(cfg, params, args.small, 4096 if not args.small else 256, 1, args.repeats)
         print(f"drafter {1e3 * extra['drafter']['step_s']:.2f} ms", flush=True)
@@ -279,13 +303,13 @@ def main(argv=None) -> int:
     by = {(r["batch"], r["tokens"]): r for r in rows if r["context"] == 4096}
     proj = []
     for c, t, method in ((1, 1, "ar"), (1, 65, "ddtree@64"), (10, 1, "ar"), (10, 65, "ddtree@64")):
-        if (c, t) not in by or (c, t) not in COMM_PER_LAYER_S:
+        if (c, t) not in by or (c, t) not in comm:
             continue
         drafter_s = extra.get("drafter", {}).get("step_s", 0.0) if t > 1 else 0.0
-        comm = 61 * COMM_PER_LAYER_S[(c, t)]
+        comm_s = args.layers * comm[(c, t)][0]
         tau = TAU.get(t, 1.0)
-        total = by[(c, t)]["step_s"] + drafter_s + comm
-        proj.append(dict(method=method, C=c, step_s=by[(c, t)]["step_s"], drafter_s=drafter_s, comm_s=comm, tau=tau,
+        total = by[(c, t)]["step_s"] + drafter_s + comm_s
+        proj.append(dict(method=method, C=c, step_s=by[(c, t)]["step_s"], drafter_s=drafter_s, comm_s=comm_s, tau=tau,
                          tok_s=c * tau / total))
     extra["projection"] = proj
     write_report(args.out, meta, rows, extra)

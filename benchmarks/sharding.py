@@ -62,12 +62,12 @@ def step_time(cfg, mesh, batch: int, t: int, context: int, rng) -> tuple[float, 
     return seconds, compiled.as_text()
 
 
-def allreduce_bytes(hlo: str) -> list[int]:
-    """Bytes of each all-reduce inside the layer scan's loop body (one layer's worth) of compiled HLO text."""
+def allreduce_bytes(hlo: str, layer: int = 0) -> list[int]:
+    """Bytes of each all-reduce of decoder layer `layer` (its named scope "layer_i/") in compiled HLO text."""
     sizes = []
     for line in hlo.splitlines():
         m = re.search(r"= \(?(.*?)\)? all-reduce(?:-start)?\(", line)
-        if not m or "while/body" not in line:
+        if not m or f"/layer_{layer}/" not in line:
             continue
         for dt, dims in re.findall(r"(bf16|f32|f16|s32)\[([0-9,]*)\]", m.group(1)):
             n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
                 t2, _ = step_time(layer_cfg(2, args.small, args.kernels), mesh, batch, t, args.context, rng)
                 layer = max(t2 - t1, 1e-9)
                 row = dict(devices=n, batch=batch, shape=shape, tokens=t, layer_s=layer, one_layer_model_s=t1)
-                if mesh is not None:  # the all-reduces of one layer (the scanned loop body)
+                if mesh is not None:  # the all-reduces of one layer
                     per_layer = allreduce_bytes(hlo1)
                     comm = sum(allreduce_time(mesh, b) for b in per_layer)
                     row.update(allreduces_per_layer=len(per_layer), allreduce_bytes=per_layer, comm_s=comm,

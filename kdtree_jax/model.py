@@ -552,10 +552,11 @@ def moe(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
             experts = _EXPERTS.get(cfg.kernels, moe_experts_ref)
         from .sharding import current_mesh, moe_expert_parallel
 
-        if current_mesh() is not None:
-            y = moe_expert_parallel(experts, flat, ids, w, p.we_gate, p.we_up, p.we_down)
-        else:
-            y = experts(flat, ids, w, p.we_gate, p.we_up, p.we_down)
+        if current_mesh() is not None:  # the shared expert's slice added before the one all-reduce
+            sh = p.shared
+            return moe_expert_parallel(experts, flat, ids, w, p.we_gate, p.we_up, p.we_down, (sh.gate, sh.up, sh.down),
+                                       lambda gud, v: swiglu(MLP(*gud), v)).reshape(b, t, d)
+        y = experts(flat, ids, w, p.we_gate, p.we_up, p.we_down)
     with jax.named_scope("shared_expert"):
         y = y + swiglu(p.shared, flat)
     return y.reshape(b, t, d)

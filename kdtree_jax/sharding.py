@@ -166,25 +166,33 @@ def replicated_call(fn, *args):
     return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(*args)
 
 
-def moe_expert_parallel(experts, x, ids, weights, we_gate, we_up, we_down):
-    """Routed experts under expert parallelism, dispatch and combine written out in shard_map.
+def moe_expert_parallel(experts, x, ids, weights, we_gate, we_up, we_down, shared=None, shared_fn=None):
+    """Routed experts (and the shared expert) under expert parallelism, dispatch and combine written out in
+    shard_map.
 
     x [M, D] and the routing (ids, weights [M, k]) are replicated; each "ep" shard holds E/ep experts, each "tp"
     shard a slice of every expert's width F. A shard runs `experts` (the reference or the custom call) on the
-    slots routed to its own experts (the others get the id E_local: nothing), and the partial outputs are summed
-    over "ep" and "tp" with one psum.
+    slots routed to its own experts (the others get the id E_local: nothing), adds shared_fn(its slice of the
+    shared expert's width, x) when given, and the partial outputs are summed over "ep" and "tp" with one psum (one
+    collective for the whole feed-forward block).
     """
     mesh = current_mesh()
     up, down = P("ep", "tp", None), P("ep", None, "tp")
     spec = lambda w, s: Int4Array(packed=s, scale=s) if isinstance(w, Int4Array) else s
+    shared_spec = None
+    if shared is not None:  # (gate [D, F], up [D, F], down [F, D]), F split like the "mlp" axis
+        cols, rows = logical_to_spec(("embed", "mlp")), logical_to_spec(("mlp", "embed"))
+        shared_spec = (cols, cols, rows)
 
-    def local(x, ids, weights, g, u, d):
+    def local(x, ids, weights, g, u, d, sh):
         e_loc = g.shape[0]
         lid = ids - jax.lax.axis_index("ep") * e_loc
         mine = (lid >= 0) & (lid < e_loc)
-        y = experts(x, jnp.where(mine, lid, e_loc), jnp.where(mine, weights, 0.0), g, u, d)
-        return jax.lax.psum(y.astype(jnp.float32), ("ep", "tp")).astype(x.dtype)
+        y = experts(x, jnp.where(mine, lid, e_loc), jnp.where(mine, weights, 0.0), g, u, d).astype(jnp.float32)
+        if sh is not None:
+            y = y + shared_fn(sh, x).astype(jnp.float32)
+        return jax.lax.psum(y, ("ep", "tp")).astype(x.dtype)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), spec(we_gate, up), spec(we_up, up),
-                                                     spec(we_down, down)), out_specs=P(), check_vma=False)(
-        x, ids, weights, we_gate, we_up, we_down)
+                                                     spec(we_down, down), shared_spec),
+                         out_specs=P(), check_vma=False)(x, ids, weights, we_gate, we_up, we_down, shared)
