@@ -26,7 +26,7 @@ from .config import ModelConfig
 from .drafter import DraftCache, Drafter, OracleDrafter, append_context, draft, init_draft_cache
 from .generate import _commit, choose, finish, prepare, run_compiled
 from .kernels import tree_accept, tree_build
-from .model import KVCache, Params, init_cache, prefill, pytree_dataclass, step
+from .model import KVCache, Params, init_cache, prefill_last, pytree_dataclass, step
 from .sharding import replicated_call
 
 
@@ -161,30 +161,29 @@ def spec_step(params: Params, cfg: ModelConfig, drafter: Drafter, s: SpecState, 
 
 
 def _spec_start(params, cfg, drafter: Drafter, tokens, lengths, key, temperature, eos_id, *, cache_len: int,
-                max_new: int, greedy: bool) -> SpecState:
+                max_new: int, greedy: bool, chunk: int | None = None) -> SpecState:
     b = tokens.shape[0]
-    res = prefill(params, cfg, tokens, lengths, init_cache(cfg, b, cache_len))
-    last_logits = jnp.take_along_axis(res.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    if isinstance(drafter, OracleDrafter):
+        dcache, block, on_chunk = None, drafter.block_size, None
+    else:  # the drafter's context keys and values, taken from each prefilled piece
+        dcache, block = init_draft_cache(drafter.cfg, b, cache_len), drafter.cfg.block_size
+        on_chunk = lambda dc, hidden, starts: append_context(drafter, dc, hidden, starts)
+    last_logits, cache, dcache = prefill_last(params, cfg, tokens, lengths, init_cache(cfg, b, cache_len), chunk,
+                                              on_chunk, dcache)
     key, sub = jax.random.split(key)
     first = choose(last_logits, sub, temperature, greedy)
-    if isinstance(drafter, OracleDrafter):
-        dcache, block = None, drafter.block_size
-    else:
-        dcache = append_context(drafter, init_draft_cache(drafter.cfg, b, cache_len), res.hidden,
-                                jnp.zeros_like(lengths))
-        block = drafter.cfg.block_size
     out = jnp.full((b, max_new), -1, jnp.int32)
     out, num_out, done, _ = _commit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
                                     jnp.ones((b,), jnp.int32), eos_id, max_new)
-    return SpecState(cache=res.cache, dcache=dcache, out=out, num_out=num_out, done=done, last=first, key=key,
+    return SpecState(cache=cache, dcache=dcache, out=out, num_out=num_out, done=done, last=first, key=key,
                      steps=jnp.zeros((), jnp.int32), accepted=jnp.zeros((b, block + 1), jnp.int32))
 
 
-@partial(jax.jit, static_argnames=("cfg", "cache_len", "max_new", "greedy", "method", "budget"))
+@partial(jax.jit, static_argnames=("cfg", "cache_len", "max_new", "greedy", "method", "budget", "chunk"))
 def _spec_generate(params, cfg, drafter, tokens, lengths, key, temperature, eos_id, *, cache_len, max_new, greedy,
-                   method, budget):
+                   method, budget, chunk=None):
     state = _spec_start(params, cfg, drafter, tokens, lengths, key, temperature, eos_id, cache_len=cache_len,
-                        max_new=max_new, greedy=greedy)
+                        max_new=max_new, greedy=greedy, chunk=chunk)
 
     def cond(s):
         return ~jnp.all(s.done)
@@ -215,13 +214,13 @@ def check_spec_args(cfg: ModelConfig, drafter, method: str, budget) -> int:
 
 
 def generate_speculative(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, method: str, drafter,
-                         budget: int, temperature: float, seed: int, eos_id):
+                         budget: int, temperature: float, seed: int, eos_id, prefill_chunk=None):
     """`generate(method="ddtree" | "chain")`: see kdtree_jax.generate.generate."""
     n_nodes = check_spec_args(cfg, drafter, method, budget)
-    req = prepare(cfg, prompts, max_new_tokens, temperature, eos_id, extra_slots=n_nodes)
+    req = prepare(cfg, prompts, max_new_tokens, temperature, eos_id, extra_slots=n_nodes, prefill_chunk=prefill_chunk)
     args = (params, cfg, drafter, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed),
             jnp.float32(req.temperature or 1.0), jnp.int32(req.eos_id))
     static = dict(cache_len=req.cache_len, max_new=req.max_new, greedy=req.temperature == 0, method=method,
-                  budget=n_nodes - 1)
+                  budget=n_nodes - 1, chunk=req.chunk)
     state, timing = run_compiled(_spec_generate, args, static)
     return finish(state, timing, method=method, budget=n_nodes - 1)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .model import KVCache, Params, init_cache, prefill, pytree_dataclass, step
+from .model import KVCache, Params, init_cache, prefill_last, pytree_dataclass, step
 from .sharding import use_mesh_of
 
 METHODS = ("ar", "chain", "ddtree")
@@ -77,16 +77,15 @@ def _commit(out, num_out, done, new, n_new, eos_id, max_new):
 
 
 def _ar_start(params, cfg: ModelConfig, tokens, lengths, key, cache_len: int, max_new: int, temperature, eos_id,
-              greedy: bool) -> DecodeState:
+              greedy: bool, chunk: int | None = None) -> DecodeState:
     b = tokens.shape[0]
-    res = prefill(params, cfg, tokens, lengths, init_cache(cfg, b, cache_len))
-    last_logits = jnp.take_along_axis(res.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    last_logits, cache, _ = prefill_last(params, cfg, tokens, lengths, init_cache(cfg, b, cache_len), chunk)  # [B, V]
     key, sub = jax.random.split(key)
     first = choose(last_logits, sub, temperature, greedy)
     out = jnp.full((b, max_new), -1, jnp.int32)
     out, num_out, done, _ = _commit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
                                     jnp.ones((b,), jnp.int32), eos_id, max_new)
-    return DecodeState(cache=res.cache, out=out, num_out=num_out, done=done, last=first, key=key,
+    return DecodeState(cache=cache, out=out, num_out=num_out, done=done, last=first, key=key,
                        steps=jnp.zeros((), jnp.int32), accepted=jnp.zeros((b, max_new + 1), jnp.int32))
 
 
@@ -111,13 +110,13 @@ def _ar_advance(params, cfg: ModelConfig, state: DecodeState, until, temperature
     return jax.lax.while_loop(cond, body, state)
 
 
-@partial(jax.jit, static_argnames=("cfg", "cache_len", "max_new", "greedy"))
-def _ar_generate(params, cfg, tokens, lengths, key, temperature, eos_id, *, cache_len, max_new, greedy):
-    state = _ar_start(params, cfg, tokens, lengths, key, cache_len, max_new, temperature, eos_id, greedy)
+@partial(jax.jit, static_argnames=("cfg", "cache_len", "max_new", "greedy", "chunk"))
+def _ar_generate(params, cfg, tokens, lengths, key, temperature, eos_id, *, cache_len, max_new, greedy, chunk):
+    state = _ar_start(params, cfg, tokens, lengths, key, cache_len, max_new, temperature, eos_id, greedy, chunk)
     return _ar_advance(params, cfg, state, jnp.int32(max_new), temperature, eos_id, greedy)
 
 
-_ar_start_jit = jax.jit(_ar_start, static_argnames=("cfg", "cache_len", "max_new", "greedy"))
+_ar_start_jit = jax.jit(_ar_start, static_argnames=("cfg", "cache_len", "max_new", "greedy", "chunk"))
 _ar_advance_jit = jax.jit(_ar_advance, static_argnames=("cfg", "greedy"), donate_argnames=("state",))
 
 
@@ -134,6 +133,20 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+PREFILL_CHUNK = 1024  # prompts padded past 2 x this go into the cache in chunks of this many tokens
+
+
+def _prefill_chunk(prefill_chunk, t_pad: int) -> int | None:
+    """The chunk size for a padded prompt length (None: one pass). prefill_chunk: None (automatic), 0 (always one
+    pass) or a power of two >= 16."""
+    if prefill_chunk is None:
+        return PREFILL_CHUNK if t_pad > 2 * PREFILL_CHUNK else None
+    if (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 0
+            or prefill_chunk and (prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1))):
+        raise ValueError(f"prefill_chunk must be None, 0 or a power of two >= 16, got {prefill_chunk!r}")
+    return int(prefill_chunk) if 0 < prefill_chunk < t_pad else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """Validated, padded inputs of one generate call."""
@@ -144,10 +157,11 @@ class Request:
     cache_len: int
     temperature: float
     eos_id: int  # -1: none
+    chunk: int | None = None  # prefill in chunks of this many tokens (None: one pass)
 
 
 def prepare(cfg: ModelConfig, prompts, max_new_tokens: int, temperature: float = 0.0, eos_id: int | None = None,
-            extra_slots: int = 0) -> Request:
+            extra_slots: int = 0, prefill_chunk: int | None = None) -> Request:
     """Check the inputs and lay them out; every error is a ValueError/TypeError naming the problem.
 
     `extra_slots` is the room the method needs past the last token (the speculative tree's nodes).
@@ -195,7 +209,7 @@ def prepare(cfg: ModelConfig, prompts, max_new_tokens: int, temperature: float =
         tokens[i, :len(r)] = r
     return Request(tokens=tokens, lengths=np.array([len(r) for r in rows], np.int32), max_new=int(max_new_tokens),
                    cache_len=_round_up(max(t_pad, need), 64), temperature=float(temperature),
-                   eos_id=-1 if eos_id is None else int(eos_id))
+                   eos_id=-1 if eos_id is None else int(eos_id), chunk=_prefill_chunk(prefill_chunk, t_pad))
 
 
 def _unpack(params, cfg, prompts, drafter):
@@ -222,12 +236,14 @@ def _histogram_stats(accepted: np.ndarray, steps: int) -> dict:
 
 def generate(params: Params | Any, cfg: ModelConfig | None = None, prompts=None, *, max_new_tokens: int = 64,
              method: str = "ar", drafter=None, budget: int = 64, temperature: float = 0.0, seed: int = 0,
-             eos_id: int | None = None) -> GenerateOutput:
+             eos_id: int | None = None, prefill_chunk: int | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens for each prompt (a list of token-id lists of any lengths).
 
     `generate(params, cfg, prompts, ...)` or `generate(model, prompts, ...)` with a loaded model. Greedy at
     temperature 0, else sampling at that temperature with `seed`. A row stops after `eos_id` (kept in its
     output). `method`: "ar", or "chain" / "ddtree" with a `drafter` and, for ddtree, a node `budget`.
+    `prefill_chunk`: prompts go into the cache in chunks of this many tokens (bounded memory for long prompts);
+    None chooses (chunks of 1,024 past 2,048 tokens), 0 forces one pass.
     """
     params, cfg, prompts, drafter = _unpack(params, cfg, prompts, drafter)
     if method not in METHODS:
@@ -237,11 +253,11 @@ def generate(params: Params | Any, cfg: ModelConfig | None = None, prompts=None,
 
         return ddtree.generate_speculative(params, cfg, prompts, max_new_tokens=max_new_tokens, method=method,
                                            drafter=drafter, budget=budget, temperature=temperature, seed=seed,
-                                           eos_id=eos_id)
-    req = prepare(cfg, prompts, max_new_tokens, temperature, eos_id)
+                                           eos_id=eos_id, prefill_chunk=prefill_chunk)
+    req = prepare(cfg, prompts, max_new_tokens, temperature, eos_id, prefill_chunk=prefill_chunk)
     args = (params, cfg, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed),
             jnp.float32(req.temperature or 1.0), jnp.int32(req.eos_id))
-    static = dict(cache_len=req.cache_len, max_new=req.max_new, greedy=req.temperature == 0)
+    static = dict(cache_len=req.cache_len, max_new=req.max_new, greedy=req.temperature == 0, chunk=req.chunk)
     state, timing = run_compiled(_ar_generate, args, static)
     return finish(state, timing, method="ar", budget=None)
 
@@ -299,7 +315,7 @@ def stream_ar(params, cfg: ModelConfig, prompt: list[int], *, max_new_tokens: in
     with trace_context(params, cfg):
         state = _ar_start_jit(params, cfg, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed),
                               cache_len=req.cache_len, max_new=req.max_new, temperature=temp, eos_id=eos,
-                              greedy=greedy)
+                              greedy=greedy, chunk=req.chunk)
     shown = 0
     while True:
         n = int(state.num_out[0])

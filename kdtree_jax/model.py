@@ -650,6 +650,51 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Ar
     return StepOutput(logits=_logits(params, cfg, h), hidden=hidden, cache=cache)
 
 
+def prefill_last(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
+                 chunk: int | None = None, on_chunk=None, carry=None):
+    """Run right-padded prompts tokens [B, T] into an empty cache; returns (the next-token logits [B, V] f32 at each
+    row's last prompt token, the cache with lengths set, carry).
+
+    With `chunk` (< T), the prompt goes in chunks of `chunk` tokens, each attending to the cache written so far and
+    causally within itself (the absorbed form of `step`), in a loop compiled once: memory is bounded by the chunk,
+    not by T x T scores, and only the last token's logits are formed. Without it, one naive pass (`prefill`).
+    on_chunk(carry, hidden [L, B, t, D], starts [B]) -> carry sees every layer's output of each piece (the drafter
+    takes its context there). The cache needs room for T rounded up to a multiple of `chunk`.
+    """
+    b, t = tokens.shape
+    pick = lambda x, idx: jnp.take_along_axis(x, jnp.clip(idx, 0, x.shape[1] - 1)[:, None, None], axis=1)[:, 0]
+    if chunk is None or t <= chunk:
+        res = prefill(params, cfg, tokens, lengths, cache)
+        if on_chunk is not None:
+            carry = on_chunk(carry, res.hidden, jnp.zeros_like(lengths))
+        return pick(res.logits, lengths - 1), res.cache, carry
+    n = -(-t // chunk)
+    if cache.max_len < n * chunk:
+        raise ValueError(f"prefill in chunks of {chunk}: the cache has {cache.max_len} slots, fewer than the "
+                         f"{n * chunk} the padded prompt needs")
+    pieces = jnp.pad(tokens, ((0, 0), (0, n * chunk - t))).reshape(b, n, chunk).transpose(1, 0, 2)  # [n, B, C]
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((chunk, chunk), bool)), (b, chunk, chunk))
+
+    def body(state, xs):
+        cache, last, carry = state
+        k, toks = xs
+        starts = jnp.full((b,), k * chunk, jnp.int32)
+        positions = starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+        cos, sin = rope_tables(cfg, positions)
+        h, hidden, cache = _run_layers(params, cfg, embed(params, toks), cos, sin, "absorbed",
+                                       dataclasses.replace(cache, lengths=starts), causal)
+        idx = lengths - 1 - k * chunk  # [B] the row's last prompt token, if it lies in this piece
+        mine = (idx >= 0) & (idx < chunk)
+        last = jnp.where(mine[:, None], _logits(params, cfg, pick(h, idx)[:, None])[:, 0], last)
+        if on_chunk is not None:
+            carry = on_chunk(carry, hidden, starts)
+        return (cache, last, carry), None
+
+    last = jnp.zeros((b, cfg.vocab_size), jnp.float32)
+    (cache, last, carry), _ = jax.lax.scan(body, (cache, last, carry), (jnp.arange(n, dtype=jnp.int32), pieces))
+    return last, dataclasses.replace(cache, lengths=lengths.astype(jnp.int32)), carry
+
+
 def step(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache, depths: jax.Array | None = None,
          tree_mask: jax.Array | None = None) -> StepOutput:
     """One cached forward over T new tokens [B, T] placed after each row's committed prefix.

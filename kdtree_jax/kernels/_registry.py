@@ -4,6 +4,8 @@
 nvcc was found at build time. When the CUDA library is missing or does not load, every CUDA target is registered to
 a stub that fails with a readable message when it runs (instead of an unregistered-target error), and the reason is
 kept in `cuda_status()`. The libraries are looked up in $KDTREE_JAX_FFI_DIR (if set), then next to the package.
+A C++ library that is found but does not load (truncated, corrupt, built for another platform) raises
+`FfiLibraryError`, which names the file and says how to rebuild it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ CUDA_TARGETS = {
 }
 
 _cuda_error: str | None = None
+REBUILD_HINT = ("rebuild it with `pip install -e .` (which runs the CMake build of ffi/), or point KDTREE_JAX_FFI_DIR "
+                "at a directory holding a good build")
+
+
+class FfiLibraryError(OSError):
+    """A custom-call library file that exists but cannot be loaded."""
 
 
 def _candidates(name: str) -> list[str]:
@@ -61,7 +69,14 @@ def cpu_library() -> ctypes.CDLL:
         raise RuntimeError(
             f"kdtree-jax: {CPU_LIBRARY} not found (looked in {_candidates(CPU_LIBRARY)}). Install the package with "
             "pip (which runs the CMake build of ffi/), set KDTREE_JAX_FFI_DIR, or pass impl='xla'.")
-    lib = ctypes.CDLL(path)
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        reason = str(e).removeprefix(f"{path}: ")
+        raise FfiLibraryError(f"{path} is not a loadable library ({reason}); {REBUILD_HINT}, or pass impl='xla'") from None
+    if not hasattr(lib, "KdTreeBuildWorkspaceBytes"):
+        raise FfiLibraryError(f"{path} is not this package's library or predates it (no KdTreeBuildWorkspaceBytes); "
+                              f"{REBUILD_HINT}")
     lib.KdTreeBuildWorkspaceBytes.restype = ctypes.c_int64
     lib.KdTreeBuildWorkspaceBytes.argtypes = [ctypes.c_int64] * 4
     return lib
@@ -78,7 +93,7 @@ def cuda_library() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(path)
     except OSError as e:
-        _cuda_error = f"{path} failed to load: {e}"
+        _cuda_error = f"{path} failed to load: {e}; {REBUILD_HINT}"
         return None
 
 

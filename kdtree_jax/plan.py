@@ -1,0 +1,322 @@
+"""Memory plan: what one GPU holds to serve a model on a mesh with a workload, from shapes alone (no devices, no
+weights read).
+
+Per GPU (docs/plan.md explains each term):
+  weights        every declared weight (`model.param_info`) divided by the mesh axes its logical axes map to under
+                 `sharding.RULES`; INT4 experts as packed int32 words [.., in/8] plus bf16 scales [.., in/group].
+                 A drafter's weights are replicated.
+  latent cache   (kv_lora_rank + qk_rope_head_dim) values per token per layer in the model dtype, replicated over the
+                 model axes ep x tp (every head reads all of it) and split over dp along the batch only when dp
+                 divides the batch; generate sizes it at context + budget + 1 slots, rounded up to CACHE_ALIGN.
+                 A drafter's context cache (keys and values per drafter layer) has the same slots and rows.
+  activations    an estimate of the largest live buffers of one DDTree verify step over concurrency x (budget + 1)
+                 tokens, with the custom calls (kernels="ffi"): every layer's output (kept for the drafter), working
+                 hidden states, one layer's attention and routed-expert buffers, the vocabulary-sharded fp32 logits.
+  workspace      WORKSPACE_FRACTION of the GPU: XLA scratch, fragmentation, the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+
+from . import configs
+from .builtin import PACKAGE_DIR
+from .config import ModelConfig
+from .drafter import DrafterConfig, drafter_info
+from .model import ArrayInfo, param_info
+from .sharding import MESH_AXES, RULES, ShardingError, logical_to_spec
+
+GB = 1e9
+WORKSPACE_FRACTION = 0.08
+CACHE_ALIGN = 64  # generate rounds the cache length up to a multiple of 64 slots
+MAX_BUDGET = 4096  # the CUDA tree_build kernel keeps at most 4096 nodes
+WORKING_HIDDEN_COPIES = 8  # fp32 [tokens, D] buffers live at once in a layer (residual, norm, outputs, all-reduce)
+PRESETS = ("builtin", "k2_6", "tiny")
+
+
+def load_config(model: str) -> tuple[ModelConfig, DrafterConfig | None, str]:
+    """(config, drafter config or None, description) of a preset name or a checkpoint directory (its config.json,
+    and drafter/drafter_config.json or drafter_config.json when present); no weights are read."""
+    if model == "k2_6":
+        return configs.k2_6(), None, "the Kimi K2.6 preset (no drafter)"
+    if model == "tiny":
+        return configs.tiny(), None, "the tiny preset (no drafter)"
+    directory = str(PACKAGE_DIR) if model == "builtin" else model
+    config = directory if os.path.isfile(directory) else os.path.join(directory, "config.json")
+    if not os.path.isfile(config):
+        raise ValueError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) and no config.json at {config}")
+    with open(config) as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config}: expected a JSON object")
+    cfg = ModelConfig.from_dict(raw) if "expert_format" in raw else ModelConfig.from_hf(raw)
+    folder = os.path.dirname(config)
+    dcfg = None
+    for candidate in (os.path.join(folder, "drafter", "drafter_config.json"), os.path.join(folder, "drafter_config.json")):
+        if os.path.isfile(candidate):
+            with open(candidate) as f:
+                draw = json.load(f)
+            try:
+                dcfg = DrafterConfig(**{**draw, "target_layer_ids": tuple(draw["target_layer_ids"])})
+            except (KeyError, TypeError) as e:
+                raise ValueError(f"{candidate}: not a drafter config ({e})") from None
+            dcfg.check_target(cfg)
+            break
+    name = "the embedded model" if model == "builtin" else f"checkpoint {directory}"
+    return cfg, dcfg, name + (" with its drafter" if dcfg else " (no drafter)")
+
+
+def check_mesh(cfg: ModelConfig, mesh: dict[str, int]) -> dict[str, int]:
+    """{"dp", "ep", "tp"} sizes (absent axes 1), raising ShardingError under the rules `sharding` applies to a real
+    mesh: heads divisible by ep x tp, routed experts by ep, and every sharded weight dimension by its axes."""
+    unknown = set(mesh) - set(MESH_AXES)
+    if unknown:
+        raise ShardingError(f"unknown mesh axes {sorted(unknown)} (axes: {', '.join(MESH_AXES)})")
+    sizes = {a: mesh.get(a, 1) for a in MESH_AXES}
+    for a, n in sizes.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ShardingError(f"mesh axis {a} must be an integer >= 1, got {n!r}")
+    model_par = sizes["ep"] * sizes["tp"]
+    if cfg.num_attention_heads % model_par:
+        raise ShardingError(f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by ep*tp ({model_par})")
+    if cfg.num_moe_layers and cfg.n_routed_experts % sizes["ep"]:
+        raise ShardingError(f"n_routed_experts ({cfg.n_routed_experts}) is not divisible by ep ({sizes['ep']})")
+    weight_bytes(param_info(cfg), sizes, cfg.group_size)  # every weight dimension divides its mesh axes
+    return sizes
+
+
+def _stored(a: ArrayInfo, group: int) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, bytes per element) of the arrays that hold declaration `a` (INT4: packed words and scales)."""
+    if a.init == "int4":
+        *lead, n_in = a.shape
+        return [((*lead, n_in // 8), 4), ((*lead, n_in // group), 2)]
+    return [(a.shape, jnp.dtype(a.dtype).itemsize)]
+
+
+def leaf_bytes(a: ArrayInfo, mesh: dict[str, int], group: int, replicated: bool = False) -> int:
+    """Bytes of declaration `a` held by one device (all of it when `replicated`)."""
+    spec = logical_to_spec(a.axes)
+    total = 0
+    for shape, itemsize in _stored(a, group):
+        elems = math.prod(shape)
+        for dim, entry in zip(shape, spec):
+            names = () if entry is None or replicated else entry if isinstance(entry, tuple) else (entry,)
+            n = math.prod(mesh[m] for m in names)
+            if dim % n:
+                raise ShardingError(f"weight {a.shape} axes {a.axes}: dimension {dim} is not divisible by the {n} "
+                                    f"devices of mesh axes {entry}")
+            elems //= n
+        total += elems * itemsize
+    return total
+
+
+def weight_bytes(infos, mesh: dict[str, int], group: int, replicated: bool = False) -> int:
+    """Bytes per device of a pytree of ArrayInfo declarations."""
+    leaves = jax.tree.leaves(infos, is_leaf=lambda x: isinstance(x, ArrayInfo))
+    return sum(leaf_bytes(a, mesh, group, replicated) for a in leaves)
+
+
+def cache_slots(context: int, budget: int) -> int:
+    """Cache slots per row: the context plus the tree's budget + 1 nodes, rounded up like generate does."""
+    return -(-(context + budget + 1) // CACHE_ALIGN) * CACHE_ALIGN
+
+
+def rows_per_device(concurrency: int, dp: int) -> int:
+    """Cache and activation rows one device holds: the batch splits over dp only when dp divides it."""
+    return concurrency // dp if concurrency % dp == 0 else concurrency
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Bytes per GPU of each part, the workload and the verdict."""
+
+    model: str
+    mesh: dict[str, int]
+    context: int
+    concurrency: int
+    budget: int
+    gpu_bytes: int
+    rows: int  # cache rows per GPU
+    slots: int  # cache slots per row
+    weights: int
+    drafter_weights: int
+    latent_cache: int
+    drafter_cache: int
+    activations: dict[str, int]
+    workspace: int
+    sharded_cache: int  # the latent and drafter caches split over every device (not built yet)
+    notes: tuple[str, ...]
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.drafter_weights + self.latent_cache + self.drafter_cache
+                + sum(self.activations.values()) + self.workspace)
+
+    @property
+    def free(self) -> int:
+        return self.gpu_bytes - self.total
+
+    @property
+    def fits(self) -> bool:
+        return self.free >= 0
+
+    @property
+    def sharded_total(self) -> int:
+        return self.total - self.latent_cache - self.drafter_cache + self.sharded_cache
+
+
+def activation_bytes(cfg: ModelConfig, dcfg: DrafterConfig | None, mesh: dict[str, int], rows: int,
+                     budget: int) -> dict[str, int]:
+    """Estimated largest live buffers of one verify step over rows x (budget + 1) tokens on one device."""
+    t = rows * (budget + 1)
+    dt = cfg.jnp_dtype.itemsize
+    d, mp = cfg.hidden_size, mesh["ep"] * mesh["tp"]
+    heads = cfg.num_attention_heads // mp
+    out = {
+        "layer outputs": cfg.num_hidden_layers * t * d * dt,  # [L, B, T, D]: the step returns every layer's
+        "working hidden states": WORKING_HIDDEN_COPIES * t * d * 4,
+        "attention": t * heads * (cfg.kv_lora_rank * (dt + 4)  # q_lat [T, H, R] and its fp32 output
+                                  + (cfg.qk_head_dim + cfg.v_head_dim) * dt),  # q, o per head
+        "routed experts": (t * cfg.num_experts_per_tok * (d * (dt + 4) + 2 * cfg.moe_intermediate_size // mesh["tp"] * 4)
+                           if cfg.num_moe_layers else 0),  # slots x (input, fp32 output, gate and up)
+        "logits": t * cfg.vocab_size // mp * 4,  # fp32 [T, V / (ep*tp)]
+    }
+    if dcfg is not None:  # the drafter's block and its per-depth logits
+        out["drafter step"] = rows * dcfg.block_size * (WORKING_HIDDEN_COPIES * d * 4 + cfg.vocab_size // mp * 4)
+    return out
+
+
+def plan(cfg: ModelConfig, dcfg: DrafterConfig | None, mesh: dict[str, int], context: int, concurrency: int,
+         budget: int, gpu_bytes: int, model: str = "") -> Plan:
+    """The memory plan of serving `concurrency` rows of `context` tokens with DDTree budget `budget` on `mesh`."""
+    for name, value in (("context", context), ("concurrency", concurrency)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"--budget must be in 1..{MAX_BUDGET} (the CUDA tree kernel's limit), got {budget!r}")
+    if dcfg is not None and budget > dcfg.depth * cfg.vocab_size:
+        raise ValueError(f"--budget {budget} exceeds the drafter's {dcfg.depth} x {cfg.vocab_size} (depth, token) "
+                         "choices")
+    if not gpu_bytes > 0:
+        raise ValueError(f"--gpu-memory-gb must be positive, got {gpu_bytes / GB:g}")
+    mesh = check_mesh(cfg, mesh)
+    rows, slots = rows_per_device(concurrency, mesh["dp"]), cache_slots(context, budget)
+    dt = cfg.jnp_dtype.itemsize
+    per_row = slots * cfg.num_hidden_layers * cfg.kv_cache_dim * dt
+    d_per_row = 0
+    if dcfg is not None:
+        d_per_row = 2 * dcfg.num_layers * slots * dcfg.num_kv_heads * dcfg.head_dim * jnp.dtype(dcfg.dtype).itemsize
+    devices = math.prod(mesh.values())
+    notes = []
+    if rows == concurrency and mesh["dp"] > 1:
+        notes.append(f"concurrency {concurrency} is not divisible by dp={mesh['dp']}: the batch is replicated")
+    limit = cfg.max_position_embeddings - budget - 1
+    if context > limit:
+        notes.append(f"context {context:,} + budget {budget} + 1 exceeds the model's {cfg.max_position_embeddings:,} "
+                     f"positions: generate refuses it (at most {limit:,} at this budget)")
+    if dcfg is None:
+        notes.append("no drafter in this config: a drafter's weights and context cache are not counted")
+    return Plan(model=model, mesh=mesh, context=context, concurrency=concurrency, budget=budget, gpu_bytes=gpu_bytes,
+                rows=rows, slots=slots, weights=weight_bytes(param_info(cfg), mesh, cfg.group_size),
+                drafter_weights=weight_bytes(drafter_info(dcfg), mesh, cfg.group_size, replicated=True) if dcfg else 0,
+                latent_cache=rows * per_row, drafter_cache=rows * d_per_row,
+                activations=activation_bytes(cfg, dcfg, mesh, rows, budget),
+                workspace=int(WORKSPACE_FRACTION * gpu_bytes),
+                sharded_cache=-(-concurrency * (per_row + d_per_row) // devices), notes=tuple(notes))
+
+
+def _largest(fits, hi_limit: int) -> int:
+    """The largest n in 1..hi_limit with fits(n) (fits is monotone), or 0 when fits(1) is false."""
+    if hi_limit < 1 or not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= hi_limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, hi_limit + 1)  # fits(lo), not fits(hi) (or hi past the limit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def largest_concurrency(cfg, dcfg, p: Plan, limit: int = 1 << 20) -> int:
+    """The largest concurrency (a multiple of dp, so that the batch splits) that fits at p's context, or 0."""
+    dp = p.mesh["dp"]
+    ok = lambda rows: plan(cfg, dcfg, p.mesh, p.context, rows * dp, p.budget, p.gpu_bytes).fits
+    return _largest(ok, limit // dp) * dp
+
+
+def largest_context(cfg, dcfg, p: Plan) -> int:
+    """The largest context that fits at p's concurrency, within the model's positions, or 0."""
+    ok = lambda ctx: plan(cfg, dcfg, p.mesh, ctx, p.concurrency, p.budget, p.gpu_bytes).fits
+    return _largest(ok, cfg.max_position_embeddings - p.budget - 1)
+
+
+def report(cfg: ModelConfig, dcfg: DrafterConfig | None, p: Plan) -> dict:
+    """The plan as a JSON-able dict, sizes in GB (1e9 bytes) rounded to 2 decimals."""
+    g = lambda n: round(n / GB, 2)
+    return dict(
+        model=p.model, mesh=p.mesh, devices=math.prod(p.mesh.values()), context=p.context,
+        concurrency=p.concurrency, budget=p.budget, gpu_memory_gb=g(p.gpu_bytes), cache_rows_per_gpu=p.rows,
+        cache_slots_per_row=p.slots,
+        per_gpu_gb=dict(weights=g(p.weights), drafter_weights=g(p.drafter_weights), latent_cache=g(p.latent_cache),
+                        drafter_cache=g(p.drafter_cache), activations=g(sum(p.activations.values())),
+                        workspace=g(p.workspace), total=g(p.total), free=g(p.free)),
+        activations_gb={k: g(v) for k, v in p.activations.items()},
+        cache_layout="replicated over ep x tp, split over dp along the batch",
+        fits=p.fits, largest_concurrency=largest_concurrency(cfg, dcfg, p),
+        largest_context=largest_context(cfg, dcfg, p),
+        sharded_cache_not_built_yet=dict(cache_gb=g(p.sharded_cache), total_gb=g(p.sharded_total),
+                                         fits=p.sharded_total <= p.gpu_bytes),
+        notes=list(p.notes))
+
+
+def format_report(r: dict) -> str:
+    """The human-readable form of `report`'s dict."""
+    m, gb = r["mesh"], r["per_gpu_gb"]
+    mesh = " ".join(f"{a}={m[a]}" for a in MESH_AXES)
+    lines = [f"model: {r['model']}",
+             f"mesh: {mesh} ({r['devices']} GPUs of {r['gpu_memory_gb']:.2f} GB)",
+             f"workload: concurrency {r['concurrency']} x context {r['context']:,}, DDTree budget {r['budget']} "
+             f"(verify step: {r['concurrency']} x {r['budget'] + 1} tokens)",
+             "",
+             f"{'per GPU':46s}{'GB':>9s}"]
+    row = lambda label, v, extra="": lines.append(f"  {label:44s}{v:9.2f}" + (f"   {extra}" if extra else ""))
+    row("weights (sharded by the rules)", gb["weights"])
+    if gb["drafter_weights"]:
+        row("drafter weights (replicated)", gb["drafter_weights"])
+    row("latent cache (REPLICATED over ep x tp)", gb["latent_cache"],
+        f"{r['cache_rows_per_gpu']} rows x {r['cache_slots_per_row']:,} slots")
+    if gb["drafter_cache"]:
+        row("drafter context cache (replicated over ep x tp)", gb["drafter_cache"])
+    row("verify-step activations (estimate)", gb["activations"])
+    row(f"workspace margin ({WORKSPACE_FRACTION:.0%} of the GPU)", gb["workspace"])
+    row("total", gb["total"])
+    row("free", gb["free"])
+    lines.append("")
+    lines.append("the latent cache is replicated over the model axes ep x tp today (every head reads all of it) and "
+                 "split only over dp along the batch")
+    for note in r["notes"]:
+        lines.append(f"note: {note}")
+    ctx, conc = r["largest_context"], r["largest_concurrency"]
+    at_ctx = f"largest concurrency that fits at context {r['context']:,}: " + (
+        f"{conc}" if conc else "none (not even 1)")
+    at_conc = f"largest context that fits at concurrency {r['concurrency']}: " + (
+        f"{ctx:,}" if ctx else "none (not even 1 token)")
+    if r["fits"]:
+        lines.append(f"FITS: {gb['free']:.2f} GB free per GPU")
+    else:
+        lines.append(f"DOES NOT FIT: this workload needs {-gb['free']:.2f} GB more per GPU than there is")
+    lines += [f"  {at_ctx}", f"  {at_conc}"]
+    if not conc and not ctx:
+        lines.append("  the weights alone leave no room: use more devices (a larger ep or tp)")
+    s = r["sharded_cache_not_built_yet"]
+    lines.append(f"a cache sharded over all {r['devices']} devices (not built yet): {s['cache_gb']:.2f} GB per GPU, "
+                 f"total {s['total_gb']:.2f} GB: " + ("would fit" if s["fits"] else "would not fit either"))
+    return "\n".join(lines)
