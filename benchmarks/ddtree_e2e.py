@@ -101,7 +101,7 @@ def bench(cfg, params, drafter, batch: int, prompt_len: int, method: str, budget
     state = ddtree.SpecState(cache=cache, dcache=dcache, out=jnp.zeros((batch, 64), jnp.int32),
                              num_out=jnp.zeros((batch,), jnp.int32), done=jnp.zeros((batch,), bool), last=bonus,
                              key=jax.random.key(0), steps=jnp.zeros((), jnp.int32),
-                             accepted=jnp.zeros((batch, bs + 1), jnp.int32))
+                             accepted=jnp.zeros((batch, bs + 1), jnp.int32), nonfinite=jnp.zeros((batch,), bool))
     f_step = jax.jit(lambda p, d, s: ddtree.spec_step(p, cfg, d, s, method, max(budget, 1), jnp.float32(1.0),
                                                       jnp.int32(-1), True))
     out["step_s"] = timeit(f_step, params, drafter, state, repeats=repeats)

@@ -1,5 +1,6 @@
-"""The `kdtree-jax` command line: `generate` (streamed text and the decoding stats) and `bench` (tokens/s, tau and
-the equality with AR of ar / chain / ddtree on held-out text, side by side in one run)."""
+"""The `kdtree-jax` command line: `generate` (streamed text and the decoding stats), `bench` (tokens/s, tau and
+the equality with AR of ar / chain / ddtree on held-out text, side by side in one run) and `plan` (the memory one GPU
+needs for a model, a mesh and a workload, from shapes alone)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def _parser() -> argparse.ArgumentParser:
                "  kdtree-jax generate --prompt 'def fibonacci(n):'\n"
                "  kdtree-jax generate --model /ckpt/k2 --method ddtree --budget 64 --prompt 'Hello'\n"
                "  kdtree-jax bench --budgets 16,64 --batch 4\n"
-               "  kdtree-jax bench --model /ckpt/k2 --mesh tp=8 --kernels ffi --json k2.json\n")
+               "  kdtree-jax bench --model /ckpt/k2 --mesh tp=8 --kernels ffi --json k2.json\n"
+               "  kdtree-jax plan --model k2_6 --mesh ep=8 --context 262144 --concurrency 10 --budget 64\n")
     p.add_argument("--debug", action="store_true", help="on an error, show the traceback")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a continuation of a prompt",
@@ -50,6 +52,31 @@ def _parser() -> argparse.ArgumentParser:
                                                           "(default: 3; the median is reported)")
     b.add_argument("--json", default=None, metavar="PATH", help="also write the rows and the setup as JSON")
     _common(b)
+
+    pl = sub.add_parser("plan", help="memory per GPU for a model, a mesh and a workload (no devices needed)",
+                        description="Print what one GPU holds to serve --concurrency rows of --context tokens with "
+                                    "DDTree --budget on --mesh, computed from shapes alone (the weights are not "
+                                    "read and no device is used): the weights (sharded by the sharding rules; INT4 "
+                                    "experts as packed words plus bf16 scales), the latent cache (replicated over "
+                                    "ep x tp today, split over dp along the batch), an estimate of the largest "
+                                    "activations of a verify step, a workspace margin of 8%% of the GPU, what is "
+                                    "free, and whether it fits; if not, the largest concurrency and the largest "
+                                    "context that fit. Sizes in GB (1e9 bytes). Exit status: 0 fits, 1 does not "
+                                    "fit, 2 bad input. See docs/plan.md.")
+    pl.add_argument("--model", required=True, metavar="DIR|builtin|k2_6|tiny",
+                    help="a checkpoint directory (its config.json, and its drafter's config when there is one) or a "
+                         "preset: builtin (the embedded model and drafter), k2_6 (Kimi K2.6), tiny")
+    pl.add_argument("--mesh", default="ep=1", metavar="AXES",
+                    help="mesh shape, e.g. 'ep=8' or 'dp=2,ep=4,tp=2' (axes dp, ep, tp; absent axes are 1; no "
+                         "devices needed). Default: one GPU")
+    pl.add_argument("--context", type=int, required=True,
+                    help="tokens per row: prompt plus generated tokens (e.g. 262144)")
+    pl.add_argument("--concurrency", type=int, default=1, help="rows decoded together (default: 1)")
+    pl.add_argument("--budget", type=int, default=64,
+                    help="DDTree draft tree nodes per step, the verify step's tokens per row minus one (default: 64)")
+    pl.add_argument("--gpu-memory-gb", type=float, default=141.0,
+                    help="memory of one GPU in GB (default: 141, an H200)")
+    pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p
 
 
@@ -251,6 +278,19 @@ def bench_command(args) -> int:
     return 0
 
 
+def plan_command(args) -> int:
+    import json
+
+    from kdtree_jax import plan
+
+    cfg, dcfg, description = plan.load_config(args.model)
+    p = plan.plan(cfg, dcfg, parse_mesh(args.mesh), args.context, args.concurrency, args.budget,
+                  args.gpu_memory_gb * plan.GB, model=f"{args.model} ({description})")
+    report = plan.report(cfg, dcfg, p)
+    print(json.dumps(report, indent=1) if args.json else plan.format_report(report))
+    return 0 if p.fits else 1
+
+
 MAX_ERROR_CHARS = 1000
 
 
@@ -277,7 +317,7 @@ def report_errors(prog: str, command, debug: bool, status: int) -> int:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    command = generate_command if args.command == "generate" else bench_command
+    command = {"generate": generate_command, "bench": bench_command, "plan": plan_command}[args.command]
     return report_errors("kdtree-jax", lambda: command(args), args.debug, status=2)
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from .config import ModelConfig
 from .drafter import DraftCache, Drafter, OracleDrafter, append_context, draft, init_draft_cache
-from .generate import _commit, choose, finish, prepare, run_compiled
+from .generate import _commit, choose, finish, nonfinite_rows, prepare, run_compiled
 from .kernels import tree_accept, tree_build
 from .model import KVCache, Params, init_cache, prefill_last, pytree_dataclass, step
 from .sharding import replicated_call
@@ -43,6 +43,7 @@ class SpecState:
     key: jax.Array
     steps: jax.Array  # int32 []       verify steps run
     accepted: jax.Array  # int32 [B, L + 2] histogram: tokens accepted per step (bonus included)
+    nonfinite: jax.Array  # bool [B]       the target gave this row a NaN or inf logit
 
 
 class DraftTree(NamedTuple):
@@ -157,7 +158,8 @@ def spec_step(params: Params, cfg: ModelConfig, drafter: Drafter, s: SpecState, 
         cache = dataclasses.replace(cache, lengths=lengths + grow)
     accepted = s.accepted.at[jnp.arange(lengths.shape[0]), acc.length].add(active.astype(jnp.int32))
     return SpecState(cache=cache, dcache=dcache, out=out, num_out=num_out, done=done,
-                     last=jnp.where(active, acc.bonus, s.last), key=key, steps=s.steps + 1, accepted=accepted)
+                     last=jnp.where(active, acc.bonus, s.last), key=key, steps=s.steps + 1, accepted=accepted,
+                     nonfinite=s.nonfinite | (active & nonfinite_rows(res.logits)))
 
 
 def _spec_start(params, cfg, drafter: Drafter, tokens, lengths, key, temperature, eos_id, *, cache_len: int,
@@ -176,7 +178,8 @@ def _spec_start(params, cfg, drafter: Drafter, tokens, lengths, key, temperature
     out, num_out, done, _ = _commit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
                                     jnp.ones((b,), jnp.int32), eos_id, max_new)
     return SpecState(cache=cache, dcache=dcache, out=out, num_out=num_out, done=done, last=first, key=key,
-                     steps=jnp.zeros((), jnp.int32), accepted=jnp.zeros((b, block + 1), jnp.int32))
+                     steps=jnp.zeros((), jnp.int32), accepted=jnp.zeros((b, block + 1), jnp.int32),
+                     nonfinite=nonfinite_rows(last_logits))
 
 
 @partial(jax.jit, static_argnames=("cfg", "cache_len", "max_new", "greedy", "method", "budget", "chunk"))

@@ -47,6 +47,12 @@ class DecodeState:
     key: jax.Array  # PRNG key
     steps: jax.Array  # int32 []      decode steps run
     accepted: jax.Array  # int32 [B, N + 1] histogram of tokens committed per step and row
+    nonfinite: jax.Array  # bool [B]      the model gave this row a NaN or inf logit (an error, not token 0)
+
+
+def nonfinite_rows(logits: jax.Array) -> jax.Array:
+    """bool [B]: rows of logits [B, ...] holding a NaN or an inf (one cheap reduction next to the vocab matmul)."""
+    return ~jnp.all(jnp.isfinite(logits.reshape(logits.shape[0], -1)), axis=-1)
 
 
 def choose(logits: jax.Array, key: jax.Array, temperature: jax.Array, greedy: bool) -> jax.Array:
@@ -86,7 +92,8 @@ def _ar_start(params, cfg: ModelConfig, tokens, lengths, key, cache_len: int, ma
     out, num_out, done, _ = _commit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
                                     jnp.ones((b,), jnp.int32), eos_id, max_new)
     return DecodeState(cache=cache, out=out, num_out=num_out, done=done, last=first, key=key,
-                       steps=jnp.zeros((), jnp.int32), accepted=jnp.zeros((b, max_new + 1), jnp.int32))
+                       steps=jnp.zeros((), jnp.int32), accepted=jnp.zeros((b, max_new + 1), jnp.int32),
+                       nonfinite=nonfinite_rows(last_logits))
 
 
 def _ar_advance(params, cfg: ModelConfig, state: DecodeState, until, temperature, eos_id, greedy: bool):
@@ -105,7 +112,8 @@ def _ar_advance(params, cfg: ModelConfig, state: DecodeState, until, temperature
                                                 jnp.ones_like(s.num_out), eos_id, max_new)
         accepted = s.accepted.at[jnp.arange(nxt.shape[0]), committed].add(active.astype(jnp.int32))
         return DecodeState(cache=cache, out=out, num_out=num_out, done=done, last=jnp.where(active, nxt, s.last),
-                           key=key, steps=s.steps + 1, accepted=accepted)
+                           key=key, steps=s.steps + 1, accepted=accepted,
+                           nonfinite=s.nonfinite | (active & nonfinite_rows(res.logits)))
 
     return jax.lax.while_loop(cond, body, state)
 
@@ -293,8 +301,17 @@ def run_compiled(fn, args: tuple, static: dict):
     return result, {"compile_s": t1 - t0, "wall_s": t2 - t1}
 
 
+def check_finite(state) -> None:
+    """Raise FloatingPointError naming the rows for which the model produced NaN or inf logits."""
+    bad = np.flatnonzero(np.asarray(state.nonfinite))
+    if bad.size:
+        raise FloatingPointError(f"the model produced NaN or inf logits for prompt(s) {bad.tolist()} (non-finite "
+                                 "weights or an overflow in the activations); no tokens are returned")
+
+
 def finish(state, timing: dict, method: str, budget: int | None) -> GenerateOutput:
-    """Host-side result: per-row token lists and the stats."""
+    """Host-side result: per-row token lists and the stats (FloatingPointError if logits were not finite)."""
+    check_finite(state)
     out, num = np.asarray(state.out), np.asarray(state.num_out)
     tokens = [out[i, :num[i]].tolist() for i in range(out.shape[0])]
     stats = _histogram_stats(np.asarray(state.accepted), int(state.steps))
@@ -318,6 +335,7 @@ def stream_ar(params, cfg: ModelConfig, prompt: list[int], *, max_new_tokens: in
                               greedy=greedy, chunk=req.chunk)
     shown = 0
     while True:
+        check_finite(state)
         n = int(state.num_out[0])
         if n > shown:
             yield np.asarray(state.out[0, shown:n]).tolist()

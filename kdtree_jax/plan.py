@@ -30,7 +30,7 @@ from .builtin import PACKAGE_DIR
 from .config import ModelConfig
 from .drafter import DrafterConfig, drafter_info
 from .model import ArrayInfo, param_info
-from .sharding import MESH_AXES, RULES, ShardingError, logical_to_spec
+from .sharding import MESH_AXES, ShardingError, logical_to_spec
 
 GB = 1e9
 WORKSPACE_FRACTION = 0.08
@@ -44,12 +44,12 @@ def load_config(model: str) -> tuple[ModelConfig, DrafterConfig | None, str]:
     """(config, drafter config or None, description) of a preset name or a checkpoint directory (its config.json,
     and drafter/drafter_config.json or drafter_config.json when present); no weights are read."""
     if model == "k2_6":
-        return configs.k2_6(), None, "the Kimi K2.6 preset (no drafter)"
+        return configs.k2_6(), None, "the Kimi K2.6 preset, no drafter"
     if model == "tiny":
-        return configs.tiny(), None, "the tiny preset (no drafter)"
+        return configs.tiny(), None, "the tiny preset, no drafter"
     directory = str(PACKAGE_DIR) if model == "builtin" else model
     config = directory if os.path.isfile(directory) else os.path.join(directory, "config.json")
-    if not os.path.isfile(config):
+    if not model or not os.path.isfile(config):
         raise ValueError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) and no config.json at {config}")
     with open(config) as f:
         raw = json.load(f)
@@ -58,7 +58,8 @@ def load_config(model: str) -> tuple[ModelConfig, DrafterConfig | None, str]:
     cfg = ModelConfig.from_dict(raw) if "expert_format" in raw else ModelConfig.from_hf(raw)
     folder = os.path.dirname(config)
     dcfg = None
-    for candidate in (os.path.join(folder, "drafter", "drafter_config.json"), os.path.join(folder, "drafter_config.json")):
+    for candidate in (os.path.join(folder, "drafter", "drafter_config.json"),
+                      os.path.join(folder, "drafter_config.json")):
         if os.path.isfile(candidate):
             with open(candidate) as f:
                 draw = json.load(f)
@@ -69,7 +70,7 @@ def load_config(model: str) -> tuple[ModelConfig, DrafterConfig | None, str]:
             dcfg.check_target(cfg)
             break
     name = "the embedded model" if model == "builtin" else f"checkpoint {directory}"
-    return cfg, dcfg, name + (" with its drafter" if dcfg else " (no drafter)")
+    return cfg, dcfg, name + (" with its drafter" if dcfg else ", no drafter")
 
 
 def check_mesh(cfg: ModelConfig, mesh: dict[str, int]) -> dict[str, int]:
@@ -91,26 +92,26 @@ def check_mesh(cfg: ModelConfig, mesh: dict[str, int]) -> dict[str, int]:
     return sizes
 
 
-def _stored(a: ArrayInfo, group: int) -> list[tuple[tuple[int, ...], int]]:
-    """(shape, bytes per element) of the arrays that hold declaration `a` (INT4: packed words and scales)."""
+def _stored(a: ArrayInfo, group: int) -> list[tuple[str, tuple[int, ...], int]]:
+    """(what, shape, bytes per element) of the arrays that hold declaration `a` (INT4: packed words and scales)."""
     if a.init == "int4":
         *lead, n_in = a.shape
-        return [((*lead, n_in // 8), 4), ((*lead, n_in // group), 2)]
-    return [(a.shape, jnp.dtype(a.dtype).itemsize)]
+        return [(f"INT4 weight {a.shape}", (*lead, n_in // 8), 4), (f"INT4 scale {a.shape}", (*lead, n_in // group), 2)]
+    return [(f"weight {a.shape} axes {a.axes}", a.shape, jnp.dtype(a.dtype).itemsize)]
 
 
 def leaf_bytes(a: ArrayInfo, mesh: dict[str, int], group: int, replicated: bool = False) -> int:
     """Bytes of declaration `a` held by one device (all of it when `replicated`)."""
     spec = logical_to_spec(a.axes)
     total = 0
-    for shape, itemsize in _stored(a, group):
+    for what, shape, itemsize in _stored(a, group):
         elems = math.prod(shape)
         for dim, entry in zip(shape, spec):
             names = () if entry is None or replicated else entry if isinstance(entry, tuple) else (entry,)
             n = math.prod(mesh[m] for m in names)
             if dim % n:
-                raise ShardingError(f"weight {a.shape} axes {a.axes}: dimension {dim} is not divisible by the {n} "
-                                    f"devices of mesh axes {entry}")
+                raise ShardingError(f"{what}: dimension {dim} of {shape} is not divisible by the {n} devices of "
+                                    f"mesh axes {entry}")
             elems //= n
         total += elems * itemsize
     return total
@@ -183,8 +184,9 @@ def activation_bytes(cfg: ModelConfig, dcfg: DrafterConfig | None, mesh: dict[st
         "working hidden states": WORKING_HIDDEN_COPIES * t * d * 4,
         "attention": t * heads * (cfg.kv_lora_rank * (dt + 4)  # q_lat [T, H, R] and its fp32 output
                                   + (cfg.qk_head_dim + cfg.v_head_dim) * dt),  # q, o per head
-        "routed experts": (t * cfg.num_experts_per_tok * (d * (dt + 4) + 2 * cfg.moe_intermediate_size // mesh["tp"] * 4)
-                           if cfg.num_moe_layers else 0),  # slots x (input, fp32 output, gate and up)
+        "routed experts": (t * cfg.num_experts_per_tok  # slots x (input, fp32 output, fp32 gate and up)
+                           * (d * (dt + 4) + 2 * cfg.moe_intermediate_size // mesh["tp"] * 4)
+                           if cfg.num_moe_layers else 0),
         "logits": t * cfg.vocab_size // mp * 4,  # fp32 [T, V / (ep*tp)]
     }
     if dcfg is not None:  # the drafter's block and its per-depth logits
@@ -203,8 +205,9 @@ def plan(cfg: ModelConfig, dcfg: DrafterConfig | None, mesh: dict[str, int], con
     if dcfg is not None and budget > dcfg.depth * cfg.vocab_size:
         raise ValueError(f"--budget {budget} exceeds the drafter's {dcfg.depth} x {cfg.vocab_size} (depth, token) "
                          "choices")
-    if not gpu_bytes > 0:
-        raise ValueError(f"--gpu-memory-gb must be positive, got {gpu_bytes / GB:g}")
+    if not (math.isfinite(gpu_bytes) and gpu_bytes > 0):
+        raise ValueError(f"--gpu-memory-gb must be a positive number, got {gpu_bytes / GB:g}")
+    gpu_bytes = int(gpu_bytes)
     mesh = check_mesh(cfg, mesh)
     rows, slots = rows_per_device(concurrency, mesh["dp"]), cache_slots(context, budget)
     dt = cfg.jnp_dtype.itemsize
@@ -216,7 +219,7 @@ def plan(cfg: ModelConfig, dcfg: DrafterConfig | None, mesh: dict[str, int], con
     notes = []
     if rows == concurrency and mesh["dp"] > 1:
         notes.append(f"concurrency {concurrency} is not divisible by dp={mesh['dp']}: the batch is replicated")
-    limit = cfg.max_position_embeddings - budget - 1
+    limit = context_limit(cfg, budget)
     if context > limit:
         notes.append(f"context {context:,} + budget {budget} + 1 exceeds the model's {cfg.max_position_embeddings:,} "
                      f"positions: generate refuses it (at most {limit:,} at this budget)")
@@ -252,10 +255,15 @@ def largest_concurrency(cfg, dcfg, p: Plan, limit: int = 1 << 20) -> int:
     return _largest(ok, limit // dp) * dp
 
 
+def context_limit(cfg: ModelConfig, budget: int) -> int:
+    """The longest context generate accepts: the model's positions less the tree's budget + 1 slots."""
+    return cfg.max_position_embeddings - budget - 1
+
+
 def largest_context(cfg, dcfg, p: Plan) -> int:
-    """The largest context that fits at p's concurrency, within the model's positions, or 0."""
+    """The largest context that fits at p's concurrency, within `context_limit`, or 0."""
     ok = lambda ctx: plan(cfg, dcfg, p.mesh, ctx, p.concurrency, p.budget, p.gpu_bytes).fits
-    return _largest(ok, cfg.max_position_embeddings - p.budget - 1)
+    return _largest(ok, context_limit(cfg, p.budget))
 
 
 def report(cfg: ModelConfig, dcfg: DrafterConfig | None, p: Plan) -> dict:
@@ -263,15 +271,15 @@ def report(cfg: ModelConfig, dcfg: DrafterConfig | None, p: Plan) -> dict:
     g = lambda n: round(n / GB, 2)
     return dict(
         model=p.model, mesh=p.mesh, devices=math.prod(p.mesh.values()), context=p.context,
-        concurrency=p.concurrency, budget=p.budget, gpu_memory_gb=g(p.gpu_bytes), cache_rows_per_gpu=p.rows,
-        cache_slots_per_row=p.slots,
+        concurrency=p.concurrency, budget=p.budget, gpu_memory_gb=g(p.gpu_bytes), drafter=dcfg is not None,
+        cache_rows_per_gpu=p.rows, cache_slots_per_row=p.slots,
         per_gpu_gb=dict(weights=g(p.weights), drafter_weights=g(p.drafter_weights), latent_cache=g(p.latent_cache),
                         drafter_cache=g(p.drafter_cache), activations=g(sum(p.activations.values())),
                         workspace=g(p.workspace), total=g(p.total), free=g(p.free)),
         activations_gb={k: g(v) for k, v in p.activations.items()},
         cache_layout="replicated over ep x tp, split over dp along the batch",
         fits=p.fits, largest_concurrency=largest_concurrency(cfg, dcfg, p),
-        largest_context=largest_context(cfg, dcfg, p),
+        largest_context=largest_context(cfg, dcfg, p), context_limit=context_limit(cfg, p.budget),
         sharded_cache_not_built_yet=dict(cache_gb=g(p.sharded_cache), total_gb=g(p.sharded_total),
                                          fits=p.sharded_total <= p.gpu_bytes),
         notes=list(p.notes))
@@ -282,33 +290,34 @@ def format_report(r: dict) -> str:
     m, gb = r["mesh"], r["per_gpu_gb"]
     mesh = " ".join(f"{a}={m[a]}" for a in MESH_AXES)
     lines = [f"model: {r['model']}",
-             f"mesh: {mesh} ({r['devices']} GPUs of {r['gpu_memory_gb']:.2f} GB)",
+             f"mesh: {mesh} ({r['devices']} GPU{'s' * (r['devices'] > 1)} of {r['gpu_memory_gb']:.2f} GB)",
              f"workload: concurrency {r['concurrency']} x context {r['context']:,}, DDTree budget {r['budget']} "
              f"(verify step: {r['concurrency']} x {r['budget'] + 1} tokens)",
              "",
-             f"{'per GPU':46s}{'GB':>9s}"]
-    row = lambda label, v, extra="": lines.append(f"  {label:44s}{v:9.2f}" + (f"   {extra}" if extra else ""))
+             f"{'per GPU':52s}{'GB':>9s}"]
+    row = lambda label, v, extra="": lines.append(f"  {label:50s}{v:9.2f}" + (f"   {extra}" if extra else ""))
     row("weights (sharded by the rules)", gb["weights"])
-    if gb["drafter_weights"]:
+    if r["drafter"]:
         row("drafter weights (replicated)", gb["drafter_weights"])
     row("latent cache (REPLICATED over ep x tp)", gb["latent_cache"],
         f"{r['cache_rows_per_gpu']} rows x {r['cache_slots_per_row']:,} slots")
-    if gb["drafter_cache"]:
+    if r["drafter"]:
         row("drafter context cache (replicated over ep x tp)", gb["drafter_cache"])
     row("verify-step activations (estimate)", gb["activations"])
     row(f"workspace margin ({WORKSPACE_FRACTION:.0%} of the GPU)", gb["workspace"])
     row("total", gb["total"])
     row("free", gb["free"])
     lines.append("")
-    lines.append("the latent cache is replicated over the model axes ep x tp today (every head reads all of it) and "
-                 "split only over dp along the batch")
+    lines.append("note: the latent cache is REPLICATED over the model axes ep x tp today (every head reads all of "
+                 "it); only dp splits it, along the batch")
     for note in r["notes"]:
         lines.append(f"note: {note}")
     ctx, conc = r["largest_context"], r["largest_concurrency"]
     at_ctx = f"largest concurrency that fits at context {r['context']:,}: " + (
         f"{conc}" if conc else "none (not even 1)")
     at_conc = f"largest context that fits at concurrency {r['concurrency']}: " + (
-        f"{ctx:,}" if ctx else "none (not even 1 token)")
+        f"{ctx:,}" + (" (the model's limit at this budget)" if ctx == r["context_limit"] else "") if ctx
+        else "none (not even 1 token)")
     if r["fits"]:
         lines.append(f"FITS: {gb['free']:.2f} GB free per GPU")
     else:
@@ -317,6 +326,6 @@ def format_report(r: dict) -> str:
     if not conc and not ctx:
         lines.append("  the weights alone leave no room: use more devices (a larger ep or tp)")
     s = r["sharded_cache_not_built_yet"]
-    lines.append(f"a cache sharded over all {r['devices']} devices (not built yet): {s['cache_gb']:.2f} GB per GPU, "
+    lines.append(f"a cache sharded over all {r['devices']} device(s) (not built yet): {s['cache_gb']:.2f} GB per GPU, "
                  f"total {s['total_gb']:.2f} GB: " + ("would fit" if s["fits"] else "would not fit either"))
     return "\n".join(lines)

@@ -85,3 +85,15 @@ def test_bad_prefill_chunk_is_a_clear_error(tiny, bad):
     cfg, params = tiny
     with pytest.raises(ValueError, match="prefill_chunk"):
         kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=2, prefill_chunk=bad)
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_nonfinite_logits_are_an_error_not_token_0(tiny, method):
+    cfg, params = tiny
+    drafter = kj.init_drafter(cfg, jax.random.key(2), num_layers=1, block_size=4)
+    bad = params.layers[-1]  # a NaN in the last layer's output projection: every logit of every row is NaN
+    bad = bad.__class__(**{**bad.__dict__, "attn": bad.attn.__class__(**{**bad.attn.__dict__,
+                                                                       "o": bad.attn.o.at[0, 0, 0].set(jnp.nan)})})
+    params = params.__class__(**{**params.__dict__, "layers": params.layers[:-1] + (bad,)})
+    with pytest.raises(FloatingPointError, match=r"NaN or inf logits for prompt\(s\) \[0, 1\]"):
+        kj.generate(params, cfg, [[1, 2, 3], [4, 5]], max_new_tokens=4, method=method, drafter=drafter, budget=4)

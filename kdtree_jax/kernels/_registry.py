@@ -73,7 +73,8 @@ def cpu_library() -> ctypes.CDLL:
         lib = ctypes.CDLL(path)
     except OSError as e:
         reason = str(e).removeprefix(f"{path}: ")
-        raise FfiLibraryError(f"{path} is not a loadable library ({reason}); {REBUILD_HINT}, or pass impl='xla'") from None
+        raise FfiLibraryError(f"{path} is not a loadable library ({reason}); {REBUILD_HINT}, or pass "
+                              "impl='xla'") from None
     if not hasattr(lib, "KdTreeBuildWorkspaceBytes"):
         raise FfiLibraryError(f"{path} is not this package's library or predates it (no KdTreeBuildWorkspaceBytes); "
                               f"{REBUILD_HINT}")

@@ -1,0 +1,114 @@
+"""`kdtree-jax plan`: per-GPU memory from shapes alone, checked against arithmetic written out by hand."""
+
+import json
+
+import pytest
+
+import kdtree_jax as kj
+from kdtree_jax.cli import main
+
+GB = 1e9
+
+
+def _plan_json(capsys, *argv):
+    status = main(["plan", *argv, "--json"])
+    out = capsys.readouterr()
+    return status, json.loads(out.out)
+
+
+def test_k2_6_weights_on_ep8_match_a_hand_count(capsys):
+    c = kj.configs.k2_6()
+    d, v, n_layers, h, ep = c.hidden_size, c.vocab_size, c.num_hidden_layers, c.num_attention_heads, 8
+    bf16, f32 = 2, 4
+    n_moe, n_dense = n_layers - c.first_k_dense_replace, c.first_k_dense_replace
+    top = 2 * v * d * bf16 // ep + d * bf16  # embed and lm_head split over the vocabulary; final norm
+    attn = (d * c.q_lora_rank + c.q_lora_rank + d * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank) * bf16
+    attn += (c.q_lora_rank * h * (c.qk_nope_head_dim + c.qk_rope_head_dim) + c.kv_lora_rank * h * c.qk_nope_head_dim
+             + c.kv_lora_rank * h * c.v_head_dim + h * c.v_head_dim * d) * bf16 // ep  # per-head weights
+    norms = 2 * d * bf16
+    dense_mlp = 3 * d * c.intermediate_size * bf16 // ep
+    # one INT4 [out, in] matrix: in/8 int32 words and in/32 bf16 scales per output row
+    int4 = lambda n_out, n_in: n_out * (n_in // 8 * 4 + n_in // 32 * 2)
+    f = c.moe_intermediate_size
+    expert = 2 * int4(f, d) + int4(d, f)
+    assert 24.7e6 < expert < 24.9e6  # ~24.8 MB per expert
+    moe = (c.n_routed_experts // ep) * expert + d * c.n_routed_experts * f32 + c.n_routed_experts * f32
+    moe += 3 * d * f * c.n_shared_experts * bf16 // ep
+    expected = top + n_layers * (attn + norms) + n_dense * dense_mlp + n_moe * moe
+    assert 75e9 < expected < 78e9
+
+    from kdtree_jax import plan
+
+    p = plan.plan(c, None, {"ep": 8}, 1024, 1, 64, 141 * GB)
+    assert p.weights == expected
+    status, r = _plan_json(capsys, "--model", "k2_6", "--mesh", "ep=8", "--context", "1024")
+    assert status == 0 and r["per_gpu_gb"]["weights"] == round(expected / GB, 2)
+
+
+def test_builtin_fits_trivially(capsys):
+    status, r = _plan_json(capsys, "--model", "builtin", "--context", "1024", "--concurrency", "4", "--budget", "16")
+    assert status == 0 and r["fits"] and r["drafter"]
+    assert r["per_gpu_gb"]["weights"] < 0.1 and r["per_gpu_gb"]["free"] > 120
+
+
+def test_k2_6_long_context_does_not_fit_and_the_suggestion_does(capsys):
+    args = ["--model", "k2_6", "--mesh", "ep=8", "--budget", "64"]
+    status, r = _plan_json(capsys, *args, "--context", "262144", "--concurrency", "10")
+    assert status == 1 and not r["fits"]
+    cache = r["per_gpu_gb"]["latent_cache"]
+    assert cache == round(61 * 10 * r["cache_slots_per_row"] * 1152 / GB, 2) and 183 < cache < 186
+    conc, ctx = r["largest_concurrency"], r["largest_context"]
+    assert 1 <= conc < 10 and 1 <= ctx < 262144
+    assert _plan_json(capsys, *args, "--context", "262144", "--concurrency", str(conc))[1]["fits"]
+    assert not _plan_json(capsys, *args, "--context", "262144", "--concurrency", str(conc + 1))[1]["fits"]
+    assert _plan_json(capsys, *args, "--context", str(ctx), "--concurrency", "10")[1]["fits"]
+    assert not _plan_json(capsys, *args, "--context", str(ctx + 64), "--concurrency", "10")[1]["fits"]
+    assert r["sharded_cache_not_built_yet"]["cache_gb"] == pytest.approx(cache / 8, abs=0.01)
+
+    assert main(["plan", *args, "--context", "262144", "--concurrency", "10"]) == 1
+    text = capsys.readouterr().out
+    assert "DOES NOT FIT" in text and "REPLICATED" in text and "not built yet" in text
+    assert f"largest concurrency that fits at context 262,144: {conc}" in text
+
+
+def test_dp_splits_the_cache_rows(capsys):
+    base = ["--model", "tiny", "--context", "1000", "--concurrency", "4"]
+    one = _plan_json(capsys, *base)[1]
+    two = _plan_json(capsys, *base, "--mesh", "dp=2")[1]
+    assert one["cache_rows_per_gpu"] == 4 and two["cache_rows_per_gpu"] == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "k3_0", "--context", "8"], "not a preset"),
+    (["--model", "/no/such/dir", "--context", "8"], "no config.json"),
+    (["--model", "tiny", "--mesh", "ep=2,zz=3", "--context", "8"], "dp=N, ep=N, tp=N"),
+    (["--model", "tiny", "--mesh", "ep=0", "--context", "8"], "ep must be an integer >= 1"),
+    (["--model", "tiny", "--mesh", "ep=3", "--context", "8"], "num_attention_heads (4) is not divisible"),
+    (["--model", "k2_6", "--mesh", "ep=5", "--context", "8"], "not divisible by"),
+    (["--model", "tiny", "--context", "0"], "--context must be a positive integer"),
+    (["--model", "tiny", "--context", "8", "--concurrency", "-1"], "--concurrency must be a positive integer"),
+    (["--model", "tiny", "--context", "8", "--budget", "0"], "--budget must be in 1..4096"),
+    (["--model", "tiny", "--context", "8", "--budget", "5000"], "--budget must be in 1..4096"),
+    (["--model", "tiny", "--context", "8", "--gpu-memory-gb", "-1"], "--gpu-memory-gb must be a positive number"),
+])
+def test_bad_inputs_are_one_line_errors(argv, message, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kdtree-jax: error: ") and message in err
+
+
+def test_checkpoint_directory_config(tmp_path, capsys):
+    cfg = kj.configs.tiny()
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    status, r = _plan_json(capsys, "--model", str(tmp_path), "--context", "100")
+    assert status == 0 and not r["drafter"]
+    tiny = _plan_json(capsys, "--model", "tiny", "--context", "100")[1]
+    assert r["per_gpu_gb"] == tiny["per_gpu_gb"]
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    for option in ("--model", "--mesh", "--context", "--concurrency", "--budget", "--gpu-memory-gb", "--json"):
+        assert option in out
