@@ -3,7 +3,7 @@ activations): the CUDA kernel, the XLA reference (dequantize + ragged_dot) and t
 in one run, for M = 1, 2, 4, ..., 4,096 tokens.
 
 floor = bytes of the distinct experts the routing touches (24.77 MB each: packed nibbles + bf16 scales) / copy
-bandwidth, measured in the same run (bytes read + written by a 1 GiB device copy, as ../shared/reference/anchors.md).
+bandwidth, measured in the same run (bytes read + written by a 1 GiB device copy, as docs/anchors.md).
 Routing: k = 8 distinct uniform random experts per token, fresh for every input set; each timed batch runs the op
 on several sets (different experts), so the weights do not sit in L2 between calls; time = median per op.
 The two regimes: streaming-bound while M grows (more experts touched), then a plateau once all 384 are touched.

@@ -26,7 +26,7 @@ import numpy as np
 
 from kdtree_jax.kernels import tree_build, tree_build_ref
 
-HBM_BYTES_PER_S = 4.27e12  # H200 device-to-device copy, read + write counted (.library/device/KINDS.md, 2026-11-04)
+HBM_BYTES_PER_S = 4.27e12  # H200 device-to-device copy, read + write counted (docs/anchors.md)
 
 
 def ddtree_heapq(top_lp: np.ndarray, top_id: np.ndarray, budget: int):

@@ -5,10 +5,10 @@ Public API (see DESIGN.md): ModelConfig, configs, init_params, forward, init_dra
 
 from . import configs
 from .config import ConfigError, ModelConfig
-from .model import KVCache, Params, decode_step, forward, init_cache, init_params, prefill
+from .model import KVCache, Params, decode_step, forward, init_cache, init_params, prefill, shard_params
 from .drafter import Drafter, OracleDrafter, init_drafter
 from .generate import GenerateOutput, generate
-from .sharding import make_mesh, shard_params
+from .sharding import make_mesh
 from .checkpoint import Model, load
 
 __all__ = ["ConfigError", "Drafter", "GenerateOutput", "KVCache", "Model", "ModelConfig", "OracleDrafter", "Params",

@@ -36,7 +36,7 @@ from orbax.checkpoint import type_handlers
 
 from .config import ModelConfig
 from .hf import CheckpointError
-from .model import Params, abstract_params, param_info
+from .model import Params, abstract_params, param_info, param_shardings, shard_params
 from .tokenizer import load_tokenizer
 
 FORMAT = "kdtree-jax-checkpoint"
@@ -307,7 +307,7 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
     """Load a checkpoint written by `kdtree-convert` (or "builtin": the embedded default model).
 
     Every array is checked against `model.abstract_params(cfg)` (shape and dtype) before it is read. With a mesh,
-    each array is restored straight into its sharding (`kdtree_jax.sharding.param_shardings`): every device
+    each array is restored straight into its sharding (`kdtree_jax.model.param_shardings`): every device
     reads only its shard, and the stacked layer arrays are filled one layer at a time in place, so no device
     ever holds a full copy. Without a mesh, everything goes to the first device. With verify, every array is
     first checked against the checksum the manifest records (`verify_checksums`).
@@ -315,8 +315,6 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
     path = os.fspath(path)
     if path == "builtin":  # the embedded default model shipped in the package
         from .builtin import load_builtin
-        from .sharding import shard_params
-
         model = load_builtin()
         if mesh is not None:
             model = dataclasses.replace(model, params=shard_params(model.params, model.cfg, mesh))
@@ -334,8 +332,6 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
         device = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, abstract)
     else:
-        from .sharding import param_shardings
-
         shardings = param_shardings(cfg, mesh)
     params_dir = os.path.join(path, PARAMS_DIR)
     top = _restore(os.path.join(params_dir, TOP_ITEM), TOP_ITEM, {k: getattr(abstract, k) for k in TOP_FIELDS},

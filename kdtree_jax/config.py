@@ -19,6 +19,7 @@ DTYPES = ("float32", "bfloat16")
 EXPERT_FORMATS = ("bf16", "int4")
 KERNELS = ("xla", "ffi", "dense")
 FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe")
+CACHE_SHARDINGS = ("replicated", "sequence")
 
 
 class ConfigError(ValueError):
@@ -77,6 +78,9 @@ class ModelConfig:
     kernels: str = "xla"
     ffi_ops: tuple[str, ...] = FFI_OPS  # with kernels="ffi": which custom calls to use (the rest: pure JAX)
     group_size: int = 32  # INT4 quantization group along the input dimension
+    # Under a mesh that splits the model: "replicated" (every device holds every row's whole latent cache; heads
+    # split) or "sequence" (each device holds 1/N of every row's slots; attention partial per device, combined)
+    cache_sharding: str = "replicated"
 
     def __post_init__(self):
         self.validate()
@@ -117,6 +121,8 @@ class ModelConfig:
             raise ConfigError(f"expert_format must be one of {EXPERT_FORMATS}, got {self.expert_format!r}")
         if self.kernels not in KERNELS:
             raise ConfigError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.cache_sharding not in CACHE_SHARDINGS:
+            raise ConfigError(f"cache_sharding must be one of {CACHE_SHARDINGS}, got {self.cache_sharding!r}")
         unknown = set(self.ffi_ops) - set(FFI_OPS)
         if unknown:
             raise ConfigError(f"ffi_ops has unknown custom calls {sorted(unknown)} (known: {FFI_OPS})")

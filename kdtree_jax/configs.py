@@ -11,7 +11,7 @@ from .config import ModelConfig
 def k2_6(**overrides) -> ModelConfig:
     """Kimi K2.6, the language model of the `kimi_k25` multimodal wrapper (its `text_config`).
 
-    Sources (see ../shared/reference/k2_arch.md §1 and §3):
+    Sources (see docs/model.md §1 and §7):
     - dimensions, router and YaRN fields: the verbatim Kimi-K2-Instruct config.json vendored in
       jax-ml/jax-llm-examples `kimi_k2/kimi_k2_jax/third_party/k2_config.json` (hidden 7168, 61 layers, 64 heads,
       384 routed + 1 shared experts, top-8, q/kv LoRA 1536/512, head dims 128/64/128, theta 50000,

@@ -10,7 +10,7 @@ One step, a pure function of the loop state:
      longest root path the target agrees with, and the next bonus token;
   5. the accepted nodes' latents are moved to contiguous slots, and their hidden states become drafter context.
 Every committed token is the target's own choice given the committed prefix, so greedy decoding returns exactly
-the autoregressive tokens, and sampling draws from the target's distribution (../shared/reference/ddtree.md §1.4).
+the autoregressive tokens, and sampling draws from the target's distribution (docs/ddtree.md §4).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ go through the drafter's own final norm, then the target's lm_head.
 Conditioning: the outputs of a few evenly spaced target layers, concatenated and fused by a linear layer + RMSNorm
 (`fc`, `hidden_norm`), are projected by every drafter layer into extra keys and values ("KV injection"). The
 block attends bidirectionally to itself and to all of that context. One forward gives the per-depth
-distributions q_1 .. q_{block_size - 1} that DDTree builds its tree from (../shared/reference/ddtree.md §2).
+distributions q_1 .. q_{block_size - 1} that DDTree builds its tree from (docs/ddtree.md §5).
 
 The context keys and values are cached per drafter layer (`DraftCache`) and appended as the target commits
 tokens, so each step costs O(block x context), not a recomputation of the context.

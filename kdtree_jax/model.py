@@ -1,6 +1,6 @@
 """The Kimi K2.x / DeepSeek-V3 model, functional, in one file.
 
-Math: ../shared/reference/k2_arch.md §2. Layout of this file:
+Math: docs/model.md. Layout of this file:
   1. weight declarations (`ArrayInfo`, one place per weight) and the weight pytrees; `init_params`
   2. the latent KV cache
   3. blocks: RMSNorm, YaRN rope, MLA (naive for prefill, absorbed for decode and tree verify), router, MoE
@@ -25,6 +25,8 @@ import numpy as np
 
 from .config import ModelConfig
 from .quant import Int4Array, quantize_int4
+from .sharding import (ShardingError, checked_sharding, current_mesh, logical_to_spec, mla_head_parallel,
+                       mla_sequence_parallel, moe_expert_parallel, sequence_sharded, write_rows_sequence)
 
 # --------------------------------------------------------------------------------------------------------------
 # 1. Weights: declared once (shape, dtype, logical axes, initializer); init, abstract shapes and shardings
@@ -171,6 +173,36 @@ def abstract_params(cfg: ModelConfig) -> Params:
                         else jax.ShapeDtypeStruct(a.shape, a.dtype), param_info(cfg), is_leaf=_is_info)
 
 
+def check_model_fits(cfg: ModelConfig, ep: int, tp: int) -> None:
+    """Raise ShardingError when heads or experts do not split over a mesh with these model axes."""
+    if cfg.num_attention_heads % (ep * tp):
+        raise ShardingError(f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by ep*tp ({ep * tp})")
+    if cfg.num_moe_layers and cfg.n_routed_experts % ep:
+        raise ShardingError(f"n_routed_experts ({cfg.n_routed_experts}) is not divisible by ep ({ep})")
+
+
+def param_shardings(cfg: ModelConfig, mesh) -> Params:
+    """A Params-shaped pytree of NamedSharding from the declarations and the sharding rules (Int4Array nodes:
+    packed and scale split like the weight)."""
+
+    def one(a: ArrayInfo):
+        spec = logical_to_spec(a.axes)
+        if a.init == "int4":
+            *lead, n_in = a.shape
+            return Int4Array(packed=checked_sharding(mesh, (*lead, n_in // 8), spec, f"INT4 weight {a.shape}"),
+                             scale=checked_sharding(mesh, (*lead, n_in // cfg.group_size), spec,
+                                                    f"INT4 scale {a.shape}"))
+        return checked_sharding(mesh, a.shape, spec, f"weight {a.shape} axes {a.axes}")
+
+    check_model_fits(cfg, mesh.shape["ep"], mesh.shape["tp"])
+    return jax.tree.map(one, param_info(cfg), is_leaf=_is_info)
+
+
+def shard_params(params: Params, cfg: ModelConfig, mesh) -> Params:
+    """Place (or re-place) params onto the mesh according to the rules."""
+    return jax.device_put(params, param_shardings(cfg, mesh))
+
+
 def _init_one(a: ArrayInfo, key):
     """A float weight of declaration `a` (not INT4), from its own key."""
     if a.init == "ones":
@@ -273,11 +305,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> Params:
     at a time. With a mesh, every weight is created in its sharding (no device ever holds a replicated copy), and
     the values equal the unsharded ones for the same key.
     """
-    shardings = None
-    if mesh is not None:
-        from .sharding import param_shardings
-
-        shardings = param_shardings(cfg, mesh)
+    shardings = None if mesh is None else param_shardings(cfg, mesh)
     return init_from_info(param_info(cfg), key, cfg.group_size, shardings)
 
 
@@ -301,10 +329,13 @@ class KVCache:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-    """An empty cache of `max_len` slots per row. Token positions equal their slot index."""
+    """An empty cache of `max_len` slots per row. Token positions equal their slot index. Under a mesh with
+    cfg.cache_sharding == "sequence", every layer's buffers are split along the slots over the model axes."""
     layers = range(cfg.num_hidden_layers)
-    return KVCache(latent=tuple(jnp.zeros((batch, max_len, cfg.kv_lora_rank), cfg.jnp_dtype) for _ in layers),
-                   k_pe=tuple(jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), cfg.jnp_dtype) for _ in layers),
+    place = sequence_sharded if cfg.cache_sharding == "sequence" else (lambda x: x)
+    zeros = lambda width: place(jnp.zeros((batch, max_len, width), cfg.jnp_dtype))
+    return KVCache(latent=tuple(zeros(cfg.kv_lora_rank) for _ in layers),
+                   k_pe=tuple(zeros(cfg.qk_rope_head_dim) for _ in layers),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
 
@@ -412,8 +443,11 @@ def mla_absorbed_attention(q_lat, q_pe, latent, k_pe, lengths, tree_mask, scale)
     return out + jnp.einsum("bthu,bur->bthr", p[..., s:], lat_new.astype(f32))
 
 
-def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    """cache [B, S, C] with new [B, T, C] written at slots starts[b] .. starts[b] + T - 1 of each row."""
+def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """cache [B, S, C] with new [B, T, C] written at slots starts[b] .. starts[b] + T - 1 of each row (in place;
+    on a sequence-sharded cache each device writes the rows of its own block)."""
+    if cfg.cache_sharding == "sequence" and current_mesh() is not None:
+        return write_rows_sequence(cache, new, starts)
     return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0))(cache, new, starts)
 
 
@@ -447,17 +481,18 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
         new_cache = None
         if cache_layer is not None:
             zeros = jnp.zeros_like(lengths)
-            new_cache = (_write_rows(cache_layer[0], c_kv, zeros), _write_rows(cache_layer[1], k_pe, zeros))
+            new_cache = (_write_rows(cache_layer[0], c_kv, zeros, cfg), _write_rows(cache_layer[1], k_pe, zeros, cfg))
     else:
         with jax.named_scope("absorbed_attention"):
-            latent, pe = _write_rows(cache_layer[0], c_kv, lengths), _write_rows(cache_layer[1], k_pe, lengths)
+            latent, pe = _write_rows(cache_layer[0], c_kv, lengths, cfg), _write_rows(cache_layer[1], k_pe, lengths, cfg)
             q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, p.k_b)  # [B, T, H, R]
             attend = mla_absorbed_attention
             if cfg.uses_ffi("mla_verify"):
                 from .kernels import mla_verify as attend
-            from .sharding import current_mesh, mla_head_parallel
 
-            if current_mesh() is not None and cfg.uses_ffi("mla_verify"):
+            if current_mesh() is not None and cfg.cache_sharding == "sequence":  # pure JAX per block (no kernel yet)
+                o_lat = mla_sequence_parallel(q_lat, q_pe, latent, pe, lengths, tree_mask, scale)
+            elif current_mesh() is not None and cfg.uses_ffi("mla_verify"):
                 o_lat = mla_head_parallel(attend, q_lat, q_pe, latent, pe, lengths, tree_mask, scale)
             else:
                 o_lat = attend(q_lat, q_pe, latent, pe, lengths, tree_mask, scale)  # [B, T, H, R]
@@ -550,7 +585,6 @@ def moe(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
             from .kernels import marlin_moe as experts
         else:
             experts = _EXPERTS.get(cfg.kernels, moe_experts_ref)
-        from .sharding import current_mesh, moe_expert_parallel
 
         if current_mesh() is not None:  # the shared expert's slice added before the one all-reduce
             sh = p.shared

@@ -29,7 +29,7 @@ from . import configs
 from .builtin import PACKAGE_DIR
 from .config import ModelConfig
 from .drafter import DrafterConfig, drafter_info
-from .model import ArrayInfo, param_info
+from .model import ArrayInfo, check_model_fits, param_info
 from .sharding import MESH_AXES, ShardingError, logical_to_spec
 
 GB = 1e9
@@ -83,11 +83,7 @@ def check_mesh(cfg: ModelConfig, mesh: dict[str, int]) -> dict[str, int]:
     for a, n in sizes.items():
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ShardingError(f"mesh axis {a} must be an integer >= 1, got {n!r}")
-    model_par = sizes["ep"] * sizes["tp"]
-    if cfg.num_attention_heads % model_par:
-        raise ShardingError(f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by ep*tp ({model_par})")
-    if cfg.num_moe_layers and cfg.n_routed_experts % sizes["ep"]:
-        raise ShardingError(f"n_routed_experts ({cfg.n_routed_experts}) is not divisible by ep ({sizes['ep']})")
+    check_model_fits(cfg, sizes["ep"], sizes["tp"])
     weight_bytes(param_info(cfg), sizes, cfg.group_size)  # every weight dimension divides its mesh axes
     return sizes
 
@@ -151,7 +147,7 @@ class Plan:
     drafter_cache: int
     activations: dict[str, int]
     workspace: int
-    sharded_cache: int  # the latent and drafter caches split over every device (not built yet)
+    sharded_cache: int  # the latent cache under cache_sharding="sequence" (slots split over ep x tp) + drafter cache
     notes: tuple[str, ...]
 
     @property
@@ -231,7 +227,8 @@ def plan(cfg: ModelConfig, dcfg: DrafterConfig | None, mesh: dict[str, int], con
                 latent_cache=rows * per_row, drafter_cache=rows * d_per_row,
                 activations=activation_bytes(cfg, dcfg, mesh, rows, budget),
                 workspace=int(WORKSPACE_FRACTION * gpu_bytes),
-                sharded_cache=-(-concurrency * (per_row + d_per_row) // devices), notes=tuple(notes))
+                sharded_cache=-(-rows * per_row // (mesh["ep"] * mesh["tp"])) + rows * d_per_row,
+                notes=tuple(notes))
 
 
 def _largest(fits, hi_limit: int) -> int:
@@ -280,7 +277,7 @@ def report(cfg: ModelConfig, dcfg: DrafterConfig | None, p: Plan) -> dict:
         cache_layout="replicated over ep x tp, split over dp along the batch",
         fits=p.fits, largest_concurrency=largest_concurrency(cfg, dcfg, p),
         largest_context=largest_context(cfg, dcfg, p), context_limit=context_limit(cfg, p.budget),
-        sharded_cache_not_built_yet=dict(cache_gb=g(p.sharded_cache), total_gb=g(p.sharded_total),
+        sequence_sharded=dict(cache_gb=g(p.sharded_cache), total_gb=g(p.sharded_total),
                                          fits=p.sharded_total <= p.gpu_bytes),
         notes=list(p.notes))
 
@@ -325,7 +322,9 @@ def format_report(r: dict) -> str:
     lines += [f"  {at_ctx}", f"  {at_conc}"]
     if not conc and not ctx:
         lines.append("  the weights alone leave no room: use more devices (a larger ep or tp)")
-    s = r["sharded_cache_not_built_yet"]
-    lines.append(f"a cache sharded over all {r['devices']} device(s) (not built yet): {s['cache_gb']:.2f} GB per GPU, "
+    s = r["sequence_sharded"]
+    lines.append(f"with cache_sharding=\"sequence\" (each of the ep x tp devices holds 1/{r['mesh']['ep'] * r['mesh']['tp']} "
+                 "of every row's slots; tested on simulated devices, not yet measured on GPUs): "
+                 f"{s['cache_gb']:.2f} GB of cache per GPU, "
                  f"total {s['total_gb']:.2f} GB: " + ("would fit" if s["fits"] else "would not fit either"))
     return "\n".join(lines)

@@ -6,7 +6,7 @@ A weight W [out, in] is held as integers q in [-8, 7] and one bf16 scale per `gr
 
 The integers are stored as unsigned nibbles q + 8, eight per int32 word, least significant first along the
 input dimension, exactly as Kimi K2-Thinking / K2.5 / K2.6 ship them (`weight_packed` [out, in/8] int32,
-`weight_scale` [out, in/32] bf16; ../shared/reference/k2_arch.md §3). Leading axes (experts) are allowed.
+`weight_scale` [out, in/32] bf16; docs/model.md §7). Leading axes (experts) are allowed.
 """
 
 from __future__ import annotations

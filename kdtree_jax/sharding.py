@@ -16,8 +16,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .config import ModelConfig
-from .model import ArrayInfo, param_info
 from .quant import Int4Array
 
 MESH_AXES = ("dp", "ep", "tp")
@@ -78,42 +76,13 @@ def _axis_size(mesh: Mesh, entry) -> int:
     return math.prod(mesh.shape[n] for n in names)
 
 
-def _checked_sharding(mesh: Mesh, shape, spec: P, what: str) -> NamedSharding:
+def checked_sharding(mesh: Mesh, shape, spec: P, what: str) -> NamedSharding:
+    """NamedSharding(mesh, spec) after checking that every sharded dimension divides over its devices."""
     for dim, entry in zip(shape, spec):
         n = _axis_size(mesh, entry)
         if dim % n:
             raise ShardingError(f"{what}: dimension {dim} is not divisible by the {n} devices of mesh axes {entry}")
     return NamedSharding(mesh, spec)
-
-
-def param_shardings(cfg: ModelConfig, mesh: Mesh):
-    """A Params-shaped pytree of NamedSharding (Int4Array nodes: packed and scale split like the weight)."""
-
-    def one(a: ArrayInfo):
-        spec = logical_to_spec(a.axes)
-        if a.init == "int4":
-            *lead, n_in = a.shape
-            g = cfg.group_size
-            return Int4Array(packed=_checked_sharding(mesh, (*lead, n_in // 8), spec, f"INT4 weight {a.shape}"),
-                             scale=_checked_sharding(mesh, (*lead, n_in // g), spec, f"INT4 scale {a.shape}"))
-        return _checked_sharding(mesh, a.shape, spec, f"weight {a.shape} axes {a.axes}")
-
-    _check_model_fits(cfg, mesh)
-    return jax.tree.map(one, param_info(cfg), is_leaf=lambda x: isinstance(x, ArrayInfo))
-
-
-def _check_model_fits(cfg: ModelConfig, mesh: Mesh) -> None:
-    model_par = mesh.shape["ep"] * mesh.shape["tp"]
-    if cfg.num_attention_heads % model_par:
-        raise ShardingError(f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by ep*tp "
-                            f"({model_par})")
-    if cfg.num_moe_layers and cfg.n_routed_experts % mesh.shape["ep"]:
-        raise ShardingError(f"n_routed_experts ({cfg.n_routed_experts}) is not divisible by ep ({mesh.shape['ep']})")
-
-
-def shard_params(params, cfg: ModelConfig, mesh: Mesh):
-    """Place (or re-place) params onto the mesh according to the rules."""
-    return jax.device_put(params, param_shardings(cfg, mesh))
 
 
 def mesh_of(tree) -> Mesh | None:
@@ -153,6 +122,87 @@ def mla_head_parallel(attend, q_lat, q_pe, latent, k_pe, lengths, tree_mask, sca
     fn = lambda q, qp, lat, pe, ln, tm: attend(q, qp, lat, pe, ln, tm, scale)
     return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, P(bt, None, None), P(bt, None, None), P(bt),
                                                   P(bt, None, None)),
+                         out_specs=heads, check_vma=False)(q_lat, q_pe, latent, k_pe, lengths, tree_mask)
+
+
+MODEL_AXES = ("ep", "tp")
+
+
+def cache_spec(mesh, batch: int) -> P:
+    """PartitionSpec of one layer's sequence-sharded cache [B, S, C]: slots split over the model axes."""
+    return P(_batch_axis(mesh, batch), MODEL_AXES, None)
+
+
+def sequence_sharded(x: jax.Array) -> jax.Array:
+    """x [B, S, C] constrained to the sequence-sharded cache layout of the current mesh (as is without one)."""
+    mesh = current_mesh()
+    if mesh is None:
+        return x
+    n = mesh.shape["ep"] * mesh.shape["tp"]
+    if x.shape[1] % n:
+        raise ShardingError(f"a sequence-sharded cache needs its {x.shape[1]} slots divisible by ep*tp = {n}")
+    return jax.lax.with_sharding_constraint(x, cache_spec(mesh, x.shape[0]))
+
+
+def _local_slots(s_local: int) -> jax.Array:
+    """Global slot index [S_local] of this device's slots (its block of the model axes)."""
+    return jax.lax.axis_index(MODEL_AXES) * s_local + jnp.arange(s_local)
+
+
+def write_rows_sequence(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+    """cache [B, S, C] (sequence-sharded) with new [B, T, C] written at slots starts[b] + t: each device writes the
+    rows that fall into its block, in place; no communication."""
+    mesh = current_mesh()
+    bt = _batch_axis(mesh, cache.shape[0])
+
+    def local(c, n, st):
+        s_loc = c.shape[1]
+        slot = st[:, None] + jnp.arange(n.shape[1])[None, :] - jax.lax.axis_index(MODEL_AXES) * s_loc  # [B, T]
+        slot = jnp.where((slot >= 0) & (slot < s_loc), slot, s_loc)  # not mine: out of range, dropped
+        rows = jnp.arange(c.shape[0])[:, None]
+        return c.at[rows, slot].set(n, mode="drop")
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(cache_spec(mesh, cache.shape[0]), P(bt), P(bt)),
+                         out_specs=cache_spec(mesh, cache.shape[0]), check_vma=False)(cache, new, starts)
+
+
+def mla_sequence_parallel(q_lat, q_pe, latent, k_pe, lengths, tree_mask, scale):
+    """Absorbed MLA over a sequence-sharded latent cache (the function of `model.mla_absorbed_attention`).
+
+    Queries come split by heads; each device gathers every head's query (small), attends over its own block of
+    slots (the committed prefix below lengths[b], the tree tokens at lengths[b] + u through tree_mask), and the
+    partial results are combined across devices by log-sum-exp: one max and one sum, the sum scattered straight
+    back to each device's heads. Returns [B, T, H, R] fp32, split by heads like the queries.
+    """
+    mesh = current_mesh()
+    bt = _batch_axis(mesh, q_lat.shape[0])
+    heads = P(bt, None, MODEL_AXES, None)
+    f32 = jnp.float32
+
+    def local(q, qp, lat, pe, ln, tm):
+        q = jax.lax.all_gather(q, MODEL_AXES, axis=2, tiled=True)  # [B, T, H, R]
+        qp = jax.lax.all_gather(qp, MODEL_AXES, axis=2, tiled=True)  # [B, T, H, dr]
+        t, s_loc = q.shape[1], lat.shape[1]
+        slot = _local_slots(s_loc)  # [S_loc] global slot index
+        s = (jnp.einsum("bthr,bsr->bths", q, lat, preferred_element_type=f32)
+             + jnp.einsum("bthp,bsp->bths", qp, pe, preferred_element_type=f32)) * scale  # [B, T, H, S_loc]
+        u = slot[None, :] - ln[:, None]  # [B, S_loc] tree index of a slot
+        in_tree = (u >= 0) & (u < t)
+        tree_vis = jnp.take_along_axis(tm, jnp.clip(u, 0, t - 1)[:, None, :], axis=2)  # [B, T, S_loc]
+        visible = ((u < 0)[:, None, :] | (in_tree[:, None, :] & tree_vis))[:, :, None, :]  # [B, T, 1, S_loc]
+        s = jnp.where(visible, s, -jnp.inf)
+        m = jnp.max(s, axis=-1)  # [B, T, H]
+        m_all = jax.lax.pmax(m, MODEL_AXES)
+        m_all = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
+        p = jnp.where(visible, jnp.exp(s - m_all[..., None]), 0.0)
+        part = jnp.concatenate([jnp.einsum("bths,bsr->bthr", p, lat.astype(f32)),
+                                jnp.sum(p, axis=-1)[..., None]], axis=-1)  # [B, T, H, R + 1]
+        part = jax.lax.psum_scatter(part, MODEL_AXES, scatter_dimension=2, tiled=True)  # [B, T, H_loc, R + 1]
+        total = part[..., -1:]
+        return part[..., :-1] / jnp.where(total == 0, 1.0, total)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, cache_spec(mesh, latent.shape[0]),
+                                                     cache_spec(mesh, latent.shape[0]), P(bt), P(bt)),
                          out_specs=heads, check_vma=False)(q_lat, q_pe, latent, k_pe, lengths, tree_mask)
 
 

@@ -30,7 +30,7 @@ class ByteTokenizer:
 
 # Kimi's pre-tokenization regex: `TikTokenTokenizer.pat_str` of Moonshot's tokenization_kimi.py, verbatim (data that
 # describes the tokenizer format). Source: the copy of tokenization_kimi.py in github.com/troy12x/quasar-kimi
-# (../shared/reference/k2_arch.md §3); several independent ports of the same file carry the identical pattern.
+# (docs/model.md §8); several independent ports of the same file carry the identical pattern.
 # `&&[^\p{Han}]` is a character-class intersection, which tiktoken's regex engine supports.
 KIMI_PAT_STR = "|".join([  # noqa: FLY002 (the list form of the source)
     r"""[\p{Han}]+""",

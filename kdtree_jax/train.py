@@ -8,7 +8,7 @@ deterministically into train and held-out files by a hash of their relative path
 2. `export_int4`: routed experts quantized to symmetric INT4 with group-32 bf16 scales (the K2.6 format).
 3. `distill_drafter`: the target's own greedy continuations of held-in prompts are the labels; random anchor
    positions in the continuation, one masked block per anchor, cross-entropy per depth k weighted by
-   exp(-(k - 1) / gamma), as in the published DFlash recipe (../shared/reference/ddtree.md §2).
+   exp(-(k - 1) / gamma), as in the published DFlash recipe (docs/ddtree.md §5).
 
 Run `python -m kdtree_jax.train --out DIR` (on a GPU: a few minutes); `--help` lists the knobs.
 """

@@ -3,7 +3,7 @@
 Each writer takes the directory of a `save_pretrained` model (one model.safetensors, fp32) and writes a new
 checkpoint directory. The quantized writers also write `ref_dir`: the same model with the weights the quantized
 checkpoint decodes to, in fp32, loadable by transformers as the reference. The formats follow
-../shared/reference/k2_arch.md §1 and §3, implemented here independently of kdtree_jax:
+docs/model.md §1, §7 and §8, implemented here independently of kdtree_jax:
 
 - INT4, compressed-tensors pack-quantized: routed experts only, symmetric, group 32, bf16 `weight_scale`,
   nibbles q + 8 packed least significant first into int32 `weight_packed`, int32 `weight_shape`;

@@ -246,7 +246,7 @@ def test_killed_conversion_resumes_identically(fp32, tmp_path):
 def test_load_onto_mesh(int4):
     mesh = kj.make_mesh(tp=1, ep=4, dp=2)  # tp=2 cannot split the tiny experts' single scale group
     m, ref = kj.load(int4[2], mesh=mesh), kj.load(int4[2])
-    from kdtree_jax.sharding import param_shardings
+    from kdtree_jax.model import param_shardings
 
     want = param_shardings(m.cfg, mesh)
     for a, s in zip(jax.tree.leaves(m.params), jax.tree.leaves(want)):

@@ -15,7 +15,7 @@ import kdtree_jax as kj
 from kdtree_jax.model import (ArrayInfo, Int4Array, _leaf_initializer, abstract_params, decode_step, init_cache,
                               param_info)
 from kdtree_jax.quant import unpack_int4
-from kdtree_jax.sharding import param_shardings
+from kdtree_jax.model import param_shardings
 
 N = jax.device_count()
 

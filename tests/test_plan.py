@@ -63,11 +63,11 @@ def test_k2_6_long_context_does_not_fit_and_the_suggestion_does(capsys):
     assert not _plan_json(capsys, *args, "--context", "262144", "--concurrency", str(conc + 1))[1]["fits"]
     assert _plan_json(capsys, *args, "--context", str(ctx), "--concurrency", "10")[1]["fits"]
     assert not _plan_json(capsys, *args, "--context", str(ctx + 64), "--concurrency", "10")[1]["fits"]
-    assert r["sharded_cache_not_built_yet"]["cache_gb"] == pytest.approx(cache / 8, abs=0.01)
+    assert r["sequence_sharded"]["cache_gb"] == pytest.approx(cache / 8, abs=0.01)
 
     assert main(["plan", *args, "--context", "262144", "--concurrency", "10"]) == 1
     text = capsys.readouterr().out
-    assert "DOES NOT FIT" in text and "REPLICATED" in text and "not built yet" in text
+    assert "DOES NOT FIT" in text and "REPLICATED" in text and 'cache_sharding="sequence"' in text
     assert f"largest concurrency that fits at context 262,144: {conc}" in text
 
 

@@ -7,7 +7,8 @@ import pytest
 from conftest import rel_err
 
 import kdtree_jax as kj
-from kdtree_jax.sharding import ShardingError, current_mesh, param_shardings
+from kdtree_jax.model import param_shardings
+from kdtree_jax.sharding import ShardingError, current_mesh
 
 N = jax.device_count()
 MESHES = {8: [dict(tp=8), dict(tp=2, ep=4), dict(ep=8), dict(dp=2, ep=2, tp=2)],
@@ -79,3 +80,41 @@ def test_sharded_custom_calls_equal_single_device(model):
     assert rel_err(kj.forward(sharded, ffi, tokens), ref["logits"]) <= 1e-5
     out = kj.generate(sharded, ffi, PROMPTS, max_new_tokens=8, method="ddtree", drafter=drafter, budget=8)
     assert out.tokens == ref["ddtree"]
+
+
+@pytest.mark.parametrize("axes", GEN_MESHES, ids=mesh_id)
+def test_sequence_sharded_cache_equals_single_device(model, axes):
+    """cache_sharding="sequence": every device holds 1/N of each row's slots (not a replica), attention is
+    combined across devices by log-sum-exp; a cached tree-verify step and generation equal the unsharded model."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from kdtree_jax.model import init_cache, prefill, step
+
+    cfg, params, drafter, tokens, ref = model
+    seq = dataclasses.replace(cfg, cache_sharding="sequence")
+    mesh = kj.make_mesh(**axes)
+    sharded = kj.shard_params(params, seq, mesh)
+    n_model = mesh.shape["ep"] * mesh.shape["tp"]
+    b, s = tokens.shape[0], 64
+    lengths = jnp.array([16, 9, 12, 5], jnp.int32)
+    depths = jnp.array([[0, 1, 1, 2]] * b, jnp.int32)  # a tree: 0 -> (1, 2), 1 -> 3
+    mask = jnp.array([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]] * b, bool)
+    new = jnp.asarray(tokens[:, :4], jnp.int32)
+
+    def run(p, c):
+        pre = prefill(p, c, jnp.asarray(tokens, jnp.int32), lengths, init_cache(c, b, s))
+        out = step(p, c, new, pre.cache, depths=depths, tree_mask=mask)
+        return out.logits, out.cache
+
+    want, _ = jax.jit(lambda p: run(p, cfg))(params)
+    with jax.set_mesh(mesh):
+        got, cache = jax.jit(lambda p: run(p, seq))(sharded)
+    assert rel_err(got, want) <= 1e-5
+    lat = cache.latent[0]
+    assert lat.sharding.spec[1] == ("ep", "tp")
+    assert {sh.data.shape[1] for sh in lat.addressable_shards} == {s // n_model}
+    assert kj.generate(sharded, seq, PROMPTS, max_new_tokens=8).tokens == ref["ar"]
+    out = kj.generate(sharded, seq, PROMPTS, max_new_tokens=8, method="ddtree", drafter=drafter, budget=8)
+    assert out.tokens == ref["ar"]
