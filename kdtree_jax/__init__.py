@@ -8,6 +8,7 @@ from .config import ConfigError, ModelConfig
 from .model import KVCache, Params, decode_step, forward, init_cache, init_params, prefill, shard_params
 from .drafter import Drafter, OracleDrafter, init_drafter
 from .generate import GenerateOutput, generate
+from .distributed import init_distributed
 from .sharding import make_mesh
 from .checkpoint import Model, load
 

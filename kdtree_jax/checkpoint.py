@@ -36,6 +36,7 @@ from orbax.checkpoint import type_handlers
 
 from .config import ModelConfig
 from .hf import CheckpointError
+from .distributed import check_same
 from .model import Params, abstract_params, param_info, param_shardings, shard_params
 from .tokenizer import load_tokenizer
 
@@ -308,14 +309,16 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
 
     Every array is checked against `model.abstract_params(cfg)` (shape and dtype) before it is read. With a mesh,
     each array is restored straight into its sharding (`kdtree_jax.model.param_shardings`): every device
-    reads only its shard, and the stacked layer arrays are filled one layer at a time in place, so no device
-    ever holds a full copy. Without a mesh, everything goes to the first device. With verify, every array is
-    first checked against the checksum the manifest records (`verify_checksums`).
+    reads only its shard (over several hosts, each process restores the shards of its own devices), layer by
+    layer, so no device ever holds a full copy. Without a mesh, everything goes to the first device. With verify,
+    every array is first checked against the checksum the manifest records (`verify_checksums`). Over several
+    processes, all must load the same checkpoint onto the same mesh (checked: a clear error, not a hang).
     """
     path = os.fspath(path)
     if path == "builtin":  # the embedded default model shipped in the package
         from .builtin import load_builtin
         model = load_builtin()
+        check_same("the model (builtin) and mesh", ["builtin", None if mesh is None else dict(mesh.shape)])
         if mesh is not None:
             model = dataclasses.replace(model, params=shard_params(model.params, model.cfg, mesh))
         return model
@@ -327,6 +330,8 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
         cfg = ModelConfig.from_dict(read_json(os.path.join(path, CONFIG_FILE)))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)}: {e}") from None
+    check_same(f"the checkpoint {path} (its config and manifest) or the mesh",
+               [cfg.to_dict(), manifest, None if mesh is None else dict(mesh.shape)])
     abstract = abstract_params(cfg)
     if mesh is None:
         device = SingleDeviceSharding(jax.devices()[0])

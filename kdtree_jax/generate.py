@@ -20,6 +20,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .model import KVCache, Params, init_cache, prefill_last, pytree_dataclass, step
+from .distributed import to_host
 from .sharding import use_mesh_of
 
 METHODS = ("ar", "chain", "ddtree")
@@ -303,18 +304,22 @@ def run_compiled(fn, args: tuple, static: dict):
 
 def check_finite(state) -> None:
     """Raise FloatingPointError naming the rows for which the model produced NaN or inf logits."""
-    bad = np.flatnonzero(np.asarray(state.nonfinite))
+    bad = np.flatnonzero(to_host(state.nonfinite))
     if bad.size:
         raise FloatingPointError(f"the model produced NaN or inf logits for prompt(s) {bad.tolist()} (non-finite "
                                  "weights or an overflow in the activations); no tokens are returned")
 
 
 def finish(state, timing: dict, method: str, budget: int | None) -> GenerateOutput:
-    """Host-side result: per-row token lists and the stats (FloatingPointError if logits were not finite)."""
+    """Host-side result: per-row token lists and the stats (FloatingPointError if logits were not finite).
+
+    The stats have the same keys for every method: steps, tau, tau_histogram, compile_s (tracing and compilation),
+    wall_s (the compiled run alone), method, budget, new_tokens (all rows) and tokens_per_s = new_tokens / wall_s.
+    """
     check_finite(state)
-    out, num = np.asarray(state.out), np.asarray(state.num_out)
+    out, num = to_host(state.out), to_host(state.num_out)  # replicated: readable on every process
     tokens = [out[i, :num[i]].tolist() for i in range(out.shape[0])]
-    stats = _histogram_stats(np.asarray(state.accepted), int(state.steps))
+    stats = _histogram_stats(to_host(state.accepted), int(to_host(state.steps)))
     total = int(num.sum())
     stats.update(timing, method=method, budget=budget, new_tokens=total,
                  tokens_per_s=total / timing["wall_s"] if timing["wall_s"] > 0 else float("nan"))
@@ -336,11 +341,11 @@ def stream_ar(params, cfg: ModelConfig, prompt: list[int], *, max_new_tokens: in
     shown = 0
     while True:
         check_finite(state)
-        n = int(state.num_out[0])
+        n = int(to_host(state.num_out)[0])
         if n > shown:
-            yield np.asarray(state.out[0, shown:n]).tolist()
+            yield to_host(state.out)[0, shown:n].tolist()
             shown = n
-        if bool(state.done[0]):
+        if bool(to_host(state.done)[0]):
             return
         with trace_context(params, cfg):
             state = _ar_advance_jit(params, cfg, state, state.steps + chunk, temp, eos, greedy)

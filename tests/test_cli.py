@@ -2,18 +2,48 @@
 
 import pytest
 
-from kdtree_jax.cli import main, parse_mesh
+from kdtree_jax import cli
+from kdtree_jax.cli import DEFAULT_PROMPT, main, parse_mesh, stats_line
+
+# generate's stats, the same for every method and for the CLI's streamed ar (README "Stats")
+_STATS_KEYS = {"method", "budget", "new_tokens", "steps", "tau", "tau_histogram", "compile_s", "wall_s",
+               "tokens_per_s"}
 
 
-@pytest.mark.parametrize("method", ["ar", "ddtree"])
-def test_generate_prints_text_and_stats(method, capsys):
-    assert main(["generate", "--prompt", "import os\n", "--max-new-tokens", "24", "--method", method,
-                 "--budget", "16"]) == 0
+@pytest.mark.parametrize("method, prompt", [("ar", None), ("ddtree", "import os\n")])
+def test_generate_prints_text_and_stats(method, prompt, capsys, monkeypatch):
+    """The text, then one stats line of the same keys for every method; compilation is reported apart, first."""
+    seen = []
+    monkeypatch.setattr(cli, "stats_line", lambda stats: seen.append(stats) or stats_line(stats))
+    argv = ["generate", "--max-new-tokens", "24", "--method", method, "--budget", "16"]
+    assert main(argv + (["--prompt", prompt] if prompt else [])) == 0
     out = capsys.readouterr()
-    assert out.out.startswith("import os\n") and len(out.out) > len("import os\n")
+    prompt = prompt or DEFAULT_PROMPT
+    assert out.out.startswith(prompt) and len(out.out) > len(prompt)
     stats = out.out.strip().splitlines()[-1]
     assert stats.startswith("[stats]") and f"method={method}" in stats and "tau=" in stats
+    values = dict(item.split("=", 1) for item in stats.split()[1:])
+    assert {"new_tokens", "steps", "compile_s", "wall_s", "tokens_per_s"} <= values.keys()
+    new, wall = int(values["new_tokens"]), float(values["wall_s"])
+    assert new == 24 and wall > 0 and float(values["compile_s"]) > 0
+    assert float(values["tokens_per_s"]) == pytest.approx(new / wall, rel=0.05, abs=0.1)  # wall_s is rounded
+    assert set(seen[0]) == _STATS_KEYS
     assert "embedded model" in out.err
+    compiling = out.err.index(f"compiling {method}")
+    assert "compiled in" in out.err[compiling:]
+
+
+def test_stats_line_has_generate_keys():
+    """The CLI's ar streaming stats have exactly the keys of generate's stats (one schema for every method)."""
+    import jax
+
+    import kdtree_jax as kj
+
+    cfg = kj.configs.tiny()
+    out = kj.generate(kj.init_params(cfg, jax.random.key(0)), cfg, [[1, 2, 3]], max_new_tokens=4)
+    assert set(out.stats) == _STATS_KEYS
+    assert out.stats["tokens_per_s"] == pytest.approx(out.stats["new_tokens"] / out.stats["wall_s"])
+    assert stats_line(out.stats).startswith("[stats] method=ar new_tokens=4 steps=3 tau=1.00 compile_s=")
 
 
 def test_bad_arguments_are_clear_errors(capsys):
