@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import kdtree_jax as kj  # noqa: E402
 from kdtree_jax import ddtree  # noqa: E402
 from kdtree_jax.drafter import append_context, draft, init_draft_cache  # noqa: E402
-from kdtree_jax.generate import choose  # noqa: E402
+from kdtree_jax.decoding import choose  # noqa: E402
 from kdtree_jax.kernels import tree_accept  # noqa: E402
 from kdtree_jax.model import init_cache, prefill, step  # noqa: E402
 

@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
 import sys
 import time
@@ -40,8 +39,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import kdtree_jax as kj  # noqa: E402
 from common import ceilings, random_trees  # noqa: E402
-from kdtree_jax.generate import trace_context  # noqa: E402
-from kdtree_jax.model import MLP, Int4Array, MoE, init_cache, step  # noqa: E402
+from kdtree_jax.sharding import trace_context  # noqa: E402
+from kdtree_jax.model import MLP, MoE, init_cache, step  # noqa: E402
 from profile_tools import profile_calls, top_kernels  # noqa: E402
 
 CELLS = [(4096, 1, 1), (4096, 1, 17), (4096, 1, 65), (4096, 10, 1), (4096, 10, 65), (131072, 1, 1),

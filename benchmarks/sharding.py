@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import kdtree_jax as kj  # noqa: E402
 from common import random_trees, timed  # noqa: E402
-from kdtree_jax.generate import trace_context  # noqa: E402
+from kdtree_jax.sharding import trace_context  # noqa: E402
 from kdtree_jax.model import init_cache, step  # noqa: E402
 
 K2_LAYERS = 60  # MoE layers of K2.6 (plus one dense)

@@ -18,8 +18,9 @@ import numpy as np
 
 from .config import ModelConfig
 from .drafter import Drafter, DrafterConfig, drafter_info
-from .model import ArrayInfo, abstract_params
+from .model import ArrayInfo, Model, abstract_params
 from .quant import Int4Array
+from .tokenizer import ByteTokenizer
 
 PACKAGE_DIR = Path(__file__).parent / "builtin_model"
 
@@ -87,8 +88,6 @@ def read_configs(directory) -> tuple[ModelConfig, DrafterConfig]:
 
 def load_builtin(directory: str | os.PathLike | None = None, dtype: str = "float32"):
     """The embedded model as a Model (cfg, params, drafter, tokenizer), weights cast exactly to `dtype`."""
-    from .checkpoint import Model
-    from .tokenizer import ByteTokenizer
 
     d = Path(directory or PACKAGE_DIR)
     if not available(d):

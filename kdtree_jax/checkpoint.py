@@ -28,7 +28,6 @@ import zlib
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
@@ -36,8 +35,10 @@ from orbax.checkpoint import type_handlers
 
 from .config import ModelConfig
 from .hf import CheckpointError
+from .builtin import load_builtin, load_npz, save_npz
 from .distributed import check_same
-from .model import Params, abstract_params, param_info, param_shardings, shard_params
+from .drafter import Drafter, DrafterConfig, drafter_info
+from .model import Model, Params, abstract_params, param_info, param_shardings, shard_params
 from .tokenizer import load_tokenizer
 
 FORMAT = "kdtree-jax-checkpoint"
@@ -214,21 +215,8 @@ def _part_dirs(directory: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Model:
-    """A loaded checkpoint: config, weights (on the mesh when one was given), drafter, tokenizer and manifest."""
-
-    cfg: ModelConfig
-    params: Params
-    drafter: Any  # the DFlash Drafter converted along (kdtree-convert --drafter), else None
-    tokenizer: Any  # TiktokenTokenizer, or ByteTokenizer when the checkpoint has no tokenizer files
-    manifest: dict
-
-
 def save_drafter(directory: str, dcfg, params) -> None:
     """A drafter as directory/drafter_config.json + directory/params.npz (small enough to write in one go)."""
-    from .builtin import save_npz
-
     save_npz(os.path.join(directory, "params.npz"), params, compress=False)
     with open(os.path.join(directory, "drafter_config.json"), "w") as f:
         json.dump(dataclasses.asdict(dcfg), f, indent=1)
@@ -236,9 +224,6 @@ def save_drafter(directory: str, dcfg, params) -> None:
 
 def load_drafter(directory: str, mesh: jax.sharding.Mesh | None = None):
     """The Drafter saved by save_drafter (replicated over the mesh when one is given), every shape checked."""
-    from .builtin import load_npz
-    from .drafter import Drafter, DrafterConfig, drafter_info
-
     config = os.path.join(directory, "drafter_config.json")
     raw = read_json(config)
     try:
@@ -316,7 +301,6 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
     """
     path = os.fspath(path)
     if path == "builtin":  # the embedded default model shipped in the package
-        from .builtin import load_builtin
         model = load_builtin()
         check_same("the model (builtin) and mesh", ["builtin", None if mesh is None else dict(mesh.shape)])
         if mesh is not None:

@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--concurrency", type=int, default=1, help="rows decoded together (default: 1)")
     pl.add_argument("--budget", type=int, default=64,
                     help="DDTree draft tree nodes per step, the verify step's tokens per row minus one (default: 64)")
+    pl.add_argument("--hosts", type=int, default=1,
+                    help="hosts the mesh spans, equal GPU counts (default: 1); checks that tp stays inside a host and "
+                         "names the axes that cross hosts")
     pl.add_argument("--gpu-memory-gb", type=float, default=141.0,
                     help="memory of one GPU in GB (default: 141, an H200)")
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -328,7 +331,14 @@ def plan_command(args) -> int:
     p = plan.plan(cfg, dcfg, parse_mesh(args.mesh), args.context, args.concurrency, args.budget,
                   args.gpu_memory_gb * plan.GB, model=f"{args.model} ({description})")
     report = plan.report(cfg, dcfg, p)
-    print(json.dumps(report, indent=1) if args.json else plan.format_report(report))
+    report["hosts"] = plan.check_hosts(p.mesh, args.hosts)
+    text = plan.format_report(report)
+    if args.hosts > 1:
+        h = report["hosts"]
+        text += (f"\nhosts: {h['hosts']} x {h['gpus_per_host']} GPUs (per-GPU memory as above); mesh axes crossing "
+                 f"hosts: {', '.join(h['crossing']) or 'none'} (tp stays inside a host; each layer's all-reduces "
+                 "span every model-parallel GPU, so they cross hosts whenever ep does)")
+    print(json.dumps(report, indent=1) if args.json else text)
     return 0 if p.fits else 1
 
 

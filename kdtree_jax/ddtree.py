@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from .config import ModelConfig
 from .drafter import DraftCache, Drafter, OracleDrafter, append_context, draft, init_draft_cache
-from .generate import _commit, choose, finish, nonfinite_rows, prepare, run_compiled
+from .decoding import choose, commit, finish, nonfinite_rows, prepare, run_compiled
 from .kernels import tree_accept, tree_build
 from .model import KVCache, Params, init_cache, prefill_last, pytree_dataclass, step
 from .sharding import replicated_call
@@ -147,7 +147,7 @@ def spec_step(params: Params, cfg: ModelConfig, drafter: Drafter, s: SpecState, 
         emitted = jnp.where(col == acc.length[:, None] - 1, acc.bonus[:, None],
                             jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1))
         active = ~s.done
-        out, num_out, done, _ = _commit(s.out, s.num_out, s.done, emitted, acc.length, eos_id, s.out.shape[1])
+        out, num_out, done, _ = commit(s.out, s.num_out, s.done, emitted, acc.length, eos_id, s.out.shape[1])
     with jax.named_scope("compact"):
         cache = compact(res.cache, lengths, path, n)
         dcache = None
@@ -175,7 +175,7 @@ def _spec_start(params, cfg, drafter: Drafter, tokens, lengths, key, temperature
     key, sub = jax.random.split(key)
     first = choose(last_logits, sub, temperature, greedy)
     out = jnp.full((b, max_new), -1, jnp.int32)
-    out, num_out, done, _ = _commit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
+    out, num_out, done, _ = commit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
                                     jnp.ones((b,), jnp.int32), eos_id, max_new)
     return SpecState(cache=cache, dcache=dcache, out=out, num_out=num_out, done=done, last=first, key=key,
                      steps=jnp.zeros((), jnp.int32), accepted=jnp.zeros((b, block + 1), jnp.int32),

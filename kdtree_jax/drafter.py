@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 
 from .config import ConfigError, ModelConfig
-from .model import ArrayInfo, Params, _stack, init_from_info, pytree_dataclass, rms_norm
+from .model import ArrayInfo, Params, init_from_info, stack_info, pytree_dataclass, rms_norm
 
 
 @jax.tree_util.register_static
@@ -125,7 +124,7 @@ def drafter_info(d: DrafterConfig) -> DrafterParams:
     n_ctx = len(d.target_layer_ids)
     return DrafterParams(fc=ArrayInfo((n_ctx * h, h), dt, (None, "embed")),
                          hidden_norm=ArrayInfo((h,), dt, ("embed",), "ones"),
-                         layers=_stack(layer, d.num_layers), norm=ArrayInfo((h,), dt, ("embed",), "ones"))
+                         layers=stack_info(layer, d.num_layers), norm=ArrayInfo((h,), dt, ("embed",), "ones"))
 
 
 def init_drafter(cfg: ModelConfig, key: jax.Array, num_layers: int = 1, block_size: int = 8, *,

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
+from .drafter import DrafterConfig, DraftLayer, DrafterParams
 from .model import MLP, Attention, Layer, MoE, Params
 from .quant import Int4Array, quantize_int4
 
@@ -173,9 +174,6 @@ _DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "select
 
 def drafter_config_from_hf(raw: dict, target: ModelConfig):
     """The DrafterConfig of a DFlash config.json, checked against the target it drafts for."""
-    from .config import ConfigError
-    from .drafter import DrafterConfig
-
     dflash = raw.get("dflash_config", {})
     if any(k in dflash for k in _DFLASH2_KEYS):
         raise ConfigError("this is a DFlash2 drafter (convolutions / candidate selector): only DFlash is supported")
@@ -211,8 +209,6 @@ def drafter_config_from_hf(raw: dict, target: ModelConfig):
 
 def drafter_from_hf(get: Getter, has: Callable[[str], bool], d):
     """DFlash drafter weights (DrafterParams of numpy arrays, layers stacked) in the dtype of DrafterConfig d."""
-    from .drafter import DraftLayer, DrafterParams
-
     dt = np.float32 if d.dtype == "float32" else ml_dtypes.bfloat16
     pre = "model." if has("model.fc.weight") else ""
     h, hq, hk, hd, f = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size

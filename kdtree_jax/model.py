@@ -25,8 +25,11 @@ import numpy as np
 
 from .config import ModelConfig
 from .quant import Int4Array, quantize_int4
+from .kernels.marlin_moe import marlin_moe, moe_experts_ref
+from .kernels.mla_verify import mask_softmax, mla_absorbed_attention, mla_verify
 from .sharding import (ShardingError, checked_sharding, current_mesh, logical_to_spec, mla_head_parallel,
-                       mla_sequence_parallel, moe_expert_parallel, sequence_sharded, write_rows_sequence)
+                       mla_sequence_parallel, moe_expert_parallel, sequence_sharded, trace_context,
+                       write_rows_sequence)
 
 # --------------------------------------------------------------------------------------------------------------
 # 1. Weights: declared once (shape, dtype, logical axes, initializer); init, abstract shapes and shardings
@@ -145,7 +148,7 @@ def _is_info(x) -> bool:
     return isinstance(x, ArrayInfo)
 
 
-def _stack(info, n: int):
+def stack_info(info, n: int):
     """Prefix every declaration with a layer axis of length n (the drafter's layers, run by a scan)."""
     return jax.tree.map(lambda a: dataclasses.replace(a, shape=(n, *a.shape), axes=("layers", *a.axes),
                                                       fan_in_axes=tuple(i + 1 for i in a.fan_in_axes)),
@@ -309,6 +312,17 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> Params:
     return init_from_info(param_info(cfg), key, cfg.group_size, shardings)
 
 
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A loaded checkpoint: config, weights (on the mesh when one was given), drafter, tokenizer and manifest."""
+
+    cfg: ModelConfig
+    params: Params
+    drafter: Any  # the DFlash Drafter converted along (kdtree-convert --drafter), else None
+    tokenizer: Any  # TiktokenTokenizer, or ByteTokenizer when the checkpoint has no tokenizer files
+    manifest: dict
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 2. The latent KV cache: 512 + 64 values per token per layer for K2 (never expanded per head).
 # --------------------------------------------------------------------------------------------------------------
@@ -405,44 +419,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.reshape(x.shape).astype(x.dtype)
 
 
-def _mask_softmax(scores: jax.Array, visible: jax.Array, axis: int = -1) -> jax.Array:
-    """Softmax over `axis` of fp32 scores where `visible`; a row with nothing visible gives zeros, not NaN."""
-    scores = jnp.where(visible, scores, -jnp.inf)
-    peak = jnp.max(scores, axis=axis, keepdims=True)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    p = jnp.where(visible, jnp.exp(scores - peak), 0.0)
-    total = jnp.sum(p, axis=axis, keepdims=True)
-    return p / jnp.where(total == 0, 1.0, total)
-
-
-def mla_absorbed_attention(q_lat, q_pe, latent, k_pe, lengths, tree_mask, scale):
-    """Absorbed MLA over the latent cache, each new token seeing the committed prefix and its tree ancestors.
-
-    q_lat [B, T, H, R] (q_nope @ W_UK), q_pe [B, T, H, dr], latent [B, S, R], k_pe [B, S, dr] with the T new
-    tokens already written at slots lengths[b] .. lengths[b] + T - 1, lengths [B], tree_mask bool [B, T, T]
-    (query t sees new token u). Returns the latent output [B, T, H, R] in fp32 (softmax and sums in fp32).
-    This is the function of the `mla_verify` custom call.
-    """
-    t = q_lat.shape[1]
-    f32 = jnp.float32
-    with jax.named_scope("prefix"):
-        s_pre = (jnp.einsum("bthr,bsr->bths", q_lat, latent, preferred_element_type=f32)
-                 + jnp.einsum("bthp,bsp->bths", q_pe, k_pe, preferred_element_type=f32)) * scale
-        seen = jnp.arange(latent.shape[1])[None, :] < lengths[:, None]  # [B, S]
-    with jax.named_scope("tree"):
-        take = jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, t, axis=0))
-        lat_new, pe_new = take(latent, lengths), take(k_pe, lengths)  # [B, T, R], [B, T, dr]
-        s_new = (jnp.einsum("bthr,bur->bthu", q_lat, lat_new, preferred_element_type=f32)
-                 + jnp.einsum("bthp,bup->bthu", q_pe, pe_new, preferred_element_type=f32)) * scale
-    scores = jnp.concatenate([s_pre, s_new], axis=-1)  # [B, T, H, S + T]
-    visible = jnp.concatenate([jnp.broadcast_to(seen[:, None, None, :], s_pre.shape),
-                               jnp.broadcast_to(tree_mask[:, :, None, :], s_new.shape)], axis=-1)
-    p = _mask_softmax(scores, visible)
-    s = latent.shape[1]
-    out = jnp.einsum("bths,bsr->bthr", p[..., :s], latent.astype(f32))
-    return out + jnp.einsum("bthu,bur->bthr", p[..., s:], lat_new.astype(f32))
-
-
 def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array, cfg: ModelConfig) -> jax.Array:
     """cache [B, S, C] with new [B, T, C] written at slots starts[b] .. starts[b] + T - 1 of each row (in place;
     on a sequence-sharded cache each device writes the rows of its own block)."""
@@ -476,7 +452,7 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
                  + jnp.einsum("bthp,bup->bhtu", q_pe, k_pe, preferred_element_type=f32)) * scale
             t = x.shape[1]
             causal = jnp.tril(jnp.ones((t, t), bool))
-            probs = _mask_softmax(s, causal[None, None])
+            probs = mask_softmax(s, causal[None, None])
             o = jnp.einsum("bhtu,buhv->bthv", probs.astype(dt), v)  # [B, T, H, dv]
         new_cache = None
         if cache_layer is not None:
@@ -486,9 +462,7 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
         with jax.named_scope("absorbed_attention"):
             latent, pe = _write_rows(cache_layer[0], c_kv, lengths, cfg), _write_rows(cache_layer[1], k_pe, lengths, cfg)
             q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, p.k_b)  # [B, T, H, R]
-            attend = mla_absorbed_attention
-            if cfg.uses_ffi("mla_verify"):
-                from .kernels import mla_verify as attend
+            attend = mla_verify if cfg.uses_ffi("mla_verify") else mla_absorbed_attention
 
             if current_mesh() is not None and cfg.cache_sharding == "sequence":  # pure JAX per block (no kernel yet)
                 o_lat = mla_sequence_parallel(q_lat, q_pe, latent, pe, lengths, tree_mask, scale)
@@ -531,32 +505,6 @@ def route(p: MoE, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]
     return ids.astype(jnp.int32), w * cfg.routed_scaling_factor
 
 
-def moe_experts_ref(x, ids, weights, we_gate, we_up, we_down):
-    """Routed experts in pure JAX: sum_k weights[m, k] * down_e(silu(gate_e(x)) * up_e(x)), e = ids[m, k].
-
-    x [M, D], ids/weights [M, k], expert weights [E, F, D], [E, F, D], [E, D, F] (float, or Int4Array
-    dequantized here). Tokens are sorted by expert and multiplied with `jax.lax.ragged_dot`. An id >= E means
-    "not one of these experts" and contributes nothing (expert parallelism passes each shard's non-local slots
-    that way). This is the function of the `marlin_moe` custom call.
-    """
-    dt = x.dtype
-    m, k = ids.shape
-    deq = lambda w: (w.dequantize(dt) if isinstance(w, Int4Array) else w)
-    g, u, dn = deq(we_gate), deq(we_up), deq(we_down)
-    n_exp = g.shape[0]
-    flat = ids.reshape(-1)  # [M k]
-    order = jnp.argsort(flat, stable=True)
-    rows = order // k  # token of each sorted slot
-    xs = x[rows]  # [M k, D]
-    sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)  # [E]; ids >= E (not here) are dropped
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, jnp.swapaxes(g, 1, 2), sizes)) * jax.lax.ragged_dot(
-        xs, jnp.swapaxes(u, 1, 2), sizes)  # [M k, F]
-    y = jax.lax.ragged_dot(h.astype(dt), jnp.swapaxes(dn, 1, 2), sizes)  # [M k, D]
-    kept = (flat[order] < n_exp)[:, None]  # slots sent to no local expert (expert parallelism) add nothing
-    y = jnp.where(kept, y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
-    return jnp.zeros((m, x.shape[1]), jnp.float32).at[rows].add(y).astype(dt)
-
-
 def moe_experts_dense(x, ids, weights, we_gate, we_up, we_down):
     """The same function as `moe_experts_ref`, computed by running every expert on every token and combining
     with a [M, E] weight matrix that is zero off the top-k: E / k times the work, but plain dense matmuls
@@ -581,10 +529,7 @@ def moe(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     with jax.named_scope("router"):
         ids, w = route(p, flat, cfg)
     with jax.named_scope("experts"):
-        if cfg.uses_ffi("marlin_moe"):
-            from .kernels import marlin_moe as experts
-        else:
-            experts = _EXPERTS.get(cfg.kernels, moe_experts_ref)
+        experts = marlin_moe if cfg.uses_ffi("marlin_moe") else _EXPERTS.get(cfg.kernels, moe_experts_ref)
 
         if current_mesh() is not None:  # the shared expert's slice added before the one all-reduce
             sh = p.shared
@@ -654,8 +599,6 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, return_hidden: 
 
     With `return_hidden`, returns (logits, hidden [L, B, T, D]) with every decoder layer's output.
     """
-    from .generate import trace_context
-
     tokens = jnp.asarray(tokens, jnp.int32)
     with trace_context(params, cfg):
         out = _forward_jit(params, cfg, tokens)

@@ -24,6 +24,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import configs
 from .builtin import PACKAGE_DIR
@@ -86,6 +87,22 @@ def check_mesh(cfg: ModelConfig, mesh: dict[str, int]) -> dict[str, int]:
     check_model_fits(cfg, sizes["ep"], sizes["tp"])
     weight_bytes(param_info(cfg), sizes, cfg.group_size)  # every weight dimension divides its mesh axes
     return sizes
+
+
+def check_hosts(mesh: dict[str, int], hosts: int) -> dict:
+    """How a (dp, ep, tp) mesh lies over `hosts` hosts of equal GPU count, as `kj.make_mesh` lays it (devices in
+    process order, tp innermost): raise ShardingError when the GPUs do not split evenly or a tp group would span
+    hosts; else {"hosts", "gpus_per_host", "crossing": the mesh axes whose groups span hosts}."""
+    devices = math.prod(mesh.values())
+    if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1 or devices % hosts:
+        raise ShardingError(f"the mesh's {devices} GPUs do not split evenly over {hosts!r} hosts")
+    per_host = devices // hosts
+    host = np.arange(devices).reshape(mesh["dp"], mesh["ep"], mesh["tp"]) // per_host
+    crossing = [a for i, a in enumerate(MESH_AXES) if np.any(host != np.take(host, [0], axis=i))]
+    if "tp" in crossing:
+        raise ShardingError(f"tp = {mesh['tp']} would put a tensor-parallel group on several hosts of {per_host} GPUs; "
+                            "keep tp inside a host")
+    return dict(hosts=hosts, gpus_per_host=per_host, crossing=crossing)
 
 
 def _stored(a: ArrayInfo, group: int) -> list[tuple[str, tuple[int, ...], int]]:
@@ -211,7 +228,6 @@ def plan(cfg: ModelConfig, dcfg: DrafterConfig | None, mesh: dict[str, int], con
     d_per_row = 0
     if dcfg is not None:
         d_per_row = 2 * dcfg.num_layers * slots * dcfg.num_kv_heads * dcfg.head_dim * jnp.dtype(dcfg.dtype).itemsize
-    devices = math.prod(mesh.values())
     notes = []
     if rows == concurrency and mesh["dp"] > 1:
         notes.append(f"concurrency {concurrency} is not divisible by dp={mesh['dp']}: the batch is replicated")

@@ -178,7 +178,7 @@ def write_rows_sequence(cache: jax.Array, new: jax.Array, starts: jax.Array) -> 
 
 
 def mla_sequence_parallel(q_lat, q_pe, latent, k_pe, lengths, tree_mask, scale):
-    """Absorbed MLA over a sequence-sharded latent cache (the function of `model.mla_absorbed_attention`).
+    """Absorbed MLA over a sequence-sharded latent cache (the function of `kernels.mla_verify.mla_absorbed_attention`).
 
     Queries come split by heads; each device gathers every head's query (small), attends over its own block of
     slots (the committed prefix below lengths[b], the tree tokens at lengths[b] + u through tree_mask), and the
@@ -215,6 +215,15 @@ def mla_sequence_parallel(q_lat, q_pe, latent, k_pe, lengths, tree_mask, scale):
     return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, cache_spec(mesh, latent.shape[0]),
                                                      cache_spec(mesh, latent.shape[0]), P(bt), P(bt)),
                          out_specs=heads, check_vma=False)(q_lat, q_pe, latent, k_pe, lengths, tree_mask)
+
+
+@contextlib.contextmanager
+def trace_context(params, cfg):
+    """What tracing a model function needs: the mesh of sharded params made current (expert and head
+    parallelism in shard_map), and true fp32 matmuls for fp32 models (not TF32 on GPUs), so that the verify and
+    the AR computation round alike far more often."""
+    with use_mesh_of(params), jax.default_matmul_precision("highest" if cfg.dtype == "float32" else "default"):
+        yield
 
 
 def replicated_call(fn, *args):

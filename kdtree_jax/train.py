@@ -35,6 +35,7 @@ from .builtin import from_shipping, load_npz, save_npz, to_shipping
 from .config import ModelConfig
 from .configs import TINY_BOS, TINY_EOS, TINY_MASK
 from .drafter import Drafter, append_context, draft, init_draft_cache, init_drafter
+from .generate import generate
 from .model import (
     MoE,
     Params,
@@ -245,8 +246,6 @@ def export_int4(params: Params, cfg: ModelConfig) -> tuple[Params, ModelConfig]:
 
 def greedy_continuations(params, cfg: ModelConfig, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
     """prompts [N, P] -> [N, P + new_tokens]: each prompt followed by the target's greedy continuation."""
-    from .generate import generate
-
     out = generate(params, cfg, prompts, max_new_tokens=new_tokens)  # no EOS: always new_tokens
     return np.concatenate([prompts, np.array(out.tokens, np.int32)], axis=1)
 

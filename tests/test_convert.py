@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import kdtree_jax as kj
-from kdtree_jax.checkpoint import Model
+from kdtree_jax.model import Model
 from kdtree_jax.config import ConfigError
 from kdtree_jax.convert import FAULT_ENV, convert, main
 from kdtree_jax.hf import CheckpointError

@@ -10,7 +10,7 @@ import pytest
 import kdtree_jax as kj
 from kdtree_jax.ddtree import _spec_generate
 from kdtree_jax.drafter import OracleDrafter
-from kdtree_jax.generate import prepare
+from kdtree_jax.decoding import prepare
 
 PROMPTS = {1: [[5, 17, 99, 3, 250]], 4: [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7], list(range(60, 74))]}
 

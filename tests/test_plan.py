@@ -112,3 +112,17 @@ def test_help_explains_every_option(capsys):
     out = capsys.readouterr().out
     for option in ("--model", "--mesh", "--context", "--concurrency", "--budget", "--gpu-memory-gb", "--json"):
         assert option in out
+
+
+def test_hosts(capsys):
+    from kdtree_jax.cli import main
+
+    base = ["plan", "--model", "k2_6", "--context", "65536", "--concurrency", "4"]
+    assert main([*base, "--mesh", "ep=16", "--hosts", "2"]) == 0
+    assert "mesh axes crossing hosts: ep" in capsys.readouterr().out
+    assert main([*base, "--mesh", "ep=16", "--hosts", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hosts"] == {"hosts": 2, "gpus_per_host": 8, "crossing": ["ep"]}
+    for mesh, hosts, message in (("ep=2,tp=8", "4", "keep tp inside a host"), ("ep=8", "3", "do not split evenly")):
+        assert main([*base, "--mesh", mesh, "--hosts", hosts]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err

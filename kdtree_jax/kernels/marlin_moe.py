@@ -7,7 +7,7 @@ and adds nothing, which is how expert parallelism passes each shard the slots of
     h        = silu(x[m] @ gate_e.T) * (x[m] @ up_e.T)        [F]
     out[m]  += weights[m, j] * (h @ down_e.T)                  [D]
 
-This is `kdtree_jax.model.moe_experts_ref`. The experts stay in the model's (and the checkpoint's) layout: the
+This is `moe_experts_ref` below. The experts stay in the model's (and the checkpoint's) layout: the
 compressed-tensors `Int4Array` of `kdtree_jax.quant` (packed int32 [E, out, in/8], nibble q + 8 least significant
 first, bf16 scales [E, out, in/group]); the CUDA kernel streams those words directly with 16-byte loads along `in`,
 so there is no repack and no inverse to keep in step with the converter.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..model import moe_experts_ref
 from ..quant import Int4Array
 from . import _registry
 
@@ -178,8 +177,34 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
 
 
 def marlin_moe_ref(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up, we_down) -> jax.Array:
-    """Pure JAX: `model.moe_experts_ref` (dequantize, sort by expert, `jax.lax.ragged_dot`), with every id outside
+    """Pure JAX: `moe_experts_ref` (dequantize, sort by expert, `jax.lax.ragged_dot`), with every id outside
     [0, E) (negative ones too) meaning no expert."""
     e = we_gate.shape[0]
     ids = jnp.where((ids >= 0) & (ids < e), ids, e)
     return moe_experts_ref(x, ids, weights, we_gate, we_up, we_down)
+
+
+def moe_experts_ref(x, ids, weights, we_gate, we_up, we_down):
+    """Routed experts in pure JAX: sum_k weights[m, k] * down_e(silu(gate_e(x)) * up_e(x)), e = ids[m, k].
+
+    x [M, D], ids/weights [M, k], expert weights [E, F, D], [E, F, D], [E, D, F] (float, or Int4Array
+    dequantized here). Tokens are sorted by expert and multiplied with `jax.lax.ragged_dot`. An id >= E means
+    "not one of these experts" and contributes nothing (expert parallelism passes each shard's non-local slots
+    that way). This is the function of the `marlin_moe` custom call.
+    """
+    dt = x.dtype
+    m, k = ids.shape
+    deq = lambda w: (w.dequantize(dt) if isinstance(w, Int4Array) else w)
+    g, u, dn = deq(we_gate), deq(we_up), deq(we_down)
+    n_exp = g.shape[0]
+    flat = ids.reshape(-1)  # [M k]
+    order = jnp.argsort(flat, stable=True)
+    rows = order // k  # token of each sorted slot
+    xs = x[rows]  # [M k, D]
+    sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)  # [E]; ids >= E (not here) are dropped
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, jnp.swapaxes(g, 1, 2), sizes)) * jax.lax.ragged_dot(
+        xs, jnp.swapaxes(u, 1, 2), sizes)  # [M k, F]
+    y = jax.lax.ragged_dot(h.astype(dt), jnp.swapaxes(dn, 1, 2), sizes)  # [M k, D]
+    kept = (flat[order] < n_exp)[:, None]  # slots sent to no local expert (expert parallelism) add nothing
+    y = jnp.where(kept, y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
+    return jnp.zeros((m, x.shape[1]), jnp.float32).at[rows].add(y).astype(dt)

@@ -8,7 +8,7 @@ latents are already written at slots cache_lens[b] + u. Per head h:
     s_k = scale * (q_nope_absorbed[b, n, h] . latent_cache[b, k] + q_pe[b, n, h] . pe_cache[b, k])
     out[b, n, h] = sum_k softmax(s)_k latent_cache[b, k]          (zeros for a row that sees nothing)
 
-This is `kdtree_jax.model.mla_absorbed_attention` (including its clamping when cache_lens + N > S). Softmax and
+This is `mla_absorbed_attention` below (including its clamping when cache_lens + N > S). Softmax and
 sums are fp32; the output has the queries' dtype.
 
 The CUDA handler's fast path takes bf16 with R = 512 and dr = 64 (Kimi K2): a flash-decoding kernel on the tensor
@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..model import mla_absorbed_attention
 from . import _registry
 
 FAST_RANK, FAST_ROPE = 512, 64  # the head sizes of the CUDA fast path (bf16 only)
@@ -151,6 +150,44 @@ def mla_verify(q_nope_absorbed: jax.Array, q_pe: jax.Array, latent_cache: jax.Ar
 
 def mla_verify_ref(q_nope_absorbed: jax.Array, q_pe: jax.Array, latent_cache: jax.Array, pe_cache: jax.Array,
                    cache_lens: jax.Array, tree_mask: jax.Array, scale: float) -> jax.Array:
-    """Pure JAX (einsum + mask + softmax, `model.mla_absorbed_attention`), cast to the queries' dtype."""
+    """Pure JAX (einsum + mask + softmax, `mla_absorbed_attention`), cast to the queries' dtype."""
     out = mla_absorbed_attention(q_nope_absorbed, q_pe, latent_cache, pe_cache, cache_lens, tree_mask, scale)
     return out.astype(q_nope_absorbed.dtype)
+
+
+def mask_softmax(scores: jax.Array, visible: jax.Array, axis: int = -1) -> jax.Array:
+    """Softmax over `axis` of fp32 scores where `visible`; a row with nothing visible gives zeros, not NaN."""
+    scores = jnp.where(visible, scores, -jnp.inf)
+    peak = jnp.max(scores, axis=axis, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    p = jnp.where(visible, jnp.exp(scores - peak), 0.0)
+    total = jnp.sum(p, axis=axis, keepdims=True)
+    return p / jnp.where(total == 0, 1.0, total)
+
+
+def mla_absorbed_attention(q_lat, q_pe, latent, k_pe, lengths, tree_mask, scale):
+    """Absorbed MLA over the latent cache, each new token seeing the committed prefix and its tree ancestors.
+
+    q_lat [B, T, H, R] (q_nope @ W_UK), q_pe [B, T, H, dr], latent [B, S, R], k_pe [B, S, dr] with the T new
+    tokens already written at slots lengths[b] .. lengths[b] + T - 1, lengths [B], tree_mask bool [B, T, T]
+    (query t sees new token u). Returns the latent output [B, T, H, R] in fp32 (softmax and sums in fp32).
+    This is the function of the `mla_verify` custom call.
+    """
+    t = q_lat.shape[1]
+    f32 = jnp.float32
+    with jax.named_scope("prefix"):
+        s_pre = (jnp.einsum("bthr,bsr->bths", q_lat, latent, preferred_element_type=f32)
+                 + jnp.einsum("bthp,bsp->bths", q_pe, k_pe, preferred_element_type=f32)) * scale
+        seen = jnp.arange(latent.shape[1])[None, :] < lengths[:, None]  # [B, S]
+    with jax.named_scope("tree"):
+        take = jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, t, axis=0))
+        lat_new, pe_new = take(latent, lengths), take(k_pe, lengths)  # [B, T, R], [B, T, dr]
+        s_new = (jnp.einsum("bthr,bur->bthu", q_lat, lat_new, preferred_element_type=f32)
+                 + jnp.einsum("bthp,bup->bthu", q_pe, pe_new, preferred_element_type=f32)) * scale
+    scores = jnp.concatenate([s_pre, s_new], axis=-1)  # [B, T, H, S + T]
+    visible = jnp.concatenate([jnp.broadcast_to(seen[:, None, None, :], s_pre.shape),
+                               jnp.broadcast_to(tree_mask[:, :, None, :], s_new.shape)], axis=-1)
+    p = mask_softmax(scores, visible)
+    s = latent.shape[1]
+    out = jnp.einsum("bths,bsr->bthr", p[..., :s], latent.astype(f32))
+    return out + jnp.einsum("bthu,bur->bthr", p[..., s:], lat_new.astype(f32))

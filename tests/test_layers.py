@@ -1,0 +1,87 @@
+"""The package's layers (README, "Layout"): each module imports only from its own layer or those below, and no two
+modules import each other, directly or around a circle (function-level imports included)."""
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kdtree_jax"
+
+# lowest first; a module may import from its own layer and every layer below
+LAYERS = [
+    {"config", "configs", "quant", "tokenizer"},
+    {"kernels", "kernels._registry", "kernels.marlin_moe", "kernels.mla_verify", "kernels.tree_accept",
+     "kernels.tree_build", "distributed"},
+    {"sharding"},
+    {"model"},
+    {"drafter"},
+    {"decoding"},
+    {"ddtree"},
+    {"generate", "builtin", "hf"},
+    {"checkpoint"},
+    {"plan", "train", "convert", "cli"},
+    {"__init__"},
+]
+LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def _module(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(p for p in parts if p != "__init__") or "__init__"
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The package modules `path` imports, wherever in the file (relative imports resolved)."""
+    mod = _module(path)
+    package = mod.split(".")[:-1] if path.name != "__init__.py" else mod.split(".") if mod != "__init__" else []
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("kdtree_jax"):
+                target = node.module[len("kdtree_jax"):].lstrip(".")
+            else:
+                continue
+            names = [target] if node.module else []
+            names += [f"{target}.{a.name}".lstrip(".") for a in node.names]
+            out.update(n for n in names if n in LAYER)
+        elif isinstance(node, ast.Import):
+            out.update(a.name[len("kdtree_jax."):] for a in node.names
+                       if a.name.startswith("kdtree_jax.") and a.name[len("kdtree_jax."):] in LAYER)
+    out.discard(mod)
+    return out
+
+
+GRAPH = {_module(p): _imports(p) for p in PACKAGE.rglob("*.py")}
+
+
+def test_every_module_has_a_layer():
+    assert set(GRAPH) <= set(LAYER), sorted(set(GRAPH) - set(LAYER))
+
+
+def test_imports_only_look_down():
+    upward = [f"{m} (layer {LAYER[m]}) imports {t} (layer {LAYER[t]})" for m, targets in GRAPH.items()
+              for t in targets if LAYER[t] > LAYER[m]]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycles():
+    seen, stack, cycles = set(), [], []
+
+    def visit(m):
+        if m in stack:
+            cycles.append(stack[stack.index(m):] + [m])
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        stack.append(m)
+        for t in sorted(GRAPH.get(m, ())):
+            if not t.startswith("kernels") or not m.startswith("kernels"):  # the kernels package imports its own
+                visit(t)
+        stack.pop()
+
+    for m in sorted(GRAPH):
+        visit(m)
+    assert not cycles, cycles
