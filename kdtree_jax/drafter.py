@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ConfigError, ModelConfig
-from .model import ArrayInfo, Params, init_from_info, pytree_dataclass, rms_norm, stack_info, step
+from .model import ArrayInfo, Params, init_from_info, stack_info, pytree_dataclass, rms_norm
 
 
 @jax.tree_util.register_static
@@ -47,7 +47,6 @@ class DrafterConfig:
     @property
     def depth(self) -> int:
         return self.block_size - 1
-
 
     def check_target(self, cfg: ModelConfig) -> None:
         """Raise ValueError when this drafter was built for another target than cfg."""
@@ -90,32 +89,6 @@ class Drafter:
 
     params: DrafterParams
     cfg: DrafterConfig = dataclasses.field(metadata=dict(static=True))
-
-    # The drafter protocol the speculative loop uses (OracleDrafter implements it too).
-    @property
-    def block_size(self) -> int:
-        return self.cfg.block_size
-
-    @property
-    def depth(self) -> int:
-        return self.cfg.depth
-
-    def check(self, cfg: ModelConfig) -> None:
-        """Raise ValueError when this drafter cannot draft for target cfg."""
-        self.cfg.check_target(cfg)
-
-    def start(self, batch: int, max_len: int) -> DraftCache:
-        """The drafter's state for a new batch: its empty context cache."""
-        return init_draft_cache(self.cfg, batch, max_len)
-
-    def add_context(self, dcache: DraftCache, hidden: jax.Array, starts: jax.Array) -> DraftCache:
-        """Take the target's hidden states [L, B, T, D] of committed tokens at slots starts[b] + t as context."""
-        return append_context(self, dcache, hidden, starts)
-
-    def propose(self, target: Params, cfg: ModelConfig, dcache: DraftCache, cache, bonus: jax.Array,
-                key: jax.Array) -> jax.Array:
-        """Per-depth draft logits [B, L, V] for the tokens after `bonus` [B]."""
-        return draft(self, target, dcache, cache.lengths, bonus)
 
 
 @pytree_dataclass
@@ -278,30 +251,3 @@ class OracleDrafter:
     @property
     def depth(self) -> int:
         return self.block_size - 1
-
-    def check(self, cfg: ModelConfig) -> None:
-        """Any target: the oracle is the target itself."""
-
-    def start(self, batch: int, max_len: int) -> None:
-        """No state: the oracle reads the target's own cache."""
-        return None
-
-    def add_context(self, dcache, hidden: jax.Array, starts: jax.Array):
-        """No context to keep."""
-        return dcache
-
-    def propose(self, target: Params, cfg: ModelConfig, dcache, cache, bonus: jax.Array, key: jax.Array) -> jax.Array:
-        """The target's own logits [B, L, V] along its greedy continuation of `bonus` (sharpened, plus noise)."""
-
-        def one(carry, _):
-            c, tok = carry
-            res = step(target, cfg, tok[:, None], c)
-            logits = res.logits[:, 0]
-            c = dataclasses.replace(res.cache, lengths=res.cache.lengths + 1)
-            return (c, jnp.argmax(logits, axis=-1).astype(jnp.int32)), logits
-
-        _, logits = jax.lax.scan(one, (cache, bonus), None, length=self.depth)
-        logits = jnp.moveaxis(logits, 0, 1) * self.sharpness  # [B, L, V]
-        if self.noise:
-            logits = logits + self.noise * jax.random.normal(jax.random.fold_in(key, 1), logits.shape)
-        return logits
