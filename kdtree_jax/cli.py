@@ -184,8 +184,20 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def generate_command(args) -> int:
+    import kdtree_jax as kj
+
     params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
-    stats = _stream(params, cfg, tok, drafter, tok.encode(args.prompt), args)
+    ids = tok.encode(args.prompt)
+    if args.method == "ar":
+        stats = _stream_ar(params, cfg, tok, ids, args)
+    else:
+        _log(f"compiling {args.method}, then running it ...")
+        out = kj.generate(params, cfg, [ids], max_new_tokens=args.max_new_tokens, method=args.method,
+                          drafter=drafter, budget=args.budget, temperature=args.temperature, seed=args.seed,
+                          eos_id=tok.eos_id)
+        stats = out.stats
+        _log(f"compiled in {stats['compile_s']:.1f} s, ran in {stats['wall_s']:.2f} s")
+        sys.stdout.write(args.prompt + tok.decode(out.tokens[0]))
     print()
     print(stats_line(stats))
     return 0
@@ -195,18 +207,17 @@ def _log(text: str) -> None:
     print(f"[kdtree-jax] {text}", file=sys.stderr, flush=True)
 
 
-def _stream(params, cfg, tok, drafter, ids: list[int], args) -> dict:
-    """Stream the text as the method decodes it and return `generate`'s stats. Compilation comes first, apart: a
-    throwaway run of the first two chunks compiles the prefill and the decoding loop (compile_s includes that short
-    run), so wall_s and tokens_per_s time the streamed run alone, as `generate` does."""
-    from kdtree_jax.decoding import step_stats
-    from kdtree_jax.generate import stream
+def _stream_ar(params, cfg, tok, ids: list[int], args) -> dict:
+    """Stream the text of AR decoding and return `generate`'s stats. Compilation comes first, apart: a throwaway
+    run of the first two chunks compiles the prefill and the decode loop (compile_s includes that short run), so
+    wall_s and tokens_per_s time the streamed run alone, as `generate` does for every method."""
+    from kdtree_jax.generate import stream_ar
 
     def chunks():
-        return stream(params, cfg, ids, max_new_tokens=args.max_new_tokens, method=args.method, drafter=drafter,
-                      budget=args.budget, temperature=args.temperature, seed=args.seed, eos_id=tok.eos_id)
+        return stream_ar(params, cfg, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         seed=args.seed, eos_id=tok.eos_id)
 
-    _log(f"compiling {args.method} ...")
+    _log("compiling ar ...")
     t0 = time.perf_counter()
     warm = chunks()
     if next(warm, []):  # the inputs are checked here: a prompt that is refused is not echoed
@@ -216,21 +227,16 @@ def _stream(params, cfg, tok, drafter, ids: list[int], args) -> dict:
     _log(f"compiled in {t1 - t0:.1f} s")
     new = []
     sys.stdout.write(args.prompt)
-    run = chunks()
-    while True:
-        try:
-            chunk = next(run)
-        except StopIteration as end:
-            final = end.value
-            break
+    for chunk in chunks():
         before = tok.decode(new)
         new += chunk
         sys.stdout.write(tok.decode(new)[len(before):])
         sys.stdout.flush()
     wall = time.perf_counter() - t1
-    return {**step_stats(final), "compile_s": t1 - t0, "wall_s": wall, "method": args.method,
-            "budget": args.budget if args.method == "ddtree" else None, "new_tokens": len(new),
-            "tokens_per_s": len(new) / wall}
+    steps = max(len(new) - 1, 0)  # decode steps after the prefill's token, as generate counts them
+    return {"steps": steps, "tau": 1.0 if steps else 0.0, "tau_histogram": [0, steps] if steps else [0],
+            "compile_s": t1 - t0, "wall_s": wall,
+            "method": "ar", "budget": None, "new_tokens": len(new), "tokens_per_s": len(new) / wall}
 
 
 def stats_line(stats: dict) -> str:

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 
 from .config import ModelConfig
 from .drafter import DraftCache, Drafter, OracleDrafter, append_context, draft, init_draft_cache
-from .decoding import choose, commit, finish, nonfinite_rows, prepare, run_compiled, stream_state
+from .decoding import choose, commit, finish, nonfinite_rows, prepare, run_compiled
 from .kernels import tree_accept, tree_build
 from .model import KVCache, Params, init_cache, prefill_last, pytree_dataclass, step
-from .sharding import replicated_call, trace_context
+from .sharding import replicated_call
 
 
 @pytree_dataclass
@@ -195,42 +195,6 @@ def _spec_generate(params, cfg, drafter, tokens, lengths, key, temperature, eos_
         return spec_step(params, cfg, drafter, s, method, budget, temperature, eos_id, greedy)
 
     return jax.lax.while_loop(cond, body, state)
-
-
-_spec_start_jit = jax.jit(_spec_start, static_argnames=("cfg", "cache_len", "max_new", "greedy", "chunk"))
-
-
-@partial(jax.jit, static_argnames=("cfg", "method", "budget", "greedy"), donate_argnames=("state",))
-def _spec_advance(params, cfg, drafter, state, until, temperature, eos_id, *, method, budget, greedy):
-    """The speculative loop resumed from `state` until `until` verify steps (or every row done)."""
-
-    def cond(s):
-        return (s.steps < until) & ~jnp.all(s.done)
-
-    def body(s):
-        return spec_step(params, cfg, drafter, s, method, budget, temperature, eos_id, greedy)
-
-    return jax.lax.while_loop(cond, body, state)
-
-
-def stream_speculative(params, cfg: ModelConfig, prompt: list[int], *, max_new_tokens: int, method: str, drafter,
-                       budget: int, temperature: float = 0.0, seed: int = 0, eos_id=None, chunk: int = 4):
-    """Yield the tokens of one prompt as chain / ddtree decodes them, `chunk` verify steps at a time (the compiled
-    loop of `generate`, resumed from its donated state); returns the final state."""
-    n_nodes = check_spec_args(cfg, drafter, method, budget)
-    req = prepare(cfg, [prompt], max_new_tokens, temperature, eos_id, extra_slots=n_nodes)
-    greedy, temp, eos = req.temperature == 0, jnp.float32(req.temperature or 1.0), jnp.int32(req.eos_id)
-    with trace_context(params, cfg):
-        state = _spec_start_jit(params, cfg, drafter, jnp.asarray(req.tokens), jnp.asarray(req.lengths),
-                                jax.random.key(seed), temp, eos, cache_len=req.cache_len, max_new=req.max_new,
-                                greedy=greedy, chunk=req.chunk)
-
-    def advance(state, until):
-        with trace_context(params, cfg):
-            return _spec_advance(params, cfg, drafter, state, until, temp, eos, method=method, budget=n_nodes - 1,
-                                 greedy=greedy)
-
-    return (yield from stream_state(state, advance, chunk))
 
 
 def check_spec_args(cfg: ModelConfig, drafter, method: str, budget) -> int:

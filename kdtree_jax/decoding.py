@@ -185,26 +185,6 @@ def check_finite(state) -> None:
                                  "weights or an overflow in the activations); no tokens are returned")
 
 
-def step_stats(state) -> dict:
-    """steps, tau and tau_histogram of a decoding loop's state."""
-    return _histogram_stats(to_host(state.accepted), int(to_host(state.steps)))
-
-
-def stream_state(state, advance, chunk: int):
-    """Yield the new tokens of row 0 as the decoding loop runs: advance(state, until) resumes the compiled loop up to
-    `until` steps (the state donated). Returns the final state (the generator's return value)."""
-    shown = 0
-    while True:
-        check_finite(state)
-        n = int(to_host(state.num_out)[0])
-        if n > shown:
-            yield to_host(state.out)[0, shown:n].tolist()
-            shown = n
-        if bool(to_host(state.done)[0]):
-            return state
-        state = advance(state, state.steps + chunk)
-
-
 def finish(state, timing: dict, method: str, budget: int | None) -> GenerateOutput:
     """Host-side result: per-row token lists and the stats (FloatingPointError if logits were not finite).
 
@@ -214,7 +194,7 @@ def finish(state, timing: dict, method: str, budget: int | None) -> GenerateOutp
     check_finite(state)
     out, num = to_host(state.out), to_host(state.num_out)  # replicated: readable on every process
     tokens = [out[i, :num[i]].tolist() for i in range(out.shape[0])]
-    stats = step_stats(state)
+    stats = _histogram_stats(to_host(state.accepted), int(to_host(state.steps)))
     total = int(num.sum())
     stats.update(timing, method=method, budget=budget, new_tokens=total,
                  tokens_per_s=total / timing["wall_s"] if timing["wall_s"] > 0 else float("nan"))

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .ddtree import generate_speculative, stream_speculative
-from .decoding import GenerateOutput, choose, commit, finish, nonfinite_rows, prepare, run_compiled, stream_state
+from .ddtree import generate_speculative
+from .decoding import GenerateOutput, check_finite, choose, commit, finish, nonfinite_rows, prepare, run_compiled
+from .distributed import to_host
 from .model import KVCache, Params, init_cache, prefill_last, pytree_dataclass, step
 from .sharding import trace_context
 
@@ -128,8 +129,7 @@ def stream_ar(params, cfg: ModelConfig, prompt: list[int], *, max_new_tokens: in
               seed: int = 0, eos_id: int | None = None, chunk: int = 16) -> Iterator[list[int]]:
     """Yield the tokens of one prompt in chunks of up to `chunk` decode steps (for the CLI's streaming output).
 
-    The same jitted prefill and decode loop as `generate`, resumed every `chunk` steps from the donated state;
-    returns the final state.
+    The same jitted prefill and decode loop as `generate`, resumed every `chunk` steps from the donated state.
     """
     req = prepare(cfg, [prompt], max_new_tokens, temperature, eos_id)
     greedy, temp, eos = req.temperature == 0, jnp.float32(req.temperature or 1.0), jnp.int32(req.eos_id)
@@ -137,24 +137,14 @@ def stream_ar(params, cfg: ModelConfig, prompt: list[int], *, max_new_tokens: in
         state = _ar_start_jit(params, cfg, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed),
                               cache_len=req.cache_len, max_new=req.max_new, temperature=temp, eos_id=eos,
                               greedy=greedy, chunk=req.chunk)
-
-    def advance(state, until):
+    shown = 0
+    while True:
+        check_finite(state)
+        n = int(to_host(state.num_out)[0])
+        if n > shown:
+            yield to_host(state.out)[0, shown:n].tolist()
+            shown = n
+        if bool(to_host(state.done)[0]):
+            return
         with trace_context(params, cfg):
-            return _ar_advance_jit(params, cfg, state, until, temp, eos, greedy)
-
-    return (yield from stream_state(state, advance, chunk))
-
-
-def stream(params, cfg: ModelConfig, prompt: list[int], *, max_new_tokens: int, method: str = "ar", drafter=None,
-           budget: int = 64, temperature: float = 0.0, seed: int = 0, eos_id: int | None = None):
-    """Yield the new tokens of one prompt as any method decodes them (lists of ids, a few decoding steps at a time:
-    the compiled loop of `generate`, resumed from its donated state); returns the final loop state (for
-    `decoding.step_stats`)."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "ar":
-        return (yield from stream_ar(params, cfg, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     seed=seed, eos_id=eos_id))
-    return (yield from stream_speculative(params, cfg, prompt, max_new_tokens=max_new_tokens, method=method,
-                                          drafter=drafter, budget=budget, temperature=temperature, seed=seed,
-                                          eos_id=eos_id))
+            state = _ar_advance_jit(params, cfg, state, state.steps + chunk, temp, eos, greedy)

@@ -137,29 +137,3 @@ def test_bad_speculative_input(model):
         kj.generate(params, small, [[1, 2, 3]], max_new_tokens=4, method="ddtree", drafter=drafter, budget=100)
     with pytest.raises(ValueError, match="block_size"):
         kj.init_drafter(cfg, jax.random.key(3), block_size=1)
-
-
-@pytest.mark.parametrize("method", ["ar", "chain", "ddtree"])
-def test_streaming_gives_generate_tokens_and_stats(method):
-    """kdtree_jax.generate.stream (the CLI's streamed output) resumes the same compiled loop a few steps at a time:
-    the concatenated chunks are generate's tokens and the final state gives its tau."""
-    from kdtree_jax.decoding import step_stats
-    from kdtree_jax.generate import stream
-
-    cfg = kj.configs.tiny()
-    params = kj.init_params(cfg, jax.random.key(0))
-    drafter = kj.init_drafter(cfg, jax.random.key(5), num_layers=1, block_size=4)
-    prompt = [5, 17, 33, 2, 9]
-    kw = dict(max_new_tokens=23, method=method, drafter=drafter, budget=6)
-    want = kj.generate(params, cfg, [prompt], **kw)
-    run, chunks = stream(params, cfg, prompt, **kw), []
-    while True:
-        try:
-            chunks.append(next(run))
-        except StopIteration as end:
-            final = end.value
-            break
-    assert len(chunks) > 1  # really streamed
-    assert sum(chunks, []) == want.tokens[0]
-    stats = step_stats(final)
-    assert stats["tau"] == pytest.approx(want.stats["tau"]) and stats["steps"] == want.stats["steps"]
