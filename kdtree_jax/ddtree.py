@@ -26,7 +26,7 @@ from .config import ModelConfig
 from .drafter import DraftCache, Drafter, OracleDrafter, append_context, draft, init_draft_cache
 from .decoding import choose, commit, finish, nonfinite_rows, prepare, run_compiled
 from .kernels import tree_accept, tree_build
-from .model import KVCache, Params, init_cache, prefill_last, pytree_dataclass, step
+from .model import KVCache, Params, init_cache, move_accepted, prefill_last, pytree_dataclass, step
 from .sharding import replicated_call
 
 
@@ -72,30 +72,6 @@ def ddtree_tree(draft_logits: jax.Array, bonus: jax.Array, budget: int, impl: st
     return DraftTree(tokens=jnp.concatenate([bonus[:, None], t.tokens], axis=1),
                      parents=jnp.concatenate([zero - 1, t.parents], axis=1),
                      depths=jnp.concatenate([zero, t.depths], axis=1), visibility=t.visibility)
-
-
-def _take_rows(x: jax.Array, starts: jax.Array, n: int) -> jax.Array:
-    """x [B, S, ...] -> [B, n, ...]: slots starts[b] .. starts[b] + n - 1 of each row."""
-    return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, n, axis=0))(x, starts)
-
-
-def _put_rows(x: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    return jax.vmap(lambda r, u, s: jax.lax.dynamic_update_slice_in_dim(r, u, s, axis=0))(x, new, starts)
-
-
-def compact(cache: KVCache, starts: jax.Array, path: jax.Array, n_nodes: int) -> KVCache:
-    """Move the accepted nodes' latents (tree slots starts + path[b, j]) to slots starts + j, every layer.
-
-    path [B, P] lists node indices in root-to-leaf order (padding -1: whatever lands past the accepted length
-    is never read). Positions stay right: node path[j] has depth j and was roped at position starts + j.
-    """
-    idx = jnp.clip(path, 0, n_nodes - 1)  # [B, P]
-
-    def move(c):  # c [B, S, C]
-        tree = _take_rows(c, starts, n_nodes)  # [B, N, C]
-        return _put_rows(c, jnp.take_along_axis(tree, idx[:, :, None], axis=1), starts)
-
-    return dataclasses.replace(cache, latent=tuple(map(move, cache.latent)), k_pe=tuple(map(move, cache.k_pe)))
 
 
 def oracle_draft(params: Params, cfg: ModelConfig, oracle: OracleDrafter, s: SpecState) -> jax.Array:
@@ -149,7 +125,7 @@ def spec_step(params: Params, cfg: ModelConfig, drafter: Drafter, s: SpecState, 
         active = ~s.done
         out, num_out, done, _ = commit(s.out, s.num_out, s.done, emitted, acc.length, eos_id, s.out.shape[1])
     with jax.named_scope("compact"):
-        cache = compact(res.cache, lengths, path, n)
+        cache = move_accepted(res.cache, cfg, lengths, path, n)
         dcache = None
         if not oracle:
             hidden = jnp.take_along_axis(res.hidden, jnp.clip(path, 0, n - 1)[None, :, :, None], axis=2)  # [L,B,P,D]

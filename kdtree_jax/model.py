@@ -26,10 +26,11 @@ import numpy as np
 from .config import ModelConfig
 from .quant import Int4Array, quantize_int4
 from .kernels.marlin_moe import marlin_moe, moe_experts_ref
-from .kernels.mla_verify import mask_softmax, mla_absorbed_attention, mla_verify
+from .kernels.mla_verify import (combine_lse, mask_softmax, mla_absorbed_attention, mla_prefix, mla_verify,
+                                 tree_attention_lse)
 from .sharding import (ShardingError, checked_sharding, current_mesh, logical_to_spec, mla_head_parallel,
-                       mla_sequence_parallel, moe_expert_parallel, sequence_sharded, trace_context,
-                       write_rows_sequence)
+                       mla_sequence_parallel, moe_expert_parallel, sequence_sharded, take_rows_sequence,
+                       trace_context, write_rows_sequence)
 
 # --------------------------------------------------------------------------------------------------------------
 # 1. Weights: declared once (shape, dtype, logical axes, initializer); init, abstract shapes and shardings
@@ -427,6 +428,25 @@ def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array, cfg: ModelC
     return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0))(cache, new, starts)
 
 
+def _take_rows(cache: jax.Array, slots: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """cache [B, S, C] -> [B, P, C]: the rows at slots [B, P] of each batch row (on a sequence-sharded cache, each
+    device contributes the rows it holds; no gather of the cache)."""
+    if cfg.cache_sharding == "sequence" and current_mesh() is not None:
+        return take_rows_sequence(cache, slots)
+    return jnp.take_along_axis(cache, slots[:, :, None], axis=1)
+
+
+def move_accepted(cache: KVCache, cfg: ModelConfig, starts: jax.Array, path: jax.Array, n_nodes: int) -> KVCache:
+    """Move the accepted tree nodes' latents (slots starts + path[b, j]) to slots starts + j, every layer, in place.
+
+    path [B, P] lists node indices in root-to-leaf order (padding -1: whatever lands past the accepted length is
+    never read). Positions stay right: node path[j] has depth j and was roped at position starts + j.
+    """
+    slots = starts[:, None] + jnp.clip(path, 0, n_nodes - 1)  # [B, P]
+    move = lambda c: _write_rows(c, _take_rows(c, slots, cfg), starts, cfg)
+    return dataclasses.replace(cache, latent=tuple(map(move, cache.latent)), k_pe=tuple(map(move, cache.k_pe)))
+
+
 def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None, lengths=None, tree_mask=None):
     """Multi-head latent attention of x [B, T, D]. Returns (out [B, T, D], (latent, k_pe) for the cache).
 
@@ -464,8 +484,10 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
             q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, p.k_b)  # [B, T, H, R]
             attend = mla_verify if cfg.uses_ffi("mla_verify") else mla_absorbed_attention
 
-            if current_mesh() is not None and cfg.cache_sharding == "sequence":  # pure JAX per block (no kernel yet)
-                o_lat = mla_sequence_parallel(q_lat, q_pe, latent, pe, lengths, tree_mask, scale)
+            if current_mesh() is not None and cfg.cache_sharding == "sequence":
+                prefix = partial(mla_prefix, impl="ffi" if cfg.uses_ffi("mla_verify") else "xla")
+                o_lat = mla_sequence_parallel(prefix, tree_attention_lse, combine_lse, q_lat, q_pe, latent, pe,
+                                              c_kv, k_pe, lengths, tree_mask, scale)
             elif current_mesh() is not None and cfg.uses_ffi("mla_verify"):
                 o_lat = mla_head_parallel(attend, q_lat, q_pe, latent, pe, lengths, tree_mask, scale)
             else:

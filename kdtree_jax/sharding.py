@@ -177,44 +177,61 @@ def write_rows_sequence(cache: jax.Array, new: jax.Array, starts: jax.Array) -> 
                          out_specs=cache_spec(mesh, cache.shape[0]), check_vma=False)(cache, new, starts)
 
 
-def mla_sequence_parallel(q_lat, q_pe, latent, k_pe, lengths, tree_mask, scale):
+def mla_sequence_parallel(attend_prefix, attend_tree, combine, q_lat, q_pe, latent, k_pe, new_lat, new_pe, lengths,
+                          tree_mask, scale):
     """Absorbed MLA over a sequence-sharded latent cache (the function of `kernels.mla_verify.mla_absorbed_attention`).
 
-    Queries come split by heads; each device gathers every head's query (small), attends over its own block of
-    slots (the committed prefix below lengths[b], the tree tokens at lengths[b] + u through tree_mask), and the
-    partial results are combined across devices by log-sum-exp: one max and one sum, the sum scattered straight
-    back to each device's heads. Returns [B, T, H, R] fp32, split by heads like the queries.
+    Queries come split by heads; each device gathers every head's query (small) and attends over the committed
+    prefix in its own block of slots with `attend_prefix(q, q_pe, latent, pe, visible, scale) -> (out, lse)` (the
+    custom call where it applies). The partial results are combined across devices by log-sum-exp: one max, one
+    sum scattered straight back to each device's heads. Then `attend_tree(q, q_pe, new_lat [B, T, R], new_pe
+    [B, T, dr], tree_mask [B, T, T], scale) -> (out, lse)`, the new tokens seen through the tree mask for this
+    device's heads, is folded in with `combine`. Returns [B, T, H, R] fp32, split by heads like the queries.
     """
     mesh = current_mesh()
     bt = _batch_axis(mesh, q_lat.shape[0])
     heads = P(bt, None, MODEL_AXES, None)
-    f32 = jnp.float32
 
-    def local(q, qp, lat, pe, ln, tm):
-        q = jax.lax.all_gather(q, MODEL_AXES, axis=2, tiled=True)  # [B, T, H, R]
-        qp = jax.lax.all_gather(qp, MODEL_AXES, axis=2, tiled=True)  # [B, T, H, dr]
-        t, s_loc = q.shape[1], lat.shape[1]
-        slot = _local_slots(s_loc)  # [S_loc] global slot index
-        s = (jnp.einsum("bthr,bsr->bths", q, lat, preferred_element_type=f32)
-             + jnp.einsum("bthp,bsp->bths", qp, pe, preferred_element_type=f32)) * scale  # [B, T, H, S_loc]
-        u = slot[None, :] - ln[:, None]  # [B, S_loc] tree index of a slot
-        in_tree = (u >= 0) & (u < t)
-        tree_vis = jnp.take_along_axis(tm, jnp.clip(u, 0, t - 1)[:, None, :], axis=2)  # [B, T, S_loc]
-        visible = ((u < 0)[:, None, :] | (in_tree[:, None, :] & tree_vis))[:, :, None, :]  # [B, T, 1, S_loc]
-        s = jnp.where(visible, s, -jnp.inf)
-        m = jnp.max(s, axis=-1)  # [B, T, H]
-        m_all = jax.lax.pmax(m, MODEL_AXES)
-        m_all = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
-        p = jnp.where(visible, jnp.exp(s - m_all[..., None]), 0.0)
-        part = jnp.concatenate([jnp.einsum("bths,bsr->bthr", p, lat.astype(f32)),
-                                jnp.sum(p, axis=-1)[..., None]], axis=-1)  # [B, T, H, R + 1]
+    def local(q, qp, lat, pe, nl, npe, ln, tm):
+        h_loc = q.shape[2]
+        qa = jax.lax.all_gather(q, MODEL_AXES, axis=2, tiled=True)  # [B, T, H, R]
+        qpa = jax.lax.all_gather(qp, MODEL_AXES, axis=2, tiled=True)  # [B, T, H, dr]
+        s_loc, me = lat.shape[1], jax.lax.axis_index(MODEL_AXES)
+        visible = jnp.clip(ln - me * s_loc, 0, s_loc)  # [B] committed slots in this block
+        out, lse = attend_prefix(qa, qpa, lat, pe, visible, scale)  # [B, T, H, R], [B, T, H]
+        peak = jax.lax.pmax(lse, MODEL_AXES)
+        peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+        w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - peak), 0.0)  # [B, T, H]
+        part = jnp.concatenate([out * w[..., None], w[..., None]], axis=-1)  # [B, T, H, R + 1]
         part = jax.lax.psum_scatter(part, MODEL_AXES, scatter_dimension=2, tiled=True)  # [B, T, H_loc, R + 1]
-        total = part[..., -1:]
-        return part[..., :-1] / jnp.where(total == 0, 1.0, total)
+        total = part[..., -1]
+        mine = jax.lax.dynamic_slice_in_dim(peak, me * h_loc, h_loc, axis=2)  # [B, T, H_loc]
+        pre = (part[..., :-1] / jnp.where(total == 0, 1.0, total)[..., None],
+               jnp.where(total > 0, mine + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf))
+        return combine(pre, attend_tree(q, qp, nl, npe, tm, scale))[0]
 
+    rows = P(bt, None, None)
     return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, cache_spec(mesh, latent.shape[0]),
-                                                     cache_spec(mesh, latent.shape[0]), P(bt), P(bt)),
-                         out_specs=heads, check_vma=False)(q_lat, q_pe, latent, k_pe, lengths, tree_mask)
+                                                     cache_spec(mesh, latent.shape[0]), rows, rows, P(bt), rows),
+                         out_specs=heads, check_vma=False)(q_lat, q_pe, latent, k_pe, new_lat, new_pe, lengths,
+                                                            tree_mask)
+
+
+def take_rows_sequence(cache: jax.Array, slots: jax.Array) -> jax.Array:
+    """Rows at global slots [B, P] of a sequence-sharded cache [B, S, C] -> [B, P, C], the same on every device of
+    the model axes: each device contributes the rows it holds (the others are zeros) and one sum joins them."""
+    mesh = current_mesh()
+    bt = _batch_axis(mesh, cache.shape[0])
+
+    def local(c, sl):
+        s_loc = c.shape[1]
+        loc = sl - jax.lax.axis_index(MODEL_AXES) * s_loc  # [B, P]
+        mine = (loc >= 0) & (loc < s_loc)
+        rows = jnp.take_along_axis(c, jnp.clip(loc, 0, s_loc - 1)[:, :, None], axis=1)  # [B, P, C]
+        return jax.lax.psum(jnp.where(mine[..., None], rows, jnp.zeros_like(rows)), MODEL_AXES)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(cache_spec(mesh, cache.shape[0]), P(bt)), out_specs=P(bt),
+                         check_vma=False)(cache, slots)
 
 
 @contextlib.contextmanager

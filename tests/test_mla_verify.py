@@ -11,7 +11,8 @@ import pytest
 
 import kdtree_jax as kj
 from kdtree_jax import kernels
-from kdtree_jax.kernels.mla_verify import mla_verify, mla_verify_ref, plan_splits
+from kdtree_jax.kernels.mla_verify import (combine_lse, mla_prefix, mla_verify, mla_verify_ref, plan_splits,
+                                          prefix_attention_ref, tree_attention_lse)
 from kdtree_jax.model import init_cache, moe_experts_ref, prefill, step
 
 from conftest import TOL, needs_gpu, rel_err
@@ -122,6 +123,46 @@ def test_fully_masked_row_gives_zeros(dtype):
     assert np.all(out[0, 2] == 0.0)
     assert np.any(out[1, 3] != 0.0)
     assert rel_err(out, attend64(*args, 0.2)) <= TOL[dtype]
+
+
+
+def prefix_lse64(q, qp, lat, pe, visible, scale):
+    """(out, log-sum-exp) over slots < visible[b] in float64 numpy; rows seeing nothing: 0 and -inf."""
+    q, qp, lat, pe = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, qp, lat, pe))
+    b, n, h, r = q.shape
+    out, lse = np.zeros((b, n, h, r)), np.full((b, n, h), -np.inf)
+    for bi in range(b):
+        k = min(max(int(visible[bi]), 0), lat.shape[1])
+        if k == 0:
+            continue
+        sc = (np.einsum("nhr,sr->nhs", q[bi], lat[bi, :k]) + np.einsum("nhp,sp->nhs", qp[bi], pe[bi, :k])) * scale
+        top = sc.max(-1, keepdims=True)
+        p = np.exp(sc - top)
+        out[bi] = np.einsum("nhs,sr->nhr", p, lat[bi, :k]) / p.sum(-1)[..., None]
+        lse[bi] = top[..., 0] + np.log(p.sum(-1))
+    return out, lse
+
+
+def test_blocks_combined_by_log_sum_exp_equal_the_whole_attention():
+    """What a sequence-sharded cache computes: the committed prefix cut into blocks (each attended alone, some
+    empty), plus the new tokens through the tree mask, combined by log-sum-exp = mla_absorbed_attention."""
+    rng = np.random.default_rng(7)
+    b, n, h, s, blocks = 3, 5, 4, 48, 4
+    q, qp, lat, pe, _, mask = make_inputs(rng, b, n, h, s)
+    lens = jnp.asarray([0, 20, s - n], jnp.int32)
+    want = np.asarray(mla_verify_ref(q, qp, lat, pe, lens, mask, 0.3))
+    take = jax.vmap(lambda c, st: jax.lax.dynamic_slice_in_dim(c, st, n, axis=0))
+    tree = tree_attention_lse(q, qp, take(lat, lens), take(pe, lens), mask, 0.3)
+    width = s // blocks
+    parts = [prefix_attention_ref(q, qp, lat[:, i * width:(i + 1) * width], pe[:, i * width:(i + 1) * width],
+                                  jnp.clip(lens - i * width, 0, width), 0.3) for i in range(blocks)]
+    out, lse = combine_lse(*parts, tree)
+    assert rel_err(out, want) <= 1e-5
+    whole, whole_lse = prefix_lse64(q, qp, lat, pe, lens, 0.3)
+    got, got_lse = combine_lse(*parts)
+    assert rel_err(got, whole) <= 1e-5
+    assert np.all(np.isneginf(np.asarray(got_lse)[0])) and np.all(np.asarray(got)[0] == 0.0)  # row 0 sees nothing
+    np.testing.assert_allclose(np.asarray(got_lse)[1:], whole_lse[1:], rtol=1e-5)
 
 
 def test_impl_xla_is_the_reference_and_vmap_works():
@@ -275,3 +316,26 @@ def test_gpu_fully_masked_rows_and_clamping(r, dr):
     out = np.asarray(run(args, 0.2, device=jax.devices("gpu")[0]), np.float32)
     assert np.all(np.isfinite(out)) and np.all(out[0, 3] == 0.0)
     assert rel_err(out, attend64(*args, 0.2)) <= 1e-2
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("b, n, h, s, splits", [(1, 1, 64, 16384, None), (8, 1, 64, 4096, None),
+                                                (2, 17, 64, 2048, None), (3, 4, 8, 300, 64)])
+def test_gpu_prefix_attention_with_lse_matches_float64(b, n, h, s, splits):
+    """mla_prefix on the CUDA fast path (the kernel's partials and stats combined in JAX) = float64, output and
+    log-sum-exp, with blocks seen whole, in part and not at all (the rows of a sequence-sharded cache)."""
+    rng = np.random.default_rng(hash((b, n, h, s)) % 2**32)
+    q, qp, lat, pe, _, _ = make_inputs(rng, b, n, h, s, 512, 64, jnp.bfloat16)
+    visible = np.array([0, s, s + 50, 77, 1, s // 2, 5, s - 1][:b], np.int32)
+    _poison((b, 16, n * h, 512))
+    gpu0 = jax.devices("gpu")[0]
+    args = [jax.device_put(x, gpu0) for x in (q, qp, lat, pe, jnp.asarray(visible))]
+    out, lse = jax.jit(lambda *a: mla_prefix(*a, 0.07, num_splits=splits))(*args)
+    want, want_lse = prefix_lse64(q, qp, lat, pe, visible, 0.07)
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert np.all(np.isfinite(out)) and not np.any(np.isnan(lse))
+    assert rel_err(out, want) <= 1e-2
+    seen = np.isfinite(want_lse)
+    assert np.array_equal(np.isfinite(lse), seen)
+    np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=2e-3, atol=2e-2)

@@ -90,7 +90,7 @@ def test_sequence_sharded_cache_equals_single_device(model, axes):
 
     import jax.numpy as jnp
 
-    from kdtree_jax.model import init_cache, prefill, step
+    from kdtree_jax.model import init_cache, move_accepted, prefill, step
 
     cfg, params, drafter, tokens, ref = model
     seq = dataclasses.replace(cfg, cache_sharding="sequence")
@@ -118,3 +118,15 @@ def test_sequence_sharded_cache_equals_single_device(model, axes):
     assert kj.generate(sharded, seq, PROMPTS, max_new_tokens=8).tokens == ref["ar"]
     out = kj.generate(sharded, seq, PROMPTS, max_new_tokens=8, method="ddtree", drafter=drafter, budget=8)
     assert out.tokens == ref["ar"]
+    # the verify step and the compaction of accepted nodes never gather a layer's cache onto one device
+    path = jnp.array([[0, 1, 3], [0, 2, -1], [0, -1, -1], [0, 1, -1]], jnp.int32)
+
+    def verify_and_move(p, c):
+        out = step(p, seq, new, c, depths=depths, tree_mask=mask)
+        return move_accepted(out.cache, seq, c.lengths, path, 4)
+
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(verify_and_move).lower(sharded, cache).compile().as_text()
+    gathers = [line for line in hlo.splitlines() if "all-gather(" in line or "all-gather-start(" in line]
+    assert gathers, "the queries are gathered over the heads"
+    assert not [g for g in gathers if f",{s}," in g.split("=")[1].split("all-gather")[0]], gathers

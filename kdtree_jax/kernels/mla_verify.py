@@ -191,3 +191,89 @@ def mla_absorbed_attention(q_lat, q_pe, latent, k_pe, lengths, tree_mask, scale)
     s = latent.shape[1]
     out = jnp.einsum("bths,bsr->bthr", p[..., :s], latent.astype(f32))
     return out + jnp.einsum("bthu,bur->bthr", p[..., s:], lat_new.astype(f32))
+
+
+def prefix_attention_ref(q_lat, q_pe, latent, pe, visible, scale):
+    """Attention of the queries over slots 0 .. visible[b] - 1 of the cache alone, with its log-sum-exp.
+
+    q_lat [B, T, H, R], q_pe [B, T, H, dr], latent [B, S, R], pe [B, S, dr], visible int [B] (any value; clamped
+    to 0 .. S by the comparison). Returns (out [B, T, H, R] fp32, normalized; lse [B, T, H] fp32, the natural log of
+    the sum of exp(scale * score) over the visible slots, -inf for a row that sees nothing, whose out is 0).
+    Partial results over disjoint slot sets combine exactly with `combine_lse`.
+    """
+    f32 = jnp.float32
+    s = (jnp.einsum("bthr,bsr->bths", q_lat, latent, preferred_element_type=f32)
+         + jnp.einsum("bthp,bsp->bths", q_pe, pe, preferred_element_type=f32)) * scale  # [B, T, H, S]
+    seen = (jnp.arange(latent.shape[1])[None, :] < visible[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    return _normalized_lse(jnp.where(seen, s, -jnp.inf), seen, latent.astype(f32))
+
+
+def tree_attention_lse(q_lat, q_pe, new_lat, new_pe, tree_mask, scale):
+    """Attention of the T new tokens' queries over the new tokens themselves through tree_mask [B, T, T], with its
+    log-sum-exp: new_lat [B, T, R], new_pe [B, T, dr] (the latents being written this step); the other arguments
+    and the results as in `prefix_attention_ref`."""
+    f32 = jnp.float32
+    s = (jnp.einsum("bthr,bur->bthu", q_lat, new_lat, preferred_element_type=f32)
+         + jnp.einsum("bthp,bup->bthu", q_pe, new_pe, preferred_element_type=f32)) * scale  # [B, T, H, T]
+    seen = tree_mask[:, :, None, :]  # [B, T, 1, T]
+    return _normalized_lse(jnp.where(seen, s, -jnp.inf), seen, new_lat.astype(f32))
+
+
+def _normalized_lse(s, seen, values):
+    """(softmax(s) @ values, logsumexp(s)) over the last axis of masked fp32 scores s [B, T, H, K]."""
+    peak = jnp.max(s, axis=-1)  # [B, T, H]
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    p = jnp.where(seen, jnp.exp(s - peak[..., None]), 0.0)
+    total = jnp.sum(p, axis=-1)
+    out = jnp.einsum("bthk,bkr->bthr", p, values) / jnp.where(total == 0, 1.0, total)[..., None]
+    return out, jnp.where(total > 0, peak + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+
+
+def combine_lse(*parts):
+    """One attention result from partial ones over disjoint key sets: parts of (out [..., R] normalized, lse [...]).
+    Returns (out, lse) as if the keys had been attended together; rows no part saw stay 0 / -inf."""
+    peak = functools.reduce(jnp.maximum, [lse for _, lse in parts])
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = [jnp.where(jnp.isfinite(lse), jnp.exp(lse - peak), 0.0) for _, lse in parts]
+    total = sum(weights)
+    out = sum(w[..., None] * o for (o, _), w in zip(parts, weights)) / jnp.where(total == 0, 1.0, total)[..., None]
+    return out, jnp.where(total > 0, peak + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+
+
+def mla_prefix(q_lat: jax.Array, q_pe: jax.Array, latent: jax.Array, pe: jax.Array, visible: jax.Array,
+               scale: float, *, impl: str = "ffi", num_splits: int | None = None):
+    """`prefix_attention_ref` on the CUDA fast path of the custom call where it applies (bf16, R = 512, dr = 64,
+    S >= T; the tree mask all false, so only slots < visible count): the kernel runs with at least two key splits
+    and its fp32 partials and (row max, row sum) stats are combined here into the output and the log-sum-exp.
+    Elsewhere (CPU, other shapes, impl="xla") the pure-JAX reference. Used per device on a sequence-sharded
+    cache, where each device attends over its own block of slots."""
+    b, t, h, r = (int(d) for d in q_lat.shape)
+    dr, s = int(q_pe.shape[-1]), int(latent.shape[1])
+    fast = impl == "ffi" and q_lat.dtype == jnp.bfloat16 and r == FAST_RANK and dr == FAST_ROPE and s >= t
+    if not fast:
+        return prefix_attention_ref(q_lat, q_pe, latent, pe, visible, scale)
+    _check(q_lat, q_pe, latent, pe, visible, jnp.zeros((b, t, t), bool), scale)
+    _registry.register()
+    splits = max(2, num_splits or plan_splits(b, t, h, s))
+    m = t * h
+    shapes = [jax.ShapeDtypeStruct((b, t, h, r), q_lat.dtype), jax.ShapeDtypeStruct((b, splits, m, r), jnp.float32),
+              jax.ShapeDtypeStruct((b, splits, m, 2), jnp.float32)]
+
+    def cuda(q, qp, lat, pe_, vis):
+        none = jnp.zeros((b, t, t), bool)
+        _, part, stats = jax.ffi.ffi_call("kdtree_mla_verify", shapes, vmap_method="sequential")(
+            q, qp, lat, pe_, vis, none, scale=np.float32(scale))
+        peak2, rowsum = stats[..., 0], stats[..., 1]  # [B, splits, M]: log2-scaled row max, row sum
+        top = jnp.max(jnp.where(rowsum > 0, peak2, -jnp.inf), axis=1)  # [B, M]
+        top = jnp.where(jnp.isfinite(top), top, 0.0)
+        w = jnp.where(rowsum > 0, rowsum * jnp.exp2(peak2 - top[:, None]), 0.0)  # [B, splits, M]
+        total = jnp.sum(w, axis=1)
+        out = jnp.einsum("bsm,bsmr->bmr", w, part) / jnp.where(total == 0, 1.0, total)[..., None]
+        lse = jnp.where(total > 0, (top + jnp.log2(jnp.where(total > 0, total, 1.0))) * math.log(2.0), -jnp.inf)
+        return out.reshape(b, t, h, r), lse.reshape(b, t, h)
+
+    def other(q, qp, lat, pe_, vis):
+        return prefix_attention_ref(q, qp, lat, pe_, vis, scale)
+
+    args = (q_lat, q_pe, latent, pe, visible.astype(jnp.int32))
+    return jax.lax.platform_dependent(*args, cuda=cuda, default=other)
