@@ -113,7 +113,6 @@ def test_sequence_sharded_cache_equals_single_device(model, axes):
         got, cache = jax.jit(lambda p: run(p, seq))(sharded)
     assert rel_err(got, want) <= 1e-5
     lat = cache.latent[0]
-    assert lat.sharding.spec[1] == ("ep", "tp")
     assert {sh.data.shape[1] for sh in lat.addressable_shards} == {s // n_model}
     assert kj.generate(sharded, seq, PROMPTS, max_new_tokens=8).tokens == ref["ar"]
     out = kj.generate(sharded, seq, PROMPTS, max_new_tokens=8, method="ddtree", drafter=drafter, budget=8)
