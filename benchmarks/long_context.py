@@ -50,6 +50,7 @@ from full_scale import narrow_shared, nbytes, per_device_cfg, time_step  # noqa:
 from kdtree_jax.kernels.mla_verify import combine_lse, mla_prefix, mla_verify, tree_attention_lse  # noqa: E402
 from kdtree_jax.model import init_cache, prefill_last, step  # noqa: E402
 from kdtree_jax.sharding import trace_context  # noqa: E402
+from profile_tools import profile_calls, top_kernels  # noqa: E402
 
 N = 8  # the mesh whose one device each 1-GPU part runs
 ROW_BYTES = (512 + 64) * 2  # one token's latent + rope key per layer, bf16
@@ -212,7 +213,18 @@ def part_prefill(args) -> dict:
                   f"({flops / ceil['matmul_flops'] / ttft:.0%}), compile {compile_s:.0f} s", flush=True)
             del cache
             _save(args, "prefill", dict(meta=_meta(args, ceil), layers=cfg.num_hidden_layers, rows=rows))
-    return dict(meta=_meta(args, ceil), layers=cfg.num_hidden_layers, rows=rows)
+    res = dict(meta=_meta(args, ceil), layers=cfg.num_hidden_layers, rows=rows)
+    if jax.default_backend() == "gpu" and not args.small:  # where the time of a 32k prompt goes, by kernel
+        t, chunk = 32768, args.chunks[-1]
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, t)), jnp.int32)
+        fn = jax.jit(lambda p, tok: prefill_last(p, cfg, tok, jnp.full((1,), t, jnp.int32),
+                                                 init_cache(cfg, 1, t + 64), chunk)[0])
+        with trace_context(params, cfg):
+            prof = profile_calls(fn, (params, tokens), 1)
+        res["profile"] = dict(tokens=t, chunk=chunk, busy_us=prof["busy_us"], top=top_kernels(prof, 15))
+        for k, c, us in res["profile"]["top"]:
+            print(f"  {us / prof['busy_us']:5.1%} {us / 1e3:9.1f} ms {c:6.0f}x {k[:90]}", flush=True)
+    return res
 
 
 def _mesh_step(cfg, params, mesh, batch: int, context: int, rng, sequence: bool) -> float:
@@ -373,6 +385,11 @@ def report(out_dir: str, commit: str) -> str:
             lines.append(f"| {r['tokens']} | {r['chunk']} | {r['ttft_s']:.2f} | {r['floor_s']:.2f} | "
                          f"{r['floor_s'] / r['ttft_s']:.0%} | {peak} | {r['params_bytes'] / 1e9:.1f} | "
                          f"{r['cache_bytes'] / 1e9:.1f} | {r['compile_s']:.0f} |")
+        prof = pf.get("profile")
+        if prof:
+            lines += ["", f"Kernels of one {prof['tokens']}-token prompt in chunks of {prof['chunk']} (GPU busy "
+                          f"{prof['busy_us'] / 1e6:.2f} s):", "", "| kernel | launches | ms | share |", "|---|---|---|---|"]
+            lines += [f"| `{k[:80]}` | {c:.0f} | {us / 1e3:.1f} | {us / prof['busy_us']:.0%} |" for k, c, us in prof["top"]]
         lines.append("")
     me = data.get("mesh")
     if me and me["rows"]:

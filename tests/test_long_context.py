@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import needs_gpu, rel_err
 
 import kdtree_jax as kj
-from kdtree_jax.model import init_cache, prefill, prefill_last
+from kdtree_jax.model import init_cache, naive_attention_lse, prefill, prefill_last
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +97,24 @@ def test_nonfinite_logits_are_an_error_not_token_0(tiny, method):
     params = params.__class__(**{**params.__dict__, "layers": params.layers[:-1] + (bad,)})
     with pytest.raises(FloatingPointError, match=r"NaN or inf logits for prompt\(s\) \[0, 1\]"):
         kj.generate(params, cfg, [[1, 2, 3], [4, 5]], max_new_tokens=4, method=method, drafter=drafter, budget=4)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("causal, lens", [(True, None), (False, [0, 700, 1024])])
+def test_gpu_cudnn_chunk_attention_matches_xla(causal, lens):
+    """The naive chunk attention on cuDNN's flash kernel (values padded 128 -> 192, its log-sum-exp returned)
+    equals the XLA form on fresh random bf16 inputs, output and log-sum-exp; a row that sees nothing is 0 / -inf."""
+    rng = np.random.default_rng(3)
+    b, t, h, s = 3, 256, 8, 1024 if lens else 256
+    q, k = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in ((b, t, h, 192), (b, s, h, 192)))
+    v = jnp.asarray(rng.standard_normal((b, s, h, 128)), jnp.bfloat16)
+    kv = None if lens is None else jnp.asarray(lens, jnp.int32)
+    fn = lambda impl: jax.jit(lambda *a: naive_attention_lse(*a, 0.072, causal=causal, kv_len=kv, impl=impl))(q, k, v)
+    (out, lse), (want, want_lse) = fn("cudnn"), fn("xla")
+    out, lse, want, want_lse = (np.asarray(x, np.float32) for x in (out, lse, want, want_lse))
+    assert np.all(np.isfinite(out)) and not np.any(np.isnan(lse))
+    assert rel_err(out, want) <= 2e-2
+    seen = np.isfinite(want_lse)
+    assert np.array_equal(np.isfinite(lse), seen)
+    np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=1e-2, atol=2e-2)
