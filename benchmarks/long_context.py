@@ -341,13 +341,13 @@ def report(out_dir: str, commit: str) -> str:
         if os.path.exists(path):
             with open(path) as f:
                 data[name] = json.load(f)
-    lines = [f"# Long context: K2.6 decode and prefill against their floors (commit {commit})", "",
+    lines = ["# Long context: K2.6 decode and prefill against their floors", "",
              "`python benchmarks/long_context.py PART --out DIR`, then `report`; every ratio below is between "
              "numbers measured in the same run of its part.", ""]
     sw = data.get("sweep")
     if sw:
         m = sw["meta"]
-        lines += [f"## Decode against the cache bytes ({m['date']}, {m['device']}, per-device program of ep=8, "
+        lines += [f"## Decode against the cache bytes ({m['date']}, {m['device']}, commit {m['commit']}, per-device program of ep=8, "
                   f"{sw['layers']} layers, copy {m['copy_Bps'] / 1e12:.2f} TB/s)", "",
                   "| batch | context | step ms | added per layer µs | added cache bytes at copy speed µs | ratio |",
                   "|---|---|---|---|---|---|"]
@@ -360,7 +360,8 @@ def report(out_dir: str, commit: str) -> str:
     at = data.get("attention")
     if at:
         m = at["meta"]
-        lines += [f"## One layer's attention on one GPU of eight, three cache layouts ({m['date']}, {m['device']})",
+        lines += [f"## One layer's attention on one GPU of eight, three cache layouts ({m['date']}, {m['device']}, commit "
+                  f"{m['commit']})",
                   "", "heads: 8 heads, whole cache of every row (today's default). sequence: 64 heads over 1/8 of "
                   "the slots + new tokens + combine (collectives below, under the 2-GPU part). dp: 64 heads over "
                   "the whole cache of ceil(B/8) rows + reading the 7/8 of the attention weights it replicates "
@@ -376,7 +377,7 @@ def report(out_dir: str, commit: str) -> str:
     pf = data.get("prefill")
     if pf:
         m = pf["meta"]
-        lines += [f"## Prefill of one long prompt ({m['date']}, {m['device']}, per-device program of ep=8, "
+        lines += [f"## Prefill of one long prompt ({m['date']}, {m['device']}, commit {m['commit']}, per-device program of ep=8, "
                   f"{pf['layers']} layers, bf16 matmul {m['matmul_flops'] / 1e12:.0f} TFLOP/s measured)", "",
                   "| prompt | chunk | time to first token s | compute floor s | % of floor | peak GB | weights GB | "
                   "cache GB | compile s |", "|---|---|---|---|---|---|---|---|---|"]
@@ -395,7 +396,7 @@ def report(out_dir: str, commit: str) -> str:
     if me and me["rows"]:
         m = me["meta"]
         lines += [f"## Replicated vs sequence-sharded cache on an ep=2 mesh ({m['date']}, {m['devices']} x "
-                  f"{m['device']}, K2-width layers, decode)", "",
+                  f"{m['device']}, commit {m['commit']}, K2-width layers, decode)", "",
                   "| context | batch | layers | replicated ms | sequence ms |", "|---|---|---|---|---|"]
         for r in me["rows"]:
             cell = lambda k: f"{1e3 * r[k]:.2f}" if k in r else "failed"
@@ -443,7 +444,7 @@ def _plot(out_dir: str, data: dict, commit: str) -> None:
         axes[1].set_xticks(x, labels)
         axes[1].set_ylabel("one layer's attention on 1 GPU of 8, µs")
         axes[1].legend()
-    fig.suptitle(f"K2.6 long context, commit {commit}")
+    fig.suptitle(f"K2.6 long context ({', '.join(sorted({d['meta']['commit'] for d in data.values()}))})")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "long_context.png"), dpi=110)
 
