@@ -108,6 +108,7 @@ def run(url: str, concurrencies: list[int], *, rounds: int = 2, max_tokens: int 
     prompts = heldout_prompts(max(concurrencies) * rounds, prompt_chars, seed)
     log(f"warming up: {len(prompts)} prompts at concurrency {max(concurrencies)}")
     asyncio.run(_level(url, model, prompts, max(concurrencies), 2, timeout))
+    log("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
     rows = []
     for c in concurrencies:
         results, wall = asyncio.run(_level(url, model, prompts[:c * rounds], c, max_tokens, timeout))

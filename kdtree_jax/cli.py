@@ -467,7 +467,6 @@ def bench_serve_command(args) -> int:
                         ("prompt-chars", args.prompt_chars)):
         if value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}")
-    print("| " + " | ".join(bench_serve.COLUMNS) + " |")
     result = bench_serve.run(args.url, levels, rounds=args.rounds, max_tokens=args.max_tokens,
                              prompt_chars=args.prompt_chars, seed=args.seed, model=args.model,
                              log=lambda line: print(line, flush=True))

@@ -301,7 +301,8 @@ class Engine:
 
     def describe(self) -> dict:
         """The engine's setup: method, budget, slots, context, chunk and device (for /health and benchmarks)."""
-        return dict(method=self.method, budget=self.budget, max_batch=self.max_batch, max_context=self.max_context,
+        return dict(method=self.method, budget=self.budget if self.method == "ddtree" else None,
+                    max_batch=self.max_batch, max_context=self.max_context,
                     max_queue=self.max_queue, chunk_steps=self.chunk_steps, device=_device_name())
 
     @property
@@ -362,10 +363,11 @@ class Engine:
                 if self._closing:
                     break
                 cancelled, self._cancelled = self._cancelled, set()
-                free = [s for s in range(self.max_batch) if s not in self._active]
-                admit, self._pending = self._pending[:len(free)], self._pending[len(free):]
             for r in [r for r in self._active.values() if r.id in cancelled]:
                 self._finish(r, "cancelled")
+            with self._cond:
+                free = [s for s in range(self.max_batch) if s not in self._active]
+                admit, self._pending = self._pending[:len(free)], self._pending[len(free):]
             try:
                 self._iterate(list(zip(admit, free)))
             except Exception as e:  # a device or compiler failure: the running requests fail, the engine goes on
