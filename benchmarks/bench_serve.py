@@ -33,9 +33,10 @@ def main() -> None:
 
     model = kj.load("builtin")
     levels = [int(c) for c in args.concurrency.split(",")]
-    runs = []
+    runs, loads = [], []
     for method in args.methods.split(","):
         print(f"## {method}", flush=True)
+        loads.append(f"{os.getloadavg()[0]:.1f} before {method}")
         with Engine(model.params, model.cfg, method=method, drafter=model.drafter, budget=args.budget,
                     max_batch=args.max_batch, max_context=args.max_context, chunk_steps=args.chunk_steps,
                     eos_id=model.tokenizer.eos_id) as engine:
@@ -48,7 +49,9 @@ def main() -> None:
     title = "kdtree-jax serve, embedded model: throughput and time to first token by concurrency"
     note = (f"Each decoding step computes all {args.max_batch} slots, free ones included (fixed shapes). Where the "
             "step is compute-bound (a CPU) a low concurrency pays for the empty slots and speculation pays for every "
-            "tree node; on a GPU, where a step of a small batch is bound by reading the weights, both cost little.")
+            "tree node; on a GPU, where a step of a small batch is bound by reading the weights, both cost little. "
+            f"Other jobs may share the machine: 1-minute load average {', '.join(loads)} (on {os.cpu_count()} "
+            "cores).")
     print("wrote", ", ".join(bench_serve.write(runs, args.out, args.name, title, note)))
 
 
