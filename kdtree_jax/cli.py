@@ -1,6 +1,7 @@
 """The `kdtree-jax` command line: `generate` (streamed text and the decoding stats), `bench` (tokens/s, tau and
-the equality with AR of ar / chain / ddtree on held-out text, side by side in one run) and `plan` (the memory one GPU
-needs for a model, a mesh and a workload, from shapes alone)."""
+the equality with AR of ar / chain / ddtree on held-out text, side by side in one run), `plan` (the memory one GPU
+needs for a model, a mesh and a workload, from shapes alone), `serve` (an OpenAI-compatible server with continuous
+batching) and `bench-serve` (a running server's throughput and latency at several concurrencies)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ def _parser() -> argparse.ArgumentParser:
                "  kdtree-jax generate --model /ckpt/k2 --method ddtree --budget 64 --prompt 'Hello'\n"
                "  kdtree-jax bench --budgets 16,64 --batch 4\n"
                "  kdtree-jax bench --model /ckpt/k2 --mesh tp=8 --kernels ffi --json k2.json\n"
-               "  kdtree-jax plan --model k2_6 --mesh ep=8 --context 262144 --concurrency 10 --budget 64\n")
+               "  kdtree-jax plan --model k2_6 --mesh ep=8 --context 262144 --concurrency 10 --budget 64\n"
+               "  kdtree-jax serve --model builtin --method ddtree --budget 16 --max-batch 8 --port 8000\n"
+               "  kdtree-jax bench-serve --url http://127.0.0.1:8000 --concurrency 1,2,4,8,10 --out results/\n")
     p.add_argument("--debug", action="store_true", help="on an error, show the traceback")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a continuation of a prompt",
@@ -40,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     _common(g)
+    _compilation_cache_arg(g)
 
     b = sub.add_parser("bench", help="tokens/s and tau of ar, chain and ddtree side by side",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -87,10 +91,63 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu-memory-gb", type=float, default=141.0,
                     help="memory of one GPU in GB (default: 141, an H200)")
     pl.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Serve the model over HTTP with OpenAI's API: POST /v1/completions and "
+                                   "/v1/chat/completions (JSON, or server-sent events with \"stream\": true), GET "
+                                   "/v1/models, /health and /metrics (Prometheus). Requests share --max-batch slots "
+                                   "(rows of one KV cache): a new request is prefilled into a free slot while the "
+                                   "others keep decoding, --chunk-steps decoding steps run per compiled call, and a "
+                                   "finished or disconnected request frees its slot at once. At temperature 0 each "
+                                   "request gets exactly the tokens `generate` gives its prompt alone.",
+                       epilog="request fields: max_tokens, temperature (default 1; 0 = greedy), stop, seed, stream, "
+                              "ignore_eos;\ntop_p and top_k are refused (400) unless off. Chat prompts use the "
+                              "checkpoint's chat template,\nelse one line 'role: content' per message, then "
+                              "'assistant:'.\n\nexample:\n"
+                              "  kdtree-jax serve --model builtin --method ddtree --budget 16 --port 8000\n"
+                              "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+                              "       -d '{\"model\": \"builtin\", \"prompt\": \"def fibonacci(n):\", "
+                              "\"max_tokens\": 64, \"temperature\": 0}'")
+    s.add_argument("--method", choices=("ar", "chain", "ddtree"), default="ddtree",
+                   help="ar: one token per step; chain: DFlash linear draft; ddtree: DDTree draft tree (default)")
+    s.add_argument("--budget", type=int, default=64, help="ddtree: draft tree nodes per step (default: 64)")
+    s.add_argument("--max-batch", type=int, default=8, help="slots: requests decoded together (default: 8)")
+    s.add_argument("--max-context", type=int, default=None,
+                   help="cache slots per request, a power of two: prompt + max_tokens (+ the draft tree) must fit. "
+                        "Default: the model's context, at most 8192")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a slot; past it requests get 429 (default: 64)")
+    s.add_argument("--chunk-steps", type=int, default=4,
+                   help="decoding steps per compiled call; new tokens are streamed after each (default: 4)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name requests must give (default: 'builtin', or the checkpoint directory's name)")
+    _common(s, hosts=False)
+    _compilation_cache_arg(s)
+
+    bs = sub.add_parser("bench-serve", help="a running server's tokens/s and time to first token by concurrency",
+                        description="Send streamed greedy completions (ignore_eos: exactly --max-tokens each) to a "
+                                    "running `kdtree-jax serve` from prompts of held-out standard-library files: at "
+                                    "each concurrency c, c clients send --rounds requests each, back to back. Every "
+                                    "prompt is sent once first (2 tokens) so that compilation is not timed. Prints "
+                                    "and writes (JSON, Markdown, PNG) per concurrency: aggregate tok/s, per-request "
+                                    "tok/s, time to first token p50/p99, tokens and wall seconds.")
+    bs.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    bs.add_argument("--concurrency", default="1,2,4,8,10", help="comma-separated (default: 1,2,4,8,10)")
+    bs.add_argument("--rounds", type=int, default=2, help="requests per client at each concurrency (default: 2)")
+    bs.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: 128)")
+    bs.add_argument("--prompt-chars", type=int, default=256, help="characters per prompt (default: 256)")
+    bs.add_argument("--seed", type=int, default=0, help="prompt choice (default: 0)")
+    bs.add_argument("--model", default=None, help="model name to request (default: the server's)")
+    bs.add_argument("--out", default="bench_serve", metavar="DIR", help="output directory (default: bench_serve/)")
+    bs.add_argument("--name", default="bench_serve", help="file name of the outputs, without extension")
     return p
 
 
-def _common(g: argparse.ArgumentParser) -> None:
+def _common(g: argparse.ArgumentParser, hosts: bool = True) -> None:
+    """--model, --seed, --mesh, --kernels, --ffi-ops and (with hosts) the multi-host flags."""
     g.add_argument("--model", default=None,
                    help="a converted checkpoint directory (kdtree-convert), or 'builtin'. Default: the embedded "
                         "model shipped in the package (else a random tiny model with a byte tokenizer)")
@@ -101,16 +158,45 @@ def _common(g: argparse.ArgumentParser) -> None:
                         "their product must equal the device count). Default: one device")
     g.add_argument("--kernels", choices=("xla", "ffi"), default=None,
                    help="custom calls (ffi) or their pure-JAX references (xla). Default: the model's setting")
+    g.add_argument("--ffi-ops", default=None, metavar="OPS",
+                   help="with custom calls, only these (comma-separated, from tree_build, tree_accept, mla_verify, "
+                        "marlin_moe; the rest in pure JAX), e.g. 'tree_build,tree_accept' for a small fp32 model "
+                        "whose attention and experts are off the CUDA fast paths. Implies --kernels ffi")
+    if not hosts:
+        return
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="several hosts: the address process 0 listens on; give --num-processes and --process-id too, "
                         "run the same command on every host (the mesh then spans every host's devices; only process "
                         "0 prints)")
     g.add_argument("--num-processes", type=int, default=None, metavar="N", help="several hosts: how many processes")
     g.add_argument("--process-id", type=int, default=None, metavar="I", help="several hosts: this process, 0..N-1")
-    g.add_argument("--ffi-ops", default=None, metavar="OPS",
-                   help="with custom calls, only these (comma-separated, from tree_build, tree_accept, mla_verify, "
-                        "marlin_moe; the rest in pure JAX), e.g. 'tree_build,tree_accept' for a small fp32 model "
-                        "whose attention and experts are off the CUDA fast paths. Implies --kernels ffi")
+
+
+def _compilation_cache_arg(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--no-compilation-cache", action="store_true",
+                   help="do not keep compiled programs across runs (default: kept in ~/.cache/kdtree-jax/jax, or "
+                        "$KDTREE_JAX_COMPILATION_CACHE, so that a restart does not compile again; that variable set "
+                        "to 'off' turns it off too)")
+
+
+def compilation_cache_dir() -> str | None:
+    """Where compiled programs are kept across runs: $KDTREE_JAX_COMPILATION_CACHE ('off': nowhere), else
+    kdtree-jax/jax in the user cache directory ($XDG_CACHE_HOME, else ~/.cache)."""
+    chosen = os.environ.get("KDTREE_JAX_COMPILATION_CACHE")
+    if chosen:
+        return None if chosen == "off" else chosen
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kdtree-jax", "jax")
+
+
+def _use_compilation_cache(args) -> None:
+    """Turn JAX's persistent compilation cache on, unless --no-compilation-cache or the variable says off."""
+    path = compilation_cache_dir()
+    if args.no_compilation_cache or path is None:
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
 
 
 def _seed(text: str) -> int:
@@ -186,6 +272,7 @@ def parse_mesh(text: str) -> dict[str, int]:
 def generate_command(args) -> int:
     import kdtree_jax as kj
 
+    _use_compilation_cache(args)
     params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
     ids = tok.encode(args.prompt)
     if args.method == "ar":
@@ -342,6 +429,52 @@ def plan_command(args) -> int:
     return 0 if p.fits else 1
 
 
+def serve_command(args) -> int:
+    try:
+        from kdtree_jax import serve
+    except ImportError as e:
+        raise ValueError(f"kdtree-jax serve needs the serve extra: pip install 'kdtree-jax[serve]' ({e})") from None
+    from kdtree_jax.engine import Engine
+
+    _use_compilation_cache(args)
+    params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
+    if args.method != "ar" and drafter is None:
+        raise ValueError(f"--method {args.method} needs a drafter and this model has none (use --method ar, or "
+                         "convert one with --drafter)")
+    checkpoint = args.model if args.model not in (None, "builtin") else None
+    name = args.served_model_name or (os.path.basename(os.path.normpath(checkpoint)) if checkpoint else "builtin")
+    with Engine(params, cfg, method=args.method, drafter=drafter, budget=args.budget, max_batch=args.max_batch,
+                max_context=args.max_context, max_queue=args.max_queue, chunk_steps=args.chunk_steps,
+                eos_id=tok.eos_id, seed=args.seed) as engine:
+        _log(f"compiling {args.method} for {args.max_batch} slots of {engine.max_context} tokens (a warm-up request) "
+             "...")
+        t0 = time.perf_counter()
+        engine.complete(tok.encode("def"), max_tokens=2)
+        _log(f"compiled in {time.perf_counter() - t0:.1f} s; serving {name!r} on http://{args.host}:{args.port}")
+        app = serve.create_app(engine, tok, name, serve.load_chat_template(checkpoint))
+        serve.run(app, args.host, args.port)
+    return 0
+
+
+def bench_serve_command(args) -> int:
+    from kdtree_jax import bench_serve
+
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        raise ValueError(f"--concurrency {args.concurrency!r}: expected comma-separated integers") from None
+    for name, value in (("concurrency", min(levels)), ("rounds", args.rounds), ("max-tokens", args.max_tokens),
+                        ("prompt-chars", args.prompt_chars)):
+        if value < 1:
+            raise ValueError(f"--{name} must be at least 1, got {value}")
+    result = bench_serve.run(args.url, levels, rounds=args.rounds, max_tokens=args.max_tokens,
+                             prompt_chars=args.prompt_chars, seed=args.seed, model=args.model,
+                             log=lambda line: print(line, flush=True))
+    paths = bench_serve.write([result], args.out, args.name, f"kdtree-jax serve: {result['setup']['model']}")
+    _log(f"wrote {', '.join(paths)}")
+    return 0
+
+
 MAX_ERROR_CHARS = 1000
 
 
@@ -368,7 +501,8 @@ def report_errors(prog: str, command, debug: bool, status: int) -> int:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    command = {"generate": generate_command, "bench": bench_command, "plan": plan_command}[args.command]
+    command = {"generate": generate_command, "bench": bench_command, "plan": plan_command, "serve": serve_command,
+               "bench-serve": bench_serve_command}[args.command]
     return report_errors("kdtree-jax", lambda: _join_and_run(command, args), args.debug, status=2)
 
 

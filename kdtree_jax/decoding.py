@@ -34,10 +34,16 @@ def nonfinite_rows(logits: jax.Array) -> jax.Array:
 
 
 def choose(logits: jax.Array, key: jax.Array, temperature: jax.Array, greedy: bool) -> jax.Array:
-    """The target's token for logits [..., V]: argmax when greedy, else a sample at `temperature`."""
+    """The target's token for logits [B, ..., V]: argmax when greedy, else a sample at `temperature`: one scalar, or
+    one per row f32 [B] where a row at 0 takes the argmax (requests with their own temperatures in one batch)."""
+    top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+        return top
+    if jnp.ndim(temperature) == 0:
+        return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+    t = temperature.reshape(-1, *(1,) * (logits.ndim - 1))  # [B, 1, ..., 1]
+    sample = jax.random.categorical(key, logits / jnp.where(t > 0, t, 1.0), axis=-1).astype(jnp.int32)
+    return jnp.where(t[..., 0] > 0, sample, top)
 
 
 def commit(out, num_out, done, new, n_new, eos_id, max_new):

@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("KDTREE_JAX_COMPILATION_CACHE", "off")  # the CLI's cache: tests compile afresh, write no ~/.cache
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

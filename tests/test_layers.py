@@ -17,8 +17,8 @@ LAYERS = [
     {"decoding"},
     {"ddtree"},
     {"generate", "builtin", "hf"},
-    {"checkpoint"},
-    {"plan", "train", "convert", "cli"},
+    {"checkpoint", "engine"},
+    {"plan", "train", "convert", "cli", "serve", "bench_serve"},
     {"__init__"},
 ]
 LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -34,7 +34,8 @@ def _cli(command: str) -> list[str]:
 
 
 def test_readme_has_its_examples():
-    assert len(PYTHON_BLOCKS) == 2 and len(BASH_BLOCKS) >= 3
+    """The third Python block (the `openai` client) runs against a server in tests/test_serve.py."""
+    assert len(PYTHON_BLOCKS) == 3 and len(BASH_BLOCKS) >= 3
 
 
 def test_single_device_block_runs():

@@ -1,0 +1,59 @@
+"""Serving throughput and latency of the embedded model by concurrency: for each method, a local `kdtree-jax serve`
+(the same engine and app, on 127.0.0.1) measured by `kdtree-jax bench-serve`'s client; the runs side by side in
+results/<name>.{json,md,png}, stamped with the date, the device and the commit.
+
+    JAX_PLATFORMS=cpu python benchmarks/bench_serve.py --name bench_serve_cpu
+"""
+
+import argparse
+import os
+
+import kdtree_jax as kj
+from kdtree_jax import bench_serve
+from kdtree_jax.engine import Engine
+from kdtree_jax.serve import BackgroundServer, create_app
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default="ar,ddtree", help="comma-separated, from ar, chain, ddtree (default: both)")
+    ap.add_argument("--budget", type=int, default=16, help="ddtree node budget (default: 16)")
+    ap.add_argument("--max-batch", type=int, default=10, help="server slots (default: 10)")
+    ap.add_argument("--chunk-steps", type=int, default=4, help="decoding steps per compiled call (default: 4)")
+    ap.add_argument("--max-context", type=int, default=512, help="cache slots per request (default: 512)")
+    ap.add_argument("--concurrency", default="1,2,4,8,10", help="comma-separated (default: 1,2,4,8,10)")
+    ap.add_argument("--rounds", type=int, default=2, help="requests per client per level (default: 2)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: 64)")
+    ap.add_argument("--prompt-chars", type=int, default=200,
+                    help="characters per prompt (default: 200: byte prompts of at most 256 tokens)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                    help="output directory (default: benchmarks/results)")
+    ap.add_argument("--name", default="bench_serve", help="output file name without extension")
+    args = ap.parse_args()
+
+    model = kj.load("builtin")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    runs, loads = [], []
+    for method in args.methods.split(","):
+        print(f"## {method}", flush=True)
+        loads.append(f"{os.getloadavg()[0]:.1f} before {method}")
+        with Engine(model.params, model.cfg, method=method, drafter=model.drafter, budget=args.budget,
+                    max_batch=args.max_batch, max_context=args.max_context, chunk_steps=args.chunk_steps,
+                    eos_id=model.tokenizer.eos_id) as engine:
+            server = BackgroundServer(create_app(engine, model.tokenizer, "builtin"))
+            try:
+                runs.append(bench_serve.run(server.url, levels, rounds=args.rounds, max_tokens=args.max_tokens,
+                                            prompt_chars=args.prompt_chars, log=lambda line: print(line, flush=True)))
+            finally:
+                server.stop()
+    title = "kdtree-jax serve, embedded model: throughput and time to first token by concurrency"
+    note = (f"Each decoding step computes all {args.max_batch} slots, free ones included (fixed shapes). Where the "
+            "step is compute-bound (a CPU) a low concurrency pays for the empty slots and speculation pays for every "
+            "tree node; on a GPU, where a step of a small batch is bound by reading the weights, both cost little. "
+            f"Other jobs may share the machine: 1-minute load average {', '.join(loads)} (on {os.cpu_count()} "
+            "cores).")
+    print("wrote", ", ".join(bench_serve.write(runs, args.out, args.name, title, note)))
+
+
+if __name__ == "__main__":
+    main()

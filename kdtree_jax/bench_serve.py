@@ -1,0 +1,183 @@
+"""`kdtree-jax bench-serve`: throughput and latency of a running server at several concurrencies.
+
+For each concurrency c, c clients send streamed /v1/completions requests back to back (`rounds` each: c x rounds
+requests), greedy, `ignore_eos` so that every request generates exactly max_tokens tokens, from prompts taken from
+the held-out files of the embedded model's corpus (standard-library files it was not trained on). Before the timed
+levels, every prompt is sent once (at the highest concurrency, 2 tokens each) so that compilation is not timed.
+Per level: aggregate tok/s (all tokens / wall time), per-request tok/s (mean of each request's tokens / its latency),
+time to first token p50 / p99, tokens and wall seconds. Results as JSON, a Markdown table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from .train import corpus_split
+
+
+def heldout_prompts(count: int, chars: int, seed: int) -> list[str]:
+    """`count` windows of `chars` characters from the held-out standard-library files, each starting at a line."""
+    _, held = corpus_split()
+    texts = [t for t in (p.read_text(errors="replace") for p in held) if len(t) > 2 * chars]
+    if not texts:
+        raise ValueError(f"no held-out file is longer than {2 * chars} characters")
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        text = texts[rng.integers(len(texts))]
+        start = text.rfind("\n", 0, int(rng.integers(len(text) - chars))) + 1
+        out.append(text[start:start + chars])
+    return out
+
+
+async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed request: its latency, time to first token and generated tokens."""
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, ignore_eos=True,
+                stream_options={"include_usage": True})
+    t0 = time.perf_counter()
+    first, tokens = None, None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"the server answered {r.status_code}: {(await r.aread()).decode()[:500]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError(f"the server failed a request: {data['error']['message']}")
+            if first is None and data["choices"] and data["choices"][0]["text"]:
+                first = time.perf_counter() - t0
+            if data.get("usage"):
+                tokens = data["usage"]["completion_tokens"]
+    latency = time.perf_counter() - t0
+    return dict(latency_s=latency, ttft_s=first if first is not None else latency, tokens=tokens or 0)
+
+
+async def _level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
+                 timeout: float) -> tuple[list[dict], float]:
+    """The prompts sent by `concurrency` clients, each sending its next request when the last one ends."""
+    todo = list(prompts)
+    results = []
+
+    async def client_loop(client):
+        while todo:
+            results.append(await _one(client, model, todo.pop(), max_tokens))
+
+    async with httpx.AsyncClient(base_url=url, timeout=timeout,
+                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        return results, time.perf_counter() - t0
+
+
+def summarize(concurrency: int, results: list[dict], wall: float) -> dict:
+    """One row of the table."""
+    ttft = np.array([r["ttft_s"] for r in results])
+    tokens = sum(r["tokens"] for r in results)
+    return dict(concurrency=concurrency, requests=len(results), tokens=tokens, wall_s=wall,
+                aggregate_tok_s=tokens / wall,
+                per_request_tok_s=float(np.mean([r["tokens"] / r["latency_s"] for r in results])),
+                ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)))
+
+
+def _commit() -> str | None:
+    """The commit of the source tree this package runs from, when it is a git checkout."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, text=True,
+                              capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def run(url: str, concurrencies: list[int], *, rounds: int = 2, max_tokens: int = 128, prompt_chars: int = 256,
+        seed: int = 0, model: str | None = None, timeout: float = 600.0, log=print) -> dict:
+    """Warm the server up, then time each concurrency; returns {"setup": ..., "rows": [...]}."""
+    url = url.rstrip("/")
+    with httpx.Client(base_url=url, timeout=timeout) as c:
+        model = model or c.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+        server = c.get("/health").raise_for_status().json()
+    prompts = heldout_prompts(max(concurrencies) * rounds, prompt_chars, seed)
+    log(f"warming up: {len(prompts)} prompts at concurrency {max(concurrencies)}")
+    asyncio.run(_level(url, model, prompts, max(concurrencies), 2, timeout))
+    log("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
+    rows = []
+    for c in concurrencies:
+        results, wall = asyncio.run(_level(url, model, prompts[:c * rounds], c, max_tokens, timeout))
+        rows.append(summarize(c, results, wall))
+        log(format_row(rows[-1]))
+    setup = dict(url=url, model=model, server=server, rounds=rounds, max_tokens=max_tokens, prompt_chars=prompt_chars,
+                 seed=seed, date=datetime.date.today().isoformat(), commit=_commit())
+    return dict(setup=setup, rows=rows)
+
+
+COLUMNS = ("concurrency", "aggregate tok/s", "per-request tok/s", "TTFT p50 ms", "TTFT p99 ms", "tokens", "wall s")
+
+
+def format_row(r: dict) -> str:
+    return (f"| {r['concurrency']} | {r['aggregate_tok_s']:.1f} | {r['per_request_tok_s']:.1f} | "
+            f"{1e3 * r['ttft_p50_s']:.0f} | {1e3 * r['ttft_p99_s']:.0f} | {r['tokens']} | {r['wall_s']:.2f} |")
+
+
+def markdown(runs: list[dict], title: str, note: str = "") -> str:
+    """A table per run, under a heading that says what each run measured (and the note under the title)."""
+    lines = [f"# {title}", ""] + ([note, ""] if note else [])
+    for run_ in runs:
+        s, srv = run_["setup"], run_["setup"]["server"]
+        lines += [f"## {srv.get('method')}" + (f" (budget {srv['budget']})" if srv.get("budget") else ""), "",
+                  f"{s['date']}, {srv.get('device')}, commit {s['commit']}. Model {s['model']}, max_batch "
+                  f"{srv.get('max_batch')}, chunk_steps {srv.get('chunk_steps')}; {s['rounds']} requests per client, "
+                  f"{s['max_tokens']} tokens each (greedy, ignore_eos), held-out prompts of {s['prompt_chars']} "
+                  "characters; TTFT = time to the first streamed text.", "",
+                  "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += [format_row(r) for r in run_["rows"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], path: str, title: str) -> None:
+    """Aggregate and per-request tok/s (left) and TTFT p50 (right) against concurrency, a line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for run_ in runs:
+        srv = run_["setup"]["server"]
+        label = srv.get("method", "?") + (f" {srv['budget']}" if srv.get("budget") else "")
+        c = [r["concurrency"] for r in run_["rows"]]
+        line, = ax.plot(c, [r["aggregate_tok_s"] for r in run_["rows"]], "o-", label=f"{label} aggregate")
+        ax.plot(c, [r["per_request_tok_s"] for r in run_["rows"]], "s--", color=line.get_color(),
+                label=f"{label} per request")
+        ax2.plot(c, [1e3 * r["ttft_p50_s"] for r in run_["rows"]], "o-", color=line.get_color(), label=label)
+    ax.set(xlabel="concurrent requests", ylabel="tokens / s", title="throughput")
+    ax2.set(xlabel="concurrent requests", ylabel="ms", title="time to first token (p50)")
+    for a in (ax, ax2):
+        a.set_xticks(sorted({r["concurrency"] for run_ in runs for r in run_["rows"]}))
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(runs: list[dict], out_dir: str, name: str, title: str, note: str = "") -> list[str]:
+    """name.json, name.md and name.png in out_dir; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, name)
+    with open(base + ".json", "w") as f:
+        json.dump(runs, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(runs, title, note))
+    plot(runs, base + ".png", title)
+    return [base + ext for ext in (".json", ".md", ".png")]

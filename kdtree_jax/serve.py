@@ -1,0 +1,467 @@
+"""`kdtree-jax serve`: an OpenAI-compatible HTTP API (FastAPI on uvicorn) over the continuous-batching `Engine`.
+
+Endpoints: POST /v1/completions and /v1/chat/completions (a JSON answer, or with "stream": true server-sent events
+ending with `data: [DONE]`), GET /v1/models, /health and /metrics (Prometheus text format).
+
+Request fields: model (the served name), prompt or messages, max_tokens (chat: max_completion_tokens too),
+temperature (default 1, as OpenAI's API; 0 is greedy), top_p (1 only, for now), top_k (off only: absent, 0 or -1),
+stop (a string or a list of up to 4), seed (fixes the first token: the batch shares one random stream), stream,
+stream_options.include_usage, n (1 only), ignore_eos (vLLM's extension: run to max_tokens). Other fields are ignored.
+Errors are OpenAI-style JSON {"error": {"message", "type", "param", "code"}}: 400 for a bad request (context overflow,
+unknown model, bad parameter), 429 when the waiting queue is full, 500 when the model fails on a request, 503 when the
+engine is down. A client that disconnects, or a stop string, cancels its request and frees its slot.
+
+Chat prompts use the checkpoint's chat template (`chat_template.jinja`, or "chat_template" in
+tokenizer_config.json), else EMBEDDED_CHAT_TEMPLATE: one line "role: content" per message, then "assistant:".
+
+This module needs the `serve` extra (fastapi, uvicorn, jinja2); the rest of the package does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import AsyncIterator
+
+import jinja2.sandbox
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from .engine import ContextOverflow, Engine, EngineClosed, Event, QueueFull
+from .tokenizer import TOKENIZER_CONFIG_FILE
+
+log = logging.getLogger("kdtree_jax.serve")
+
+EMBEDDED_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+MAX_STOP_STRINGS = 4
+DEFAULT_MAX_TOKENS = 256  # when a request gives none (and the context has room)
+
+
+def load_chat_template(model_dir: str | None) -> str:
+    """The chat template of a checkpoint directory (its chat_template.jinja, else tokenizer_config.json's
+    "chat_template", a string or a list of named templates of which "default" is used), else EMBEDDED_CHAT_TEMPLATE."""
+    if model_dir:
+        path = os.path.join(model_dir, CHAT_TEMPLATE_FILE)
+        if os.path.exists(path):
+            with open(path) as f:
+                return f.read()
+        path = os.path.join(model_dir, TOKENIZER_CONFIG_FILE)
+        if os.path.exists(path):
+            with open(path) as f:
+                template = json.load(f).get("chat_template")
+            if isinstance(template, list):
+                template = {t.get("name"): t.get("template") for t in template}.get("default")
+            if isinstance(template, str):
+                return template
+    return EMBEDDED_CHAT_TEMPLATE
+
+
+class BadRequest(Exception):
+    """A request the server refuses with a 400 (or `status`), in OpenAI's error format."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+
+
+def _error_response(e: BadRequest) -> JSONResponse:
+    return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}},
+                        status_code=e.status)
+
+
+class TextStream:
+    """Token ids -> text deltas for one request: holds back a trailing partial UTF-8 character (decoded as U+FFFD)
+    and the longest end of the text that begins a stop string, and cuts the text before the first stop string (which
+    never starts in text already sent: what was sent was never the beginning of a stop string)."""
+
+    def __init__(self, tokenizer, stop: list[str], eos_id: int):
+        self.tokenizer, self.stop, self.eos_id = tokenizer, stop, eos_id
+        self.ids: list[int] = []
+        self.sent = 0  # characters handed out
+        self.stopped = False  # a stop string was found
+
+    def feed(self, ids: list[int], final: bool = False) -> str:
+        """The text that the new ids make safe to send (with `final`, all the rest)."""
+        self.ids += [i for i in ids if i != self.eos_id]
+        text = self.tokenizer.decode(self.ids)
+        cut = min((i for s in self.stop if (i := text.find(s, self.sent)) >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            end = cut
+        elif final:
+            end = len(text)
+        else:
+            ready = text.rstrip("\ufffd")
+            held = max((k for s in self.stop for k in range(1, len(s)) if ready.endswith(s[:k])), default=0)
+            end = max(self.sent, len(ready) - held)
+        delta, self.sent = text[self.sent:end], end
+        return delta
+
+
+def _int(body: dict, name: str, default, low: int, high: int | None = None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value >= high):
+        bound = f"an integer >= {low}" + (f" and < {high}" if high is not None else "")
+        raise BadRequest(f"{name} must be {bound}, got {value!r}", param=name)
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"{name} must be a number, got {value!r}", param=name)
+    return float(value)
+
+
+class _Options:
+    """The decoding parameters of one request, validated."""
+
+    def __init__(self, body: dict, max_tokens_names: tuple[str, ...]):
+        given = [n for n in max_tokens_names if body.get(n) is not None]
+        self.max_tokens = _int(body, given[0], None, 1) if given else None
+        self.temperature = _number(body, "temperature", 1.0)
+        if not 0 <= self.temperature <= 2:
+            raise BadRequest(f"temperature must be in [0, 2], got {self.temperature}", param="temperature")
+        if _number(body, "top_p", 1.0) != 1.0:
+            raise BadRequest("top_p other than 1 is not supported yet", param="top_p")
+        if body.get("top_k") not in (None, 0, -1):
+            raise BadRequest("top_k is not supported yet (give none, 0 or -1)", param="top_k")
+        if _int(body, "n", 1, 1) != 1:
+            raise BadRequest("n must be 1 (one choice per request)", param="n")
+        for name in ("logprobs", "echo", "suffix", "logit_bias", "tools"):
+            if body.get(name) not in (None, False):
+                raise BadRequest(f"{name} is not supported", param=name)
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else stop or []
+        if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
+                or not all(isinstance(s, str) and s for s in stop)):
+            raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
+                             param="stop")
+        self.stop = stop
+        self.seed = _int(body, "seed", 0, 0, 2**63)
+        self.stream = body.get("stream", False)
+        self.ignore_eos = body.get("ignore_eos", False)
+        stream_options = body.get("stream_options") or {}
+        self.stream_usage = stream_options.get("include_usage", False) if isinstance(stream_options, dict) else None
+        for name in ("stream", "ignore_eos", "stream_usage"):
+            if not isinstance(getattr(self, name), bool):
+                raise BadRequest(f"{name} must be true or false", param=name)
+
+
+class _Submitted:
+    """One request in the engine, seen from the event loop: its events through an asyncio queue."""
+
+    def __init__(self, engine: Engine, ids: list[int], opts: _Options):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.engine = engine
+        self.id = engine.submit(ids, max_tokens=opts.max_tokens, temperature=opts.temperature, seed=opts.seed,
+                                ignore_eos=opts.ignore_eos,
+                                on_event=lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev))
+
+    async def events(self) -> AsyncIterator[Event]:
+        while True:
+            ev = await self.queue.get()
+            yield ev
+            if ev.finish is not None:
+                return
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.id)  # nothing happens if it has finished
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose request is cancelled however the response ends (done, client gone, error)."""
+
+    def __init__(self, body, submitted: _Submitted):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.submitted = submitted
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.submitted.cancel()
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class Server:
+    """The app's state: the engine, the tokenizer, the served name, the chat template and the HTTP counters."""
+
+    def __init__(self, engine: Engine, tokenizer, model_name: str, chat_template: str = EMBEDDED_CHAT_TEMPLATE):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = self._template_error
+        self.template = env.from_string(chat_template)
+        self.created = int(time.time())
+        self.responses: dict[int, int] = {}  # HTTP status -> count
+
+    @staticmethod
+    def _template_error(message: str):
+        raise BadRequest(f"the chat template refused the messages: {message}", param="messages")
+
+    def count(self, status: int) -> None:
+        self.responses[status] = self.responses.get(status, 0) + 1
+
+    # --------------------------------------------------------------------------------------------------------------
+
+    def check_model(self, body: dict) -> None:
+        if body.get("model") != self.model_name:
+            raise BadRequest(f"unknown model {body.get('model')!r}; this server serves {self.model_name!r}",
+                             param="model", code="model_not_found")
+
+    def prompt_ids(self, prompt) -> list[int]:
+        """A completion prompt: a string, a list of token ids, or a one-element list of either."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return prompt
+        raise BadRequest("prompt must be a non-empty string or list of token ids (one prompt per request)",
+                         param="prompt")
+
+    def chat_ids(self, messages) -> list[int]:
+        """The chat template applied to the messages (text content only), with the assistant's turn opened."""
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list", param="messages")
+        clean = []
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise BadRequest(f"messages[{i}]: only text content parts are supported", param="messages")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+                raise BadRequest(f"messages[{i}] must be an object with a string role and text content",
+                                 param="messages")
+            clean.append({"role": m["role"], "content": content})
+        tok = self.tokenizer
+        special = {name: tok.decode([i]) for name, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id))
+                   if i is not None}
+        return tok.encode(self.template.render(messages=clean, add_generation_prompt=True, **special))
+
+    def submit(self, ids: list[int], opts: _Options) -> _Submitted:
+        """Start the request in the engine (its errors as BadRequest with the right status)."""
+        if opts.max_tokens is None:
+            room = self.engine.max_context - len(ids) - self.engine.extra_slots
+            opts.max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
+        try:
+            return _Submitted(self.engine, ids, opts)
+        except ContextOverflow as e:
+            raise BadRequest(str(e), param="max_tokens", code="context_length_exceeded") from None
+        except (ValueError, TypeError) as e:
+            raise BadRequest(str(e)) from None
+        except QueueFull as e:
+            raise BadRequest(f"the server is busy: {e}; retry later", status=429, kind="rate_limit_error",
+                             code="queue_full") from None
+        except EngineClosed as e:
+            raise BadRequest(str(e), status=503, kind="server_error") from None
+
+    async def run(self, sub: _Submitted, opts: _Options) -> AsyncIterator[tuple[str, str | None, int]]:
+        """(text delta, finish reason or None, tokens so far) as the request decodes; a stop string ends it (finish
+        "stop") and cancels it. A request that fails raises BadRequest(status 500)."""
+        text = TextStream(self.tokenizer, opts.stop, self.engine.eos_id)
+        n = 0
+        async for ev in sub.events():
+            n += len(ev.tokens)
+            if ev.finish == "error":
+                raise BadRequest(f"generation failed: {ev.error}", status=500, kind="server_error")
+            delta = text.feed(ev.tokens, final=ev.finish is not None)
+            if text.stopped:
+                sub.cancel()
+                yield delta, "stop", n
+                return
+            yield delta, ev.finish, n
+
+    # --------------------------------------------------------------------------------------------------------------
+
+    async def completion(self, body: dict, chat: bool):
+        """The answer to /v1/completions (chat False) or /v1/chat/completions (chat True)."""
+        self.check_model(body)
+        opts = _Options(body, ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
+        ids = self.chat_ids(body.get("messages")) if chat else self.prompt_ids(body.get("prompt"))
+        sub = self.submit(ids, opts)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        head = dict(id=rid, object="chat.completion" if chat else "text_completion", created=int(time.time()),
+                    model=self.model_name)
+        if opts.stream:
+            return _EventStream(self._events(sub, opts, head, chat, len(ids)), sub)
+        try:
+            parts, finish, n = [], None, 0
+            async for delta, finish, n in self.run(sub, opts):
+                parts.append(delta)
+        finally:
+            sub.cancel()
+        text = "".join(parts)
+        choice = (dict(index=0, message=dict(role="assistant", content=text), finish_reason=finish) if chat
+                  else dict(index=0, text=text, finish_reason=finish, logprobs=None))
+        usage = dict(prompt_tokens=len(ids), completion_tokens=n, total_tokens=len(ids) + n)
+        return JSONResponse(dict(head, choices=[choice], usage=usage))
+
+    async def _events(self, sub: _Submitted, opts: _Options, head: dict, chat: bool, prompt_tokens: int):
+        head = dict(head, object="chat.completion.chunk" if chat else "text_completion")
+
+        def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
+            if chat:
+                d = ({"role": "assistant", "content": ""} if role else {} if delta is None else {"content": delta})
+                return _sse(dict(head, choices=[dict(index=0, delta=d, finish_reason=finish)]))
+            return _sse(dict(head, choices=[dict(index=0, text=delta or "", finish_reason=finish, logprobs=None)]))
+
+        if chat:
+            yield chunk(None, None, role=True)
+        try:
+            async for delta, finish, n in self.run(sub, opts):
+                if delta:
+                    yield chunk(delta, None)
+                if finish is not None:
+                    yield chunk(None, finish)
+                    usage = dict(prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n)
+                    if opts.stream_usage:
+                        yield _sse(dict(head, choices=[], usage=usage))
+        except BadRequest as e:
+            yield _sse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
+        yield "data: [DONE]\n\n"
+
+    def metrics(self) -> str:
+        """Prometheus text: requests by outcome and by HTTP status, tokens, tau, queue depth, busy slots, step time."""
+        s = self.engine.snapshot()
+        lines = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]):
+            lines.extend([f"# HELP kdtree_{name} {help_text}", f"# TYPE kdtree_{name} {kind}"])
+            lines.extend(f"kdtree_{name}{labels} {value}" for labels, value in samples)
+
+        metric("requests_total", "counter", "Requests finished in the engine, by outcome (cancelled: the client "
+               "left, or a stop string ended it).",
+               [(f'{{outcome="{k}"}}', s[f"finished_{k}"]) for k in ("stop", "length", "cancelled", "error")])
+        metric("http_responses_total", "counter", "Responses to completion requests, by HTTP status.",
+               [(f'{{status="{k}"}}', v) for k, v in sorted(self.responses.items())])
+        metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", s["prompt_tokens"])])
+        metric("generated_tokens_total", "counter", "Tokens generated.", [("", s["generated_tokens"])])
+        metric("decode_steps_total", "counter", "Decoding steps of the batch (target forwards after prefill).",
+               [("", s["steps"])])
+        metric("decode_step_seconds_total", "counter", "Wall time of the decoding chunks.", [("", s["chunk_seconds"])])
+        tau = s["step_tokens"] / s["row_steps"] if s["row_steps"] else 0.0
+        metric("tau", "gauge", "Tokens committed per request per decoding step, since the start.", [("", tau)])
+        metric("step_seconds", "gauge", "Wall time of one decoding step of the batch, in the latest chunk.",
+               [("", s["last_step_seconds"])])
+        metric("queue_depth", "gauge", "Requests waiting for a slot.", [("", s["queue_depth"])])
+        metric("active_slots", "gauge", "Slots decoding a request.", [("", s["active_slots"])])
+        metric("max_batch", "gauge", "Slots (rows of the batch).", [("", s["max_batch"])])
+        return "\n".join(lines) + "\n"
+
+
+def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = EMBEDDED_CHAT_TEMPLATE) -> FastAPI:
+    """The FastAPI app over an engine (the engine's lifetime is the caller's)."""
+    server = Server(engine, tokenizer, model_name, chat_template)
+    app = FastAPI(title="kdtree-jax", description="OpenAI-compatible completions with continuous batching")
+    app.state.server = server
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise BadRequest("the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    async def answer(request: Request, chat: bool):
+        try:
+            response = await server.completion(await body_of(request), chat)
+        except BadRequest as e:
+            server.count(e.status)
+            return _error_response(e)
+        except Exception as e:  # a bug or a broken chat template: this request fails, the server goes on
+            log.exception("request failed")
+            server.count(500)
+            return _error_response(BadRequest(f"{type(e).__name__}: {e}", status=500, kind="server_error"))
+        server.count(200)
+        return response
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await answer(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
+                                            "owned_by": "kdtree-jax"}]}
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok", "model": model_name, **engine.describe()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+class BackgroundServer:
+    """An app served by uvicorn on a thread, from a socket that listens before the thread starts (requests may be
+    sent as soon as the constructor returns). port 0 picks a free port; `url` says which. For tests and benchmarks;
+    `stop()` shuts the server down and joins its thread."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        self._sock = socket.create_server((host, port))
+        self.url = f"http://{host}:{self._sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name="kdtree-jax-http")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self._main = self._loop.create_task(self._server.serve(sockets=[self._sock]), name="uvicorn")
+            self._loop.run_until_complete(self._main)
+        finally:
+            self._loop.close()
+
+    def other_tasks(self, timeout: float = 10.0) -> list[str]:
+        """The names of the tasks on the server's event loop, besides uvicorn's own, that are still running after
+        `timeout` seconds (requests in flight, or tasks left behind)."""
+
+        async def probe():
+            others = [t for t in asyncio.all_tasks() if t not in (asyncio.current_task(), self._main)]
+            if others:
+                await asyncio.wait(others, timeout=timeout)
+            return [t.get_name() for t in others if not t.done()]
+
+        return asyncio.run_coroutine_threadsafe(probe(), self._loop).result()
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join()
+        self._sock.close()
+
+
+def run(app, host: str, port: int) -> None:
+    """Serve until interrupted (Ctrl-C or SIGTERM)."""
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off")).run()

@@ -1,0 +1,305 @@
+"""`kdtree-jax serve`: the continuous-batching engine and the OpenAI-compatible server, on the embedded model.
+
+One server (ddtree, 4 slots) is started once for the module on 127.0.0.1 and driven with the official `openai` client
+and raw HTTP: every greedy answer must be exactly `generate`'s tokens for that prompt alone, whatever else is in
+flight; a disconnect frees its slot; bad requests get 400s, a full queue 429; the last test shuts everything down and
+checks that no thread or task is left behind.
+"""
+
+import concurrent.futures
+import functools
+import json
+import os
+import pathlib
+import queue
+import re
+import subprocess
+import sys
+import threading
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import kdtree_jax as kj  # noqa: E402
+from kdtree_jax.engine import Engine, Event  # noqa: E402
+from kdtree_jax.serve import BackgroundServer, TextStream, create_app  # noqa: E402
+
+ROOT = pathlib.Path(__file__).parent.parent
+BUDGET, SLOTS, CONTEXT, QUEUE = 8, 4, 256, 8
+# prompts of two padded lengths (16 and 32 bytes), so that few shapes compile
+PROMPTS = ["def fib(n):\n    ", "import os\nimport", "class Foo:\n    ", "for i in range(", "    return self.",
+           "# Copyright 2001 Python Software", "def main():\n    parser = argparse.",
+           "if __name__ == '__main__':\n    ", "try:\n    import json\nexcept Imp", "with open(path) as f:\n    data"]
+MAX_TOKENS = [12, 30]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kj.load("builtin")
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    threads_before = set(threading.enumerate())
+    engine = Engine(model.params, model.cfg, method="ddtree", drafter=model.drafter, budget=BUDGET, max_batch=SLOTS,
+                    max_context=CONTEXT, max_queue=QUEUE, eos_id=model.tokenizer.eos_id)
+    server = BackgroundServer(create_app(engine, model.tokenizer, "builtin"))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    running = {"up": True}
+
+    def shutdown():
+        if running.pop("up", False):
+            client.close()
+            server.stop()
+            engine.close()
+
+    yield dict(engine=engine, server=server, client=client, url=server.url, threads_before=threads_before,
+               shutdown=shutdown)
+    shutdown()
+
+
+@pytest.fixture(scope="module")
+def solo(model):
+    """solo(prompt, max_tokens, method="ddtree"): generate's greedy tokens for this prompt alone (EOS included)."""
+
+    @functools.cache
+    def tokens(prompt: str, max_tokens: int, method: str = "ddtree") -> list[int]:
+        out = kj.generate(model, [model.tokenizer.encode(prompt)], max_new_tokens=max_tokens, method=method,
+                          budget=BUDGET, eos_id=model.tokenizer.eos_id)
+        return out.tokens[0]
+
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def solo_text(model, solo):
+    """solo_text(prompt, max_tokens): (text, finish reason, tokens) that the server must answer a greedy request."""
+
+    def answer(prompt: str, max_tokens: int) -> tuple[str, str, int]:
+        tokens = solo(prompt, max_tokens)
+        finish = "stop" if tokens[-1] == model.tokenizer.eos_id else "length"
+        return model.tokenizer.decode(tokens), finish, len(tokens)
+
+    return answer
+
+
+def test_openai_client_completions_streamed_and_not(served, solo_text):
+    client = served["client"]
+    assert [m.id for m in client.models.list().data] == ["builtin"]
+    want, finish, n = solo_text(PROMPTS[0], MAX_TOKENS[1])
+    r = client.completions.create(model="builtin", prompt=PROMPTS[0], max_tokens=MAX_TOKENS[1], temperature=0)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (want, finish, n)
+    assert r.usage.prompt_tokens == len(PROMPTS[0])
+    chunks = list(client.completions.create(model="builtin", prompt=PROMPTS[0], max_tokens=MAX_TOKENS[1],
+                                            temperature=0, stream=True))
+    texts = [c.choices[0].text for c in chunks if c.choices[0].text]
+    assert "".join(texts) == want and len(texts) > 1  # streamed in pieces as the chunks of steps finish
+    assert chunks[-1].choices[0].finish_reason == finish
+
+    stop = want[len(want) // 2:len(want) // 2 + 2]  # a stop string that the answer contains
+    r = client.completions.create(model="builtin", prompt=PROMPTS[0], max_tokens=MAX_TOKENS[1], temperature=0,
+                                  stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want[:want.index(stop)], "stop")
+    streamed = client.completions.create(model="builtin", prompt=PROMPTS[0], max_tokens=MAX_TOKENS[1],
+                                         temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want[:want.index(stop)]
+
+
+def test_openai_client_chat_streamed_and_not(served, solo_text):
+    client = served["client"]
+    messages = [{"role": "user", "content": "def fib"}]
+    want, finish, _ = solo_text("user: def fib\nassistant:", MAX_TOKENS[0])  # the embedded template
+    r = client.chat.completions.create(model="builtin", messages=messages, max_tokens=MAX_TOKENS[0], temperature=0)
+    assert (r.choices[0].message.role, r.choices[0].message.content, r.choices[0].finish_reason) == (
+        "assistant", want, finish)
+    chunks = list(client.chat.completions.create(model="builtin", messages=messages, max_tokens=MAX_TOKENS[0],
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_concurrent_clients_each_get_their_solo_output(served, solo_text):
+    """10 greedy clients (more than the slots: requests wait and join mid-flight) next to 2 sampling ones."""
+    client = served["client"]
+    jobs = [(p, MAX_TOKENS[i % 2], 0.0) for i, p in enumerate(PROMPTS)] + [(PROMPTS[1], 20, 0.9), (PROMPTS[6], 20, 1.5)]
+
+    def ask(job):
+        prompt, max_tokens, temperature = job
+        r = client.completions.create(model="builtin", prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                                      seed=3, extra_body={"ignore_eos": temperature > 0})
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(ask, jobs))
+    for (prompt, max_tokens, temperature), answer in zip(jobs, answers):
+        if temperature == 0:
+            assert answer == solo_text(prompt, max_tokens), prompt
+        else:
+            assert answer[1:] == ("length", max_tokens)
+
+
+def test_disconnect_mid_stream_frees_the_slot(served):
+    engine = served["engine"]
+    before = engine.snapshot()
+    body = dict(model="builtin", prompt=PROMPTS[2], max_tokens=200, temperature=0, stream=True, ignore_eos=True)
+    with httpx.Client(base_url=served["url"], timeout=300) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                    break  # the request is decoding in its slot: hang up
+    assert engine.wait_idle(timeout=120)
+    after = engine.snapshot()
+    assert after["finished_cancelled"] == before["finished_cancelled"] + 1
+    assert after["generated_tokens"] - before["generated_tokens"] < 200
+    assert (after["active_slots"], after["queue_depth"]) == (0, 0)
+
+
+BAD = [
+    (dict(model="gpt-4", prompt="x"), "model"),
+    (dict(model="builtin", prompt="x", max_tokens=CONTEXT), "max_tokens"),  # context overflow
+    (dict(model="builtin", prompt="x", top_k=5), "top_k"),
+    (dict(model="builtin", prompt="x", top_p=0.5), "top_p"),
+    (dict(model="builtin", prompt="x", temperature=-1), "temperature"),
+    (dict(model="builtin", prompt="x", max_tokens=0), "max_tokens"),
+    (dict(model="builtin", prompt="x", max_tokens="8"), "max_tokens"),
+    (dict(model="builtin", prompt="x", n=2), "n"),
+    (dict(model="builtin", prompt="x", stop=[""]), "stop"),
+    (dict(model="builtin", prompt="x", seed=-1), "seed"),
+    (dict(model="builtin", prompt="x", stream="yes"), "stream"),
+    (dict(model="builtin"), "prompt"),
+    (dict(model="builtin", prompt=["a", "b"]), "prompt"),
+    (dict(model="builtin", prompt=[1, 2, 100000]), None),  # a token id outside the vocabulary
+]
+
+
+def test_bad_requests_get_400(served):
+    with httpx.Client(base_url=served["url"], timeout=60) as http:
+        for body, param in BAD:
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 400, (body, r.text)
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param, body
+        assert http.post("/v1/completions", content=b"{not json").status_code == 400
+        r = http.post("/v1/chat/completions", json=dict(model="builtin", messages=[{"role": "user"}]))
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "messages")
+        assert "exceeds the server's context" in http.post("/v1/completions", json=BAD[1][0]).json()["error"]["message"]
+        assert http.get("/health").json()["status"] == "ok"
+    with pytest.raises(openai.BadRequestError, match="unknown model"):
+        served["client"].completions.create(model="gpt-4", prompt="x", max_tokens=4)
+
+
+def test_full_queue_gets_429(model, served):
+    """Every slot busy with a long request and the queue full: the next request is refused, not queued."""
+    engine = served["engine"]
+    events = [queue.Queue() for _ in range(SLOTS)]
+    long = [engine.submit(model.tokenizer.encode(PROMPTS[3]), max_tokens=200, ignore_eos=True, on_event=q.put)
+            for q in events]
+    for q in events:
+        assert q.get(timeout=120).finish is None  # every long request holds a slot
+    waiting = [engine.submit([65], max_tokens=1, on_event=lambda ev: None) for _ in range(QUEUE)]
+    r = httpx.post(served["url"] + "/v1/completions", json=dict(model="builtin", prompt="x", max_tokens=2), timeout=60)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+    for request_id in long + waiting:
+        engine.cancel(request_id)
+    assert engine.wait_idle(timeout=120)
+    assert engine.snapshot()["active_slots"] == 0
+
+
+def test_a_failing_request_does_not_stop_the_engine(model, served, solo):
+    engine = served["engine"]
+
+    def broken(event: Event):
+        raise RuntimeError("a consumer that fails")
+
+    before = engine.snapshot()["finished_cancelled"]
+    engine.submit(model.tokenizer.encode(PROMPTS[4]), max_tokens=30, on_event=broken)
+    assert engine.wait_idle(timeout=120) and engine.snapshot()["finished_cancelled"] == before + 1
+    tokens, _ = engine.complete(model.tokenizer.encode(PROMPTS[4]), max_tokens=MAX_TOKENS[0], timeout=120)
+    assert tokens == solo(PROMPTS[4], MAX_TOKENS[0])
+    broken_template = BackgroundServer(create_app(engine, model.tokenizer, "builtin", chat_template="{{ 1 / 0 }}"))
+    try:
+        with httpx.Client(base_url=broken_template.url, timeout=120) as http:
+            r = http.post("/v1/chat/completions", json={"model": "builtin", "messages": [{"role": "user",
+                                                                                         "content": "x"}]})
+            assert r.status_code == 500 and "ZeroDivisionError" in r.json()["error"]["message"]
+            r = http.post("/v1/completions", json={"model": "builtin", "prompt": PROMPTS[4], "temperature": 0,
+                                                   "max_tokens": MAX_TOKENS[0]})
+            assert r.json()["choices"][0]["text"] == model.tokenizer.decode(solo(PROMPTS[4], MAX_TOKENS[0]))
+    finally:
+        broken_template.stop()
+
+
+def test_metrics(served):
+    text = httpx.get(served["url"] + "/metrics").text
+    value = lambda name: float(re.search(rf"^kdtree_{name} (\S+)$", text, re.M).group(1))
+    assert value("tau") > 1.5  # the embedded drafter's trees are accepted several tokens deep
+    assert value("generated_tokens_total") > 0 and value("step_seconds") > 0
+    assert (value("queue_depth"), value("active_slots"), value("max_batch")) == (0, 0, SLOTS)
+    assert re.search(r'^kdtree_http_responses_total\{status="400"\} \d+$', text, re.M)
+    assert re.search(r'^kdtree_requests_total\{outcome="cancelled"\} [1-9]', text, re.M)
+
+
+def test_text_stream_holds_back_stop_prefixes_and_partial_characters(model):
+    ts = TextStream(model.tokenizer, ["STOP", "Q"], eos_id=model.tokenizer.eos_id)
+    assert ts.feed(list(b"abcST")) == "abc"  # "ST" could begin "STOP"
+    assert ts.feed(list("é".encode())[:1]) == ""  # half of a UTF-8 character waits
+    assert ts.feed(list("é".encode())[1:] + [model.tokenizer.eos_id] + list(b"xSTO")) == "STéx" and not ts.stopped
+    assert ts.feed(list(b"PyQ")) == "" and ts.stopped
+
+
+def test_ar_engine_matches_solo_generate(model, solo):
+    """The autoregressive engine (its own loop state and step), 3 requests over 2 slots."""
+    prompts = PROMPTS[:3]
+    with Engine(model.params, model.cfg, method="ar", max_batch=2, max_context=128,
+                eos_id=model.tokenizer.eos_id) as engine:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: engine.complete(model.tokenizer.encode(p), max_tokens=MAX_TOKENS[0],
+                                                          timeout=300)[0], prompts))
+    assert got == [solo(p, MAX_TOKENS[0], "ar") for p in prompts]
+
+
+def test_readme_openai_example_runs(served, capsys):
+    blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+    example = next(b for b in blocks if "from openai import OpenAI" in b)
+    exec(example.replace("http://127.0.0.1:8000", served["url"]), {})
+    printed = capsys.readouterr().out
+    assert "completion_tokens=64" in printed and len(printed) > 100  # the completion, its usage, the streamed chat
+
+
+def test_cli_keeps_compiled_programs_across_runs(tmp_path):
+    """`kdtree-jax generate` (serve too) keeps its compiled programs in JAX's persistent compilation cache."""
+    env = dict(os.environ, KDTREE_JAX_COMPILATION_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    argv = [sys.executable, "-m", "kdtree_jax.cli", "generate", "--max-new-tokens", "4", "--prompt", "x"]
+    subprocess.run(argv, env=env, check=True, capture_output=True, timeout=300)
+    assert any((tmp_path / "cache").iterdir())
+
+
+def test_load_then_shutdown_leaves_nothing_behind(served):
+    """A bounded load (streamed, whole, cut short by a stop string or a hang-up), then: every slot free, and after
+    shutdown no thread or task of the server or the engine remains."""
+    url, engine = served["url"], served["engine"]
+
+    def one(i):
+        body = dict(model="builtin", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=MAX_TOKENS[i % 2], temperature=0)
+        with httpx.Client(base_url=url, timeout=300) as http:
+            if i % 3 == 0:
+                return http.post("/v1/completions", json=dict(body, stop=["e"])).status_code
+            with http.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
+                for line in r.iter_lines():
+                    if i % 3 == 1 and line.startswith("data: "):
+                        break  # hang up early
+                return r.status_code
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        assert set(pool.map(one, range(18))) == {200}
+    assert engine.wait_idle(timeout=120)
+    assert (engine.snapshot()["active_slots"], engine.snapshot()["queue_depth"]) == (0, 0)
+    assert served["server"].other_tasks() == []
+    served["shutdown"]()
+    assert not engine.alive
+    assert set(threading.enumerate()) == served["threads_before"]
