@@ -256,8 +256,9 @@ def _mesh_step(cfg, params, mesh, batch: int, context: int, rng, sequence: bool)
 
 def _collectives(mesh, batch: int, heads: int, r: int, repeats: int = 20) -> float:
     """Seconds of the sequence design's collectives of one layer at its 8-GPU message sizes (one decode token per
-    row): the queries gathered over the heads, the max, the sums scattered back; `repeats` of them in one program
-    on this mesh (each depending on the last)."""
+    row), as `sharding.mla_sequence_parallel` issues them: the queries (1/8 of the heads per device) gathered,
+    then one all-to-all of every head's (partial output, log-sum-exp); `repeats` of them in one program on this
+    mesh, each depending on the last."""
     axes = ("ep", "tp")
     spec = jax.sharding.PartitionSpec(None, None, axes, None)
     n = mesh.shape["ep"] * mesh.shape["tp"]
@@ -267,10 +268,9 @@ def _collectives(mesh, batch: int, heads: int, r: int, repeats: int = 20) -> flo
 
     def body(_, carry):
         q, part = carry
-        g = jax.lax.all_gather(q, axes, axis=2, tiled=True)  # [B, 1, 8 heads x n, R + 64]: 1/8 of the heads each
-        m = jax.lax.pmax(part[..., :1], axes)
-        s = jax.lax.psum_scatter(part + m, axes, scatter_dimension=2, tiled=True)  # [B, 1, H, R + 1]
-        return q + g[:, :, : q.shape[2]] * 0, jnp.tile(s, (1, 1, n, 1)) / n
+        g = jax.lax.all_gather(q, axes, axis=2, tiled=True)  # [B, 1, 8 heads x n, R + 64]
+        moved = jax.lax.all_to_all(part[None] + g[:1, :1, :1, :1].astype(jnp.float32), axes, 3, 0, tiled=True)
+        return q, jnp.tile(moved.sum(0), (1, 1, n, 1)) / n
 
     local = lambda q, part: jax.lax.fori_loop(0, repeats, body, (q, part))
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False))

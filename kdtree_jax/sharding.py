@@ -183,32 +183,26 @@ def mla_sequence_parallel(attend_prefix, attend_tree, combine, q_lat, q_pe, late
 
     Queries come split by heads; each device gathers every head's query (small) and attends over the committed
     prefix in its own block of slots with `attend_prefix(q, q_pe, latent, pe, visible, scale) -> (out, lse)` (the
-    custom call where it applies). The partial results are combined across devices by log-sum-exp: one max, one
-    sum scattered straight back to each device's heads. Then `attend_tree(q, q_pe, new_lat [B, T, R], new_pe
-    [B, T, dr], tree_mask [B, T, T], scale) -> (out, lse)`, the new tokens seen through the tree mask for this
-    device's heads, is folded in with `combine`. Returns [B, T, H, R] fp32, split by heads like the queries.
+    custom call where it applies). One all-to-all sends each device the (output, log-sum-exp) partials of its own
+    heads from every device, which it joins by log-sum-exp (`combine`): two collectives per layer in all. The new
+    tokens seen through the tree mask, `attend_tree(q, q_pe, new_lat [B, T, R], new_pe [B, T, dr], tree_mask
+    [B, T, T], scale) -> (out, lse)` for this device's heads, are folded in the same way. Returns [B, T, H, R]
+    fp32, split by heads like the queries.
     """
     mesh = current_mesh()
     bt = _batch_axis(mesh, q_lat.shape[0])
     heads = P(bt, None, MODEL_AXES, None)
 
     def local(q, qp, lat, pe, nl, npe, ln, tm):
-        h_loc = q.shape[2]
-        qa = jax.lax.all_gather(q, MODEL_AXES, axis=2, tiled=True)  # [B, T, H, R]
-        qpa = jax.lax.all_gather(qp, MODEL_AXES, axis=2, tiled=True)  # [B, T, H, dr]
-        s_loc, me = lat.shape[1], jax.lax.axis_index(MODEL_AXES)
-        visible = jnp.clip(ln - me * s_loc, 0, s_loc)  # [B] committed slots in this block
-        out, lse = attend_prefix(qa, qpa, lat, pe, visible, scale)  # [B, T, H, R], [B, T, H]
-        peak = jax.lax.pmax(lse, MODEL_AXES)
-        peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-        w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - peak), 0.0)  # [B, T, H]
-        part = jnp.concatenate([out * w[..., None], w[..., None]], axis=-1)  # [B, T, H, R + 1]
-        part = jax.lax.psum_scatter(part, MODEL_AXES, scatter_dimension=2, tiled=True)  # [B, T, H_loc, R + 1]
-        total = part[..., -1]
-        mine = jax.lax.dynamic_slice_in_dim(peak, me * h_loc, h_loc, axis=2)  # [B, T, H_loc]
-        pre = (part[..., :-1] / jnp.where(total == 0, 1.0, total)[..., None],
-               jnp.where(total > 0, mine + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf))
-        return combine(pre, attend_tree(q, qp, nl, npe, tm, scale))[0]
+        r = q.shape[3]
+        both = jax.lax.all_gather(jnp.concatenate([q, qp], axis=-1), MODEL_AXES, axis=2, tiled=True)  # [B, T, H, .]
+        s_loc = lat.shape[1]
+        visible = jnp.clip(ln - jax.lax.axis_index(MODEL_AXES) * s_loc, 0, s_loc)  # [B] committed slots here
+        out, lse = attend_prefix(both[..., :r], both[..., r:], lat, pe, visible, scale)  # [B, T, H, R], [B, T, H]
+        part = jnp.concatenate([out, lse[..., None]], axis=-1)[None]  # [1, B, T, H, R + 1]
+        part = jax.lax.all_to_all(part, MODEL_AXES, 3, 0, tiled=True)  # [N, B, T, H_loc, R + 1]: my heads, from all
+        parts = [(part[i, ..., :-1], part[i, ..., -1]) for i in range(part.shape[0])]
+        return combine(*parts, attend_tree(q, qp, nl, npe, tm, scale))[0]
 
     rows = P(bt, None, None)
     return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, cache_spec(mesh, latent.shape[0]),
