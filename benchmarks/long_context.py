@@ -227,7 +227,7 @@ def part_prefill(args) -> dict:
     return res
 
 
-def _mesh_step(cfg, params, mesh, batch: int, context: int, rng, sequence: bool) -> float:
+def _mesh_step(cfg, params, mesh, batch: int, context: int, rng, sequence: bool, profile: bool = False):
     cfg = dataclasses.replace(cfg, cache_sharding="sequence" if sequence else "replicated")
     with jax.set_mesh(mesh):
         cache = init_cache(cfg, batch, context + 8 * N)
@@ -251,7 +251,8 @@ def _mesh_step(cfg, params, mesh, batch: int, context: int, rng, sequence: bool)
                 out = call()
             jax.block_until_ready(out)
             samples.append((time.perf_counter() - t0) / 5)
-    return float(np.median(samples))
+        prof = profile_calls(lambda: call(), (), 3) if profile else None
+    return (float(np.median(samples)), prof) if profile else float(np.median(samples))
 
 
 def _collectives(mesh, batch: int, heads: int, r: int, repeats: int = 20) -> float:
@@ -304,6 +305,15 @@ def part_mesh(args) -> dict:
             out["rows"].append(row)
             print(f"mesh context {context} batch {batch}: " + ", ".join(
                 f"{k} {1e3 * v:.2f} ms" for k, v in row.items() if k.endswith("_s")), flush=True)
+    if jax.default_backend() == "gpu":  # the kernels of a replicated-cache decode step at batch 1 and 8
+        out["profiles"] = {}
+        for batch in (1, 8):
+            _, prof = _mesh_step(cfg, params, mesh, batch, 4096, rng, False, profile=True)
+            out["profiles"][str(batch)] = dict(busy_us=prof["busy_us"], top=top_kernels(prof, 12))
+            print(f"profile, batch {batch}, 4k, replicated (GPU busy {prof['busy_us'] / 1e3:.2f} ms per step):",
+                  flush=True)
+            for k, c, us in out["profiles"][str(batch)]["top"]:
+                print(f"  {us:8.0f} us {c:5.0f}x {k[:90]}", flush=True)
     heads, r = (cfg.num_attention_heads, cfg.kv_lora_rank)
     for batch in (1, 8):
         sec = _collectives(mesh, batch, heads, r)
@@ -402,6 +412,10 @@ def report(out_dir: str, commit: str) -> str:
             cell = lambda k: f"{1e3 * r[k]:.2f}" if k in r else "failed"
             lines.append(f"| {r['context']} | {r['batch']} | {r['layers']} | {cell('replicated_s')} | "
                          f"{cell('sequence_s')} |")
+        for batch, prof in me.get("profiles", {}).items():
+            lines += ["", f"Kernels of a decode step, batch {batch}, 4k, replicated cache (both GPUs' streams summed, "
+                          f"{prof['busy_us'] / 1e3:.2f} ms):", "", "| kernel | launches | µs |", "|---|---|---|"]
+            lines += [f"| `{k[:80]}` | {c:.0f} | {us:.0f} |" for k, c, us in prof["top"]]
         lines += [""] + [f"- Collectives of the sequence design per layer at 8-GPU message sizes, batch {c['batch']}:"
                          f" {1e6 * c['seconds']:.0f} µs (timed on this mesh)." for c in me["collectives"]]
         lines += [f"- Greedy tokens, {k}, the embedded model in bf16 on 2 devices = on one device: "
