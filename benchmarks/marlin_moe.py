@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import importlib
 import json
 import math
 import os
@@ -100,7 +101,8 @@ def baseline_call(x, ids, weights, we_gate, we_up, we_down):
     import jax
     import jax.numpy as jnp
 
-    from kdtree_jax.kernels.marlin_moe import block_size, max_blocks
+    mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")
+    block_size, max_blocks = mm.block_size, mm.max_blocks
 
     m, k, e = x.shape[0], ids.shape[1], we_gate.shape[0]
     bm = block_size(m, k, e)
@@ -114,7 +116,7 @@ def baseline_call(x, ids, weights, we_gate, we_up, we_down):
 
 def variant_fn(name: str, m: int, e: int):
     """(callable(x, ids, w, gate, up, down) -> out, block_m) of a variant, for M tokens and e (local) experts."""
-    from kdtree_jax.kernels import marlin_moe as mm
+    mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")  # (the package re-exports the function's name)
 
     if name == "before":
         return baseline_call, mm.block_size(m, TOPK, e)
@@ -270,6 +272,8 @@ def main() -> None:
     ap.add_argument("--ms", help="comma-separated M values (overrides --quick)")
     ap.add_argument("--shapes", default="k2,device", help="k2, device or both (comma separated)")
     ap.add_argument("--variants", default="after,before", help="comma separated (see above)")
+    ap.add_argument("--variants-at", default="", help="more variants at some M: '1,16=stream+fake,tile64;4096=tile128'")
+    ap.add_argument("--variants-at-shapes", default="k2", help="the shapes --variants-at applies to")
     ap.add_argument("--baseline-lib", help="older libkdtree_jax_cuda.so with the handler KdMarlinMoeCudaOld")
     ap.add_argument("--before-label", default="the kernel before issue 18", help="what `before` is, for the table")
     ap.add_argument("--xla", action="store_true", help="also time the XLA reference (slow; fails at large M)")
@@ -311,7 +315,11 @@ def main() -> None:
             if time.perf_counter() - start > args.budget:
                 print(f"budget reached: skipping {shape} M={m}", flush=True)
                 continue
-            got = measure(shape, m, weights, bw, flops, variants, args.xla and m <= 256)
+            more = [v for group in args.variants_at.split(";") if "=" in group
+                    for v in group.split("=")[1].split(",") if str(m) in group.split("=")[0].split(",")]
+            more = more if shape in args.variants_at_shapes.split(",") else []
+            got = measure(shape, m, weights, bw, flops, variants + [v for v in more if v not in variants],
+                          args.xla and m <= 256)
             rows += got
             for r in got:
                 print(f"{shape} M={m} {r['variant']:>14}: {r['time_s'] * 1e6:10,.1f} us "
