@@ -12,8 +12,9 @@ sit in L2 between calls; time = median per op.
 Variants (--variants, comma separated): `after` = marlin_moe as shipped (block_m and path by M); `before` = the
 kernel of an older build (--baseline-lib: a libkdtree_jax_cuda.so whose handler was compiled as KdMarlinMoeCudaOld,
 called as that version did: block_m = block_size(M), no flags); `stream` / `tile64` / `tile128` force a path
-(`+l2`, `+sync`, `+fake` add FLAG_L2_256, FLAG_SYNC, FLAG_FAKE: the last gives wrong results and measures the
-bandwidth of a tile-contiguous weight layout). Each variant's output is compared with `after`'s (rel err).
+(`+l2`, `+sync`, `+deep`, `+fake` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_FAKE: the last gives wrong results
+and measures the bandwidth of a tile-contiguous weight layout; `after+deep` = the defaults plus FLAG_DEEP). Each
+variant's output is compared with `after`'s (rel err).
 
 usage: python benchmarks/marlin_moe.py [--quick] [--shapes k2,device] [--variants after,before] [--ms 1,64,4096]
                                        [--baseline-lib PATH] [--xla] [--out DIR] [--commit SHA] [--budget SECONDS]
@@ -121,9 +122,12 @@ def variant_fn(name: str, m: int, e: int):
     if name == "before":
         return baseline_call, mm.block_size(m, TOPK, e)
     base, *mods = name.split("+")
-    flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "fake": mm.FLAG_FAKE}[x] for x in mods)
+    flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "fake": mm.FLAG_FAKE, "deep": mm.FLAG_DEEP}[x]
+                for x in mods)
     bm = {"after": None, "stream": mm.block_size(m, TOPK, e), "tile64": 64, "tile128": 128}[base]
     shown = bm or mm.choose_block_m(m, TOPK, e, True)
+    if base == "after":  # the defaults (path, block_m, flags), plus any flags named
+        flags = None if not mods else flags | (mm.TILE_FLAGS if shown in mm.TILE_BLOCKS else mm.STREAM_FLAGS)
     return (lambda *a: mm.marlin_moe(*a, block_m=bm, flags=flags)), shown
 
 
@@ -277,6 +281,7 @@ def main() -> None:
     ap.add_argument("--baseline-lib", help="older libkdtree_jax_cuda.so with the handler KdMarlinMoeCudaOld")
     ap.add_argument("--before-label", default="the kernel before issue 18", help="what `before` is, for the table")
     ap.add_argument("--xla", action="store_true", help="also time the XLA reference (slow; fails at large M)")
+    ap.add_argument("--profile", metavar="SHAPE:M:VARIANT", help="run that op twice and exit (for ncu)")
     add_report_args(ap, "sizes")
     args = ap.parse_args()
     if replot(args, write_report):
@@ -284,6 +289,15 @@ def main() -> None:
 
     import jax
 
+    if args.profile:
+        shape, m, name = args.profile.split(":")
+        local = E // EP if shape == "device" else None
+        weights = experts(local or E)
+        (x, ids, w), = routing_sets(int(m), 1, seed=1, local=local)[0]
+        fn = jax.jit(variant_fn(name, int(m), local or E)[0])
+        for _ in range(2):
+            jax.block_until_ready(fn(x, ids, w, *weights))
+        return
     variants = [v for v in args.variants.split(",") if v]
     notes = []
     if "before" in variants:

@@ -49,8 +49,8 @@
 // small kernel writes x in that order (into the ys scratch, which gemm2 overwrites later), and gemm1 writes h in
 // that order, so gemm2's B is ready as well. A ring of 4 (BM = 128) or 6 (BM = 64) stages of cp.async, refilled
 // two stages behind the compute so that no wgmma still reads a slot being overwritten; the epilogue goes through
-// shared memory and stores 16-byte row pieces. The same kernel with mma.sync (ldmatrix for B) is kept for
-// comparison (flag bit 0).
+// shared memory and stores 16-byte row pieces. Two k-steps of wgmma in flight (4 with flag bit 3). The same kernel
+// with mma.sync (ldmatrix for B) is kept for comparison (flag bit 0).
 //
 // Generic path (float32, or shapes off the fast paths): one warp per (slot, output row), CUDA cores, fp32.
 
@@ -77,6 +77,7 @@ constexpr int64_t kFlagSync = 1;        // tile path: mma.sync + ldmatrix instea
 constexpr int64_t kFlagL2Prefetch = 2;  // weight copies ask L2 for 256-byte lines
 constexpr int64_t kFlagFake = 4;        // stream path: read each block's weight rows as if tile-contiguous (WRONG
                                         // results: a bandwidth experiment for the benchmark only)
+constexpr int64_t kFlagDeep = 8;        // tile path (wgmma): 4 k-steps in flight instead of 2
 
 // ------------------------------------------------------------------------------------------------------------------
 // Small helpers
@@ -239,7 +240,7 @@ __device__ __forceinline__ void Pin(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-__device__ __forceinline__ void Pin(uint32_t (&d)[2][4]) {
+__device__ __forceinline__ void Pin(uint32_t (&d)[2][4]) {  // one k-step's A fragments (2 tiles)
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -811,8 +812,9 @@ struct TileParams {
   int flags;                   // kFlag*
 };
 
-// One block: tile `tile` (<= BM slots of expert e, ntok of them real, N = ntok rounded up) x row tile rt.
-template <int N, bool kGated, bool kSync>
+// One block: tile `tile` (<= BM slots of expert e, ntok of them real, N = ntok rounded up) x row tile rt. kDepth:
+// k-steps whose wgmma may be in flight (2 or 4; it divides the 8 k-steps of a stage), each with its own fragments.
+template <int N, bool kGated, bool kSync, int kDepth>
 __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, int ntok, uint32_t base,
                                           const int* s_src, const int* s_dst) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -866,9 +868,9 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) acc[tau][i] = 0.0f;
   }
-  uint32_t a[2][2][4];  // [k-step parity][tau][fragment register]
+  uint32_t a[kDepth][2][4];  // [k-step % kDepth][tau][fragment register]
 #pragma unroll
-  for (int b = 0; b < 2; ++b) {
+  for (int b = 0; b < kDepth; ++b) {
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
 #pragma unroll
@@ -884,7 +886,7 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
   for (int s = 0; s < ks; ++s) {
     CopyWaitDyn(stages - 3);  // this thread's copies of stage s have landed
     if (!kSync) ProxyFence();
-    __syncthreads();          // everyone's; and every wgmma of stage s - 2 is done (wait_group 1 below)
+    __syncthreads();          // everyone's; and every wgmma of stage s - 2 is done (wait_group kDepth - 1 < 8)
     {
       const int ahead = s + stages - 2;
       if (ahead < ks) issue(ahead % stages, ahead);
@@ -902,7 +904,7 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
     const uint32_t xb = sb + kTileX;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      uint32_t(&aj)[2][4] = a[j & 1];
+      uint32_t(&aj)[2][4] = a[j % kDepth];
       const int hs = 2 * (j & 1);
 #pragma unroll
       for (int tau = 0; tau < 2; ++tau) {
@@ -937,8 +939,8 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
         Wgmma<N>::Run(acc[0], aj[0], desc);
         Wgmma<N>::Run(acc[1], aj[1], desc);
         WgmmaCommit();
-        WgmmaWait<1>();          // k-step j - 1 is done: its fragments (the other parity) may be rewritten
-        Pin(a[(j + 1) & 1]);
+        WgmmaWait<kDepth - 1>();  // k-step j + 1 - kDepth is done: its fragments may be rewritten next
+        Pin(a[(j + 1) % kDepth]);
       }
     }
   }
@@ -979,7 +981,7 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
   }
 }
 
-template <bool kGated, bool kSync>
+template <bool kGated, bool kSync, int kDepth>
 __global__ void __launch_bounds__(kTileThreads, 1) TileKernel(const TileParams p) {
   extern __shared__ __align__(16) unsigned char tile_smem[];
   __shared__ int s_src[kMaxTile];  // B row of each token (slot / k or slot)
@@ -998,23 +1000,23 @@ __global__ void __launch_bounds__(kTileThreads, 1) TileKernel(const TileParams p
   const int ntok = __syncthreads_count(ok);  // the real slots come first in a tile
   const uint32_t base = (SmemAddress(tile_smem) + 1023u) & ~1023u;
   if (ntok <= 8) {
-    TileBlock<8, kGated, kSync>(p, e, rt, ntok, base, s_src, s_dst);
+    TileBlock<8, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
   } else if (ntok <= 16) {
-    TileBlock<16, kGated, kSync>(p, e, rt, ntok, base, s_src, s_dst);
+    TileBlock<16, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
   } else if (ntok <= 32) {
-    TileBlock<32, kGated, kSync>(p, e, rt, ntok, base, s_src, s_dst);
+    TileBlock<32, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
   } else if (ntok <= 48) {
-    TileBlock<48, kGated, kSync>(p, e, rt, ntok, base, s_src, s_dst);
+    TileBlock<48, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
   } else if (ntok <= 64) {
-    TileBlock<64, kGated, kSync>(p, e, rt, ntok, base, s_src, s_dst);
+    TileBlock<64, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
   } else if (ntok <= 80) {
-    TileBlock<80, kGated, kSync>(p, e, rt, ntok, base, s_src, s_dst);
+    TileBlock<80, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
   } else if (ntok <= 96) {
-    TileBlock<96, kGated, kSync>(p, e, rt, ntok, base, s_src, s_dst);
+    TileBlock<96, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
   } else if (ntok <= 112) {
-    TileBlock<112, kGated, kSync>(p, e, rt, ntok, base, s_src, s_dst);
+    TileBlock<112, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
   } else {
-    TileBlock<128, kGated, kSync>(p, e, rt, ntok, base, s_src, s_dst);
+    TileBlock<128, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
   }
 }
 
@@ -1157,10 +1159,10 @@ ffi::Error LaunchGemms(cudaStream_t stream, GemmParams g1, GemmParams g2, int ma
   return LaunchGemm<NT, false>(stream, g2, max_blocks, "down kernel launch");
 }
 
-template <bool kGated, bool kSync>
+template <bool kGated, bool kSync, int kDepth>
 ffi::Error LaunchTile(cudaStream_t stream, const TileParams& p, int64_t tiles, const char* what) {
   const int bytes = TileSmem(p.bt);
-  auto kernel = TileKernel<kGated, kSync>;
+  auto kernel = TileKernel<kGated, kSync, kDepth>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) {
     return LastError("raising the tile kernel's shared-memory limit");
   }
@@ -1168,10 +1170,10 @@ ffi::Error LaunchTile(cudaStream_t stream, const TileParams& p, int64_t tiles, c
   return LastError(what);
 }
 
-template <bool kSync>
+template <bool kSync, int kDepth>
 ffi::Error LaunchTiles(cudaStream_t stream, const TileParams& g1, const TileParams& g2, int64_t tiles) {
-  if (ffi::Error e = LaunchTile<true, kSync>(stream, g1, tiles, "tile gate/up launch"); e.failure()) return e;
-  return LaunchTile<false, kSync>(stream, g2, tiles, "tile down launch");
+  if (ffi::Error e = LaunchTile<true, kSync, kDepth>(stream, g1, tiles, "tile gate/up launch"); e.failure()) return e;
+  return LaunchTile<false, kSync, kDepth>(stream, g2, tiles, "tile down launch");
 }
 
 template <typename T>
@@ -1287,8 +1289,9 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
       TileParams g2{dqp, nullptr, dsp, nullptr, hp, yp, sorted->typed_data(), block_expert->typed_data(),
                     static_cast<int>(D), static_cast<int>(F), static_cast<int>(down_scales), 1,
                     static_cast<int>(S), static_cast<int>(D / 256), static_cast<int>(bm), static_cast<int>(flags)};
-      ffi::Error err = (flags & kFlagSync) ? LaunchTiles<true>(stream, g1, g2, max_blocks)
-                                           : LaunchTiles<false>(stream, g1, g2, max_blocks);
+      ffi::Error err = (flags & kFlagSync)   ? LaunchTiles<true, 2>(stream, g1, g2, max_blocks)
+                       : (flags & kFlagDeep) ? LaunchTiles<false, 4>(stream, g1, g2, max_blocks)
+                                             : LaunchTiles<false, 2>(stream, g1, g2, max_blocks);
       if (err.failure()) return err;
     } else {
       GemmParams g1{xq, uqp, gsp, usp, xp, hp, sorted->typed_data(), block_expert->typed_data(),

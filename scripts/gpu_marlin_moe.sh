@@ -8,6 +8,7 @@
 #   OUT=<dir> bash scripts/gpu_marlin_moe.sh bench      # the full benchmark: both shapes, M = 1 .. 4096, before/after
 #   OUT=<dir> bash scripts/gpu_marlin_moe.sh tests      # the GPU tests only
 #   OUT=<dir> bash scripts/gpu_marlin_moe.sh testbench  # the GPU tests, then the full benchmark
+#   OUT=<dir> bash scripts/gpu_marlin_moe.sh final      # testbench, then ncu profiles of the gemm kernels ($PROFILES)
 #
 # Environment: KDTREE_COMMIT stamps the results (default: git rev-parse --short HEAD); PREBUILT = a directory with
 # libkdtree_jax_cpu.so / libkdtree_jax_cuda.so built elsewhere (skips the build when both load); BASELINE_LIB = an
@@ -61,9 +62,10 @@ if [ -z "${BASELINE_LIB:-}" ] && [ -n "${BASELINE_CU:-}" ] && [ -f "${BASELINE_C
     "$BASELINE_CU" -o "$BASELINE_LIB" >"$OUT/baseline_build.log" 2>&1 || BASELINE_LIB=""
 fi
 
-if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = testbench ]; then
+if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = testbench ] || [ "$MODE" = final ]; then
   T=$(( $(left) - 30 ))
-  [ "$MODE" = testbench ] && T=$(( T * 45 / 100 ))
+  [ "$MODE" = testbench ] && T=$(( T * 60 / 100 ))
+  [ "$MODE" = final ] && T=$(( T * 63 / 100 ))
   [ "$MODE" = all ] && T=$(( T * 60 / 100 ))
   JAX_PLATFORMS=cuda,cpu timeout $T python3 -m pytest tests/test_marlin_moe.py -m gpu -p no:cacheprovider \
     -v -rfE --durations=15 ${TESTS_K:+-k "$TESTS_K"} >"$OUT/gpu_tests.log" 2>&1
@@ -74,6 +76,7 @@ fi
 
 if [ "$MODE" != tests ]; then
   L=$(( $(left) - 10 ))
+  [ "$MODE" = final ] && L=$(( L - ${PROFILE_S:-60} ))
   BENCH=(--out "$OUT" --commit "$KDTREE_COMMIT" --budget $((L > 60 ? L - 45 : 15)))
   [ -n "${BASELINE_LIB:-}" ] && BENCH+=(--baseline-lib "$BASELINE_LIB")
   if [ "$MODE" = all ]; then
@@ -85,5 +88,17 @@ if [ "$MODE" != tests ]; then
   timeout $((L > 20 ? L : 20)) python3 benchmarks/marlin_moe.py "${BENCH[@]}" 2>&1 | tee "$OUT/bench.log" |
     grep -v "^\(k2\|device\) M=" | tail -5
   grep -E "^(k2|device) M=" "$OUT/bench.log" | tail -60
+fi
+if [ "$MODE" = final ] && command -v ncu >/dev/null; then
+  # one ncu report per SHAPE:M:VARIANT: the two gemm launches of one call (gate/up, down)
+  for P in ${PROFILES:-k2:64:after k2:1024:after}; do
+    L=$(( $(left) - 5 ))
+    [ $L -lt 20 ] && { echo "no time left for ncu $P"; break; }
+    timeout $L ncu --clock-control none --kernel-name regex:"GemmKernel|TileKernel" --launch-count 2 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section SchedulerStats \
+      --section WarpStateStats --section LaunchStats python3 benchmarks/marlin_moe.py --profile "$P" \
+      >"$OUT/ncu_${P//:/_}.txt" 2>&1
+    echo "ncu $P rc=$?"; grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible|Stall" "$OUT/ncu_${P//:/_}.txt" | head -24
+  done
 fi
 echo "done in $(($(date +%s) - START)) s; results in $OUT"

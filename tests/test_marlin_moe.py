@@ -13,7 +13,7 @@ import pytest
 
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
-from kdtree_jax.kernels.marlin_moe import (FLAG_L2_256, FLAG_SYNC, TILE_128_MIN_M, TILE_MIN_M, _cuda_call, block_size,
+from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_L2_256, FLAG_SYNC, TILE_128_MIN_M, TILE_MIN_M, _cuda_call, block_size,
                                            choose_block_m, marlin_moe, marlin_moe_ref, max_blocks, moe_align,
                                            tile_eligible)
 from kdtree_jax.model import forward, moe_experts_ref
@@ -334,12 +334,12 @@ def test_gpu_align_stage_equals_moe_align(m, k, e, bm, kind):
 # (block_m None: the default for M; 8 / 16 / 32 the stream path, 64 / 128 the tile path), the tile path's mma.sync
 # variant and the L2 prefetch flag
 K2_CASES = [
-    (1, 8, 16, "uniform", None, 0), (2, 8, 16, "uniform", None, 0), (7, 8, 16, "sentinel", None, 0),
-    (64, 8, 16, "uniform", None, 0), (64, 8, 16, "uniform", 32, 0), (256, 8, 16, "one_expert", 8, 0),
-    (2048, 8, 16, "uniform", 32, 0), (512, 8, 16, "few", 16, 0), (64, 8, 16, "uniform", 16, FLAG_L2_256),
-    (256, 8, 16, "one_expert", None, 0), (2048, 8, 16, "uniform", None, 0), (512, 8, 16, "few", 64, 0),
-    (300, 8, 16, "repeat", 128, 0), (1024, 8, 16, "sentinel", 128, 0), (128, 8, 16, "uniform", 64, FLAG_L2_256),
-    (1024, 8, 16, "uniform", 64, FLAG_SYNC), (700, 8, 16, "one_expert", 128, FLAG_SYNC),
+    (1, 8, 16, "uniform", None, None), (7, 8, 16, "sentinel", None, None), (64, 8, 16, "uniform", None, None),
+    (64, 8, 16, "uniform", 32, 0), (256, 8, 16, "one_expert", None, None), (2048, 8, 16, "uniform", 32, 0),
+    (512, 8, 16, "few", 16, FLAG_L2_256), (2048, 8, 16, "uniform", None, None), (512, 8, 16, "few", 64, 0),
+    (1024, 8, 16, "sentinel", 128, 0), (128, 8, 16, "repeat", 64, FLAG_L2_256 | FLAG_DEEP),
+    (1024, 8, 16, "uniform", 64, FLAG_SYNC), (700, 8, 16, "one_expert", 128, FLAG_DEEP),
+    (600, 8, 16, "uniform", None, FLAG_L2_256 | FLAG_DEEP),
 ]
 
 
@@ -354,7 +354,7 @@ def k2_experts():
 def test_gpu_fast_path_k2_shapes(k2_experts, m, k, e, kind, bm, flags):
     rng = np.random.default_rng(hash((m, k, kind, bm or 0, flags)) % 2**32)
     ids, weights = make_routing(rng, m, k, e, kind)
-    x = jax.random.normal(jax.random.key(m + 7 * flags), (m, K2_D), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(m + 7 * (flags or 0)), (m, K2_D), jnp.bfloat16)
     _poison((m * k, K2_D + K2_F))
     gpu0 = jax.devices("gpu")[0]
     out = run(x, ids, weights, k2_experts, device=gpu0, block_m=bm, flags=flags)
@@ -371,7 +371,8 @@ def test_gpu_fast_path_k2_shapes(k2_experts, m, k, e, kind, bm, flags):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("bm, flags", [(128, 0), (64, 0), (128, FLAG_SYNC), (64, FLAG_SYNC)])
+@pytest.mark.parametrize("bm, flags", [(128, 0), (64, FLAG_L2_256), (128, FLAG_SYNC), (64, FLAG_SYNC),
+                                       (128, FLAG_DEEP | FLAG_L2_256), (64, FLAG_DEEP)])
 def test_gpu_tile_path_every_tile_width(bm, flags):
     """Experts with 1 to 300 slots: full and partial tiles of every width the tile path instantiates (the slot count
     rounded up to 8, 16, 32, 48, ..., 128), experts with no slot, and one slot of each token sent to no expert;

@@ -42,7 +42,7 @@ from . import _registry
 STREAM_BLOCKS = (8, 16, 32)  # slots per block of the stream path (8 per mma column tile)
 TILE_BLOCKS = (64, 128)  # slots per tile of the tile path
 BLOCK_SIZES = STREAM_BLOCKS + TILE_BLOCKS
-TILE_MIN_M = 128  # tokens from which the tile path runs (where it is eligible)
+TILE_MIN_M = 512  # tokens from which the tile path runs (where it is eligible); H200: the stream path is faster at 256
 TILE_128_MIN_M = 2048  # tokens from which its tiles hold 128 slots rather than 64
 TARGET = "kdtree_marlin_moe"
 
@@ -50,6 +50,9 @@ TARGET = "kdtree_marlin_moe"
 FLAG_SYNC = 1  # tile path: mma.sync + ldmatrix instead of wgmma
 FLAG_L2_256 = 2  # weight copies ask L2 for whole 256-byte lines
 FLAG_FAKE = 4  # stream path: read each block's weight rows as if tile-contiguous (WRONG results; timing only)
+FLAG_DEEP = 8  # tile path (wgmma): 4 k-steps in flight instead of 2
+TILE_FLAGS = FLAG_L2_256  # the tile path's default flags (H200: the 256-byte L2 lines gain ~5% at M = 1,024)
+STREAM_FLAGS = 0  # the stream path's (the L2 hint changes nothing there)
 
 
 def block_size(m: int, k: int, e: int) -> int:
@@ -170,7 +173,7 @@ def _cuda_call(args, m: int, d: int, k: int, e: int, f: int, dtype, block_m: int
 
 
 def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up, we_down, *, impl: str = "ffi",
-               block_m: int | None = None, flags: int = 0) -> jax.Array:
+               block_m: int | None = None, flags: int | None = None) -> jax.Array:
     """Routed experts: sum_j weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = ids[m, j].
 
     x [M, D] float32 or bfloat16; ids int [M, k] (outside [0, E): no expert); weights float [M, k] (used in fp32);
@@ -180,7 +183,8 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
     impl="ffi" runs the custom call (C++ on CPU, CUDA on GPU, the reference on other platforms); impl="xla" runs
     `marlin_moe_ref`. block_m overrides `choose_block_m` on CUDA (benchmarks, tests): 8, 16 or 32 run the stream
     path, 64 or 128 the tile path (bf16, D % 256 == 0, F % 128 == 0, group 32 only). flags: FLAG_* bits for
-    benchmarks (0: the defaults). No host sync: usable under jit, vmap, shard_map and inside loops.
+    benchmarks and tests (None: TILE_FLAGS or STREAM_FLAGS). No host sync: usable under jit, vmap, shard_map and
+    inside loops.
     """
     quantized = [isinstance(w, Int4Array) for w in (we_gate, we_up, we_down)]
     if not all(quantized):
@@ -203,6 +207,8 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
         return jnp.zeros((m, d), x.dtype)
     _registry.register()
     bm = block_m or choose_block_m(m, k, e, tile_ok)
+    if flags is None:
+        flags = TILE_FLAGS if bm in TILE_BLOCKS else STREAM_FLAGS
 
     def cpu(*args):
         return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, d), x.dtype), vmap_method="sequential")(*args)
