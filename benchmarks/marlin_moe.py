@@ -1,21 +1,32 @@
 """marlin_moe on one GPU at the Kimi K2 shape (E = 384, hidden 7,168, inter 2,048, top-8, INT4 group 32, bf16
-activations): the CUDA kernel, the XLA reference (dequantize + ragged_dot) and the bandwidth floor, side by side
-in one run, for M = 1, 2, 4, ..., 4,096 tokens.
+activations) and at the per-device shape of an 8-GPU expert-parallel mesh (48 local experts; the same top-8 of 384
+routing, each shard seeing its own slots and the id 48 = no expert for the others' slots, about one local slot per
+token), for M = 1, 2, 4, ..., 4,096 tokens: the CUDA kernel against the bandwidth floor measured in the same run.
 
 floor = bytes of the distinct experts the routing touches (24.77 MB each: packed nibbles + bf16 scales) / copy
-bandwidth, measured in the same run (bytes read + written by a 1 GiB device copy, as docs/anchors.md).
-Routing: k = 8 distinct uniform random experts per token, fresh for every input set; each timed batch runs the op
-on several sets (different experts), so the weights do not sit in L2 between calls; time = median per op.
-The two regimes: streaming-bound while M grows (more experts touched), then a plateau once all 384 are touched.
+bandwidth (bytes read + written by a 1 GiB device copy, measured now); FLOPs floor = 2 * 3 * F * D * routed slots /
+the bf16 matmul rate of an 8192^3 product measured now. Routing: k = 8 distinct uniform random experts per token,
+fresh for every input set; each timed batch runs the op on several sets (different experts), so the weights do not
+sit in L2 between calls; time = median per op.
 
-usage: python benchmarks/marlin_moe.py [--quick] [--sweep] [--no-xla] [--out DIR] [--commit SHA] [--budget SECONDS]
+Variants (--variants, comma separated): `after` = marlin_moe as shipped (block_m and path by M); `before` = the
+kernel of an older build (--baseline-lib: a libkdtree_jax_cuda.so whose handler was compiled as KdMarlinMoeCudaOld,
+called as that version did: block_m = block_size(M), no flags); `stream` / `tile64` / `tile128` force a path
+(`+l2`, `+sync`, `+deep`, `+fake` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_FAKE: the last gives wrong results
+and measures the bandwidth of a tile-contiguous weight layout; `after+deep` = the defaults plus FLAG_DEEP). Each
+variant's output is compared with `after`'s (rel err).
+
+usage: python benchmarks/marlin_moe.py [--quick] [--shapes k2,device] [--variants after,before] [--ms 1,64,4096]
+                                       [--baseline-lib PATH] [--xla] [--out DIR] [--commit SHA] [--budget SECONDS]
        python benchmarks/marlin_moe.py --plot DIR/marlin_moe.json      (redraw the table and plot from saved numbers)
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
+import importlib
 import json
 import math
 import os
@@ -26,13 +37,17 @@ import numpy as np
 from common import add_report_args, ceilings, replot, timed
 
 E, D, F, TOPK, GROUP = 384, 7168, 2048, 8, 32
+EP = 8  # the per-device shape: E / EP local experts
 EXPERT_BYTES = (3 * F * D) // 2 + 2 * (3 * F * D) // GROUP  # nibbles + bf16 scales of gate, up and down
 SETS = 4  # routing sets per timed batch of the kernel
-GOALS = "goals (issue 6): >= 75% of the floor for M <= 64; all experts touched within 1.25x of the floor; >= 3x XLA"
+GOALS = ("goals (issue 18): >= 75% of the bandwidth floor for M <= 64 and for M = 256 .. 1,024 (<= 3 ms at M = "
+         "1,024 on the K2 shape); M = 4,096 within 1.5x of max(bytes floor, FLOPs floor); the same at the per-device "
+         "shape")
+BASELINE_TARGET = "kdtree_marlin_moe_before"
 
 
-def k2_experts(seed: int = 0):
-    """Random INT4 experts of the K2 shape, built on the device: (gate, up [E, F, D], down [E, D, F]) Int4Array."""
+def experts(n_experts: int, seed: int = 0):
+    """Random INT4 experts of the K2 widths, built on the device: (gate, up [n, F, D], down [n, D, F]) Int4Array."""
     import jax
     import jax.numpy as jnp
 
@@ -40,8 +55,9 @@ def k2_experts(seed: int = 0):
 
     def one(key, rows, cols):
         k1, k2 = jax.random.split(key)
-        packed = jax.lax.bitcast_convert_type(jax.random.bits(k1, (E, rows, cols // 8), jnp.uint32), jnp.int32)
-        scale = jax.random.uniform(k2, (E, rows, cols // GROUP), jnp.float32, 0.5, 1.5) / (4 * math.sqrt(cols))
+        packed = jax.lax.bitcast_convert_type(jax.random.bits(k1, (n_experts, rows, cols // 8), jnp.uint32),
+                                              jnp.int32)
+        scale = jax.random.uniform(k2, (n_experts, rows, cols // GROUP), jnp.float32, 0.5, 1.5) / (4 * math.sqrt(cols))
         return Int4Array(packed, scale.astype(jnp.bfloat16))
 
     make = jax.jit(one, static_argnums=(1, 2))
@@ -49,88 +65,162 @@ def k2_experts(seed: int = 0):
     return make(keys[0], F, D), make(keys[1], F, D), make(keys[2], D, F)
 
 
-def routing_sets(m: int, count: int, seed: int):
-    """`count` (x [M, D] bf16, ids [M, 8] int32, weights [M, 8] fp32) with fresh uniform routings, and the number of
-    distinct experts each touches."""
+def routing_sets(m: int, count: int, seed: int, local: int | None):
+    """`count` (x [M, D] bf16, ids [M, 8] int32, weights [M, 8] fp32) with fresh uniform top-8-of-384 routings; with
+    `local`, the ids of shard 0 of an expert-parallel mesh (ids < local kept, the others = local: no expert, their
+    weights 0, as `sharding.moe_expert_parallel` passes them). Also the distinct experts and routed slots of each."""
     import jax
     import jax.numpy as jnp
 
     rng = np.random.default_rng(seed)
-    sets, touched = [], []
+    sets, touched, routed = [], [], []
     for i in range(count):
         ids = np.argsort(rng.random((m, E)), axis=1)[:, :TOPK].astype(np.int32)
         w = rng.uniform(0.1, 1.0, size=(m, TOPK)).astype(np.float32)
+        w /= w.sum(axis=1, keepdims=True)
+        if local is not None:
+            mine = ids < local
+            ids, w = np.where(mine, ids, local).astype(np.int32), np.where(mine, w, 0.0).astype(np.float32)
         x = jax.random.normal(jax.random.key(seed * 100 + i), (m, D), jnp.bfloat16)
-        sets.append((x, jnp.asarray(ids), jnp.asarray(w / w.sum(axis=1, keepdims=True))))
-        touched.append(len(np.unique(ids)))
-    return sets, touched
+        sets.append((x, jnp.asarray(ids), jnp.asarray(w)))
+        valid = ids[ids < (local or E)]
+        touched.append(len(np.unique(valid)))
+        routed.append(valid.size)
+    return sets, touched, routed
 
 
-def measure(m: int, experts, bw: float, with_xla: bool, block_ms=(None,)) -> list[dict]:
+def register_baseline(path: str) -> None:
+    """Registers the handler KdMarlinMoeCudaOld of an older libkdtree_jax_cuda.so as BASELINE_TARGET (CUDA)."""
     import jax
 
-    from kdtree_jax.kernels.marlin_moe import block_size, marlin_moe, marlin_moe_ref
+    lib = ctypes.CDLL(path)
+    jax.ffi.register_ffi_target(BASELINE_TARGET, jax.ffi.pycapsule(lib.KdMarlinMoeCudaOld), platform="CUDA")
 
-    sets, touched = routing_sets(m, SETS, seed=m)
+
+def baseline_call(x, ids, weights, we_gate, we_up, we_down):
+    """The older kernel as that version called it: block_m = block_size(M) (8 / 16 / 32), no attributes."""
+    import jax
+    import jax.numpy as jnp
+
+    mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")
+    block_size, max_blocks = mm.block_size, mm.max_blocks
+
+    m, k, e = x.shape[0], ids.shape[1], we_gate.shape[0]
+    bm = block_size(m, k, e)
+    nb = max_blocks(m * k, e, bm)
+    outs = [jax.ShapeDtypeStruct((m, D), x.dtype), jax.ShapeDtypeStruct((nb * bm,), jnp.int32),
+            jax.ShapeDtypeStruct((nb,), jnp.int32), jax.ShapeDtypeStruct((m * k, F), x.dtype),
+            jax.ShapeDtypeStruct((m * k, D), x.dtype)]
+    args = (x, ids, weights, we_gate.packed, we_gate.scale, we_up.packed, we_up.scale, we_down.packed, we_down.scale)
+    return jax.ffi.ffi_call(BASELINE_TARGET, outs, vmap_method="sequential")(*args)[0]
+
+
+def variant_fn(name: str, m: int, e: int):
+    """(callable(x, ids, w, gate, up, down) -> out, block_m) of a variant, for M tokens and e (local) experts."""
+    mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")  # (the package re-exports the function's name)
+
+    if name == "before":
+        return baseline_call, mm.block_size(m, TOPK, e)
+    base, *mods = name.split("+")
+    flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "fake": mm.FLAG_FAKE, "deep": mm.FLAG_DEEP}[x]
+                for x in mods)
+    bm = {"after": None, "stream": mm.block_size(m, TOPK, e), "tile64": 64, "tile128": 128}[base]
+    shown = bm or mm.choose_block_m(m, TOPK, e, True)
+    if base == "after":  # the defaults (path, block_m, flags), plus any flags named
+        flags = None if not mods else flags | (mm.TILE_FLAGS if shown in mm.TILE_BLOCKS else mm.STREAM_FLAGS)
+    return (lambda *a: mm.marlin_moe(*a, block_m=bm, flags=flags)), shown
+
+
+def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with_xla: bool) -> list[dict]:
+    import jax
+
+    from kdtree_jax.kernels.marlin_moe import marlin_moe_ref
+
+    local = E // EP if shape == "device" else None
+    sets, touched, routed = routing_sets(m, SETS, seed=m + (7919 if local else 0), local=local)
     floor = statistics.mean(touched) * EXPERT_BYTES / bw
-    xla_s, ref, err_note = None, None, None
+    flops_floor = 2 * 3 * F * D * statistics.mean(routed) / flops
+    rows, outs = [], {}
     if with_xla:
         try:
             xla = jax.jit(lambda st, ex: [marlin_moe_ref(*a, *ex) for a in st])
-            xla_s, ref_out = timed(xla, (sets[:1], experts), 1, min_batch=0.05, samples=3)
-            ref = np.asarray(ref_out[0], np.float32)
-        except jax.errors.JaxRuntimeError as e:  # out of memory: it dequantizes all 384 experts (34 GB) per call
-            err_note = f"XLA reference failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            print(err_note, flush=True)
-    rows = []
-    for bm in block_ms:
-        ker = jax.jit(lambda st, ex, bm=bm: [marlin_moe(*a, *ex, block_m=bm) for a in st])
-        ker_s, ker_out = timed(ker, (sets, experts), len(sets), min_batch=0.05, samples=5)
-        got = np.asarray(ker_out[0], np.float32)
-        err = None
-        if ref is not None:
-            err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) if np.all(np.isfinite(got)) else math.inf
-        rows.append(dict(m=m, touched=statistics.mean(touched), bytes=statistics.mean(touched) * EXPERT_BYTES,
-                         floor_s=floor, kernel_s=ker_s, xla_s=xla_s, rel_err_vs_xla=err,
-                         block_m=bm or block_size(m, TOPK, E), finite=bool(np.all(np.isfinite(got))),
-                         note=err_note))
+            xla_s, ref_out = timed(xla, (sets[:1], weights), 1, min_batch=0.05, samples=3)
+            outs["xla"] = np.asarray(ref_out[0], np.float32)
+            rows.append(dict(shape=shape, m=m, variant="xla", time_s=xla_s, block_m=None))
+        except jax.errors.JaxRuntimeError as e:  # out of memory: it dequantizes every expert per call
+            print(f"XLA reference failed at M={m}: {str(e).splitlines()[0][:160]}", flush=True)
+    for name in variants:
+        fn, bm = variant_fn(name, m, local or E)
+        ker = jax.jit(lambda st, ex, fn=fn: [fn(*a, *ex) for a in st])
+        try:
+            ker_s, ker_out = timed(ker, (sets, weights), len(sets), min_batch=0.05, samples=5)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other variants
+            print(f"{shape} M={m} {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            continue
+        outs[name] = np.asarray(ker_out[0], np.float32)
+        rows.append(dict(shape=shape, m=m, variant=name, time_s=ker_s, block_m=bm))
+    want = outs.get("after", outs.get("xla"))
+    for r in rows:
+        r.update(touched=statistics.mean(touched), routed=statistics.mean(routed), floor_s=floor,
+                 flops_floor_s=flops_floor)
+        got = outs[r["variant"]]
+        r["finite"] = bool(np.all(np.isfinite(got)))
+        r["rel_err"] = (None if want is None or got is want else
+                        float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)) if r["finite"]
+                        else math.inf)
     return rows
 
 
-def write_report(out_dir: str, meta: dict, rows: list[dict], sweep: list[dict]) -> None:
+def write_report(out_dir: str, meta: dict, rows: list[dict], sweep=None) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "marlin_moe.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows, sweep=sweep), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, sweep=sweep or []), f, indent=1)
     us = lambda x: "-" if x is None else f"{x * 1e6:,.1f}"
-    pct = lambda t, floor: "-" if t is None else f"{100 * floor / t:.0f}%"
+    pct = lambda r: "-" if r is None else f"{100 * r['floor_s'] / r['time_s']:.0f}%"
+    err = lambda r: "-" if r is None or r.get("rel_err") is None else f"{r['rel_err']:.1e}"
     lines = [
-        "# marlin_moe: CUDA kernel vs XLA reference vs bandwidth floor (Kimi K2 MoE layer)",
+        "# marlin_moe: the CUDA kernel vs the bandwidth floor (Kimi K2 MoE layer, and one GPU of an 8-GPU mesh)",
         "",
         f"{meta['date']}, {meta['device']}, commit {meta['commit']}, jax {meta['jax']}.",
-        (f"E = {E}, hidden {D}, inter {F}, top-{TOPK}, INT4 group {GROUP}, bf16 activations, uniform random routing. "
-         f"Copy bandwidth measured in the same run: {meta['copy_Bps'] / 1e12:.2f} TB/s (bytes read + written). "
-         f"floor = distinct experts touched x {EXPERT_BYTES / 1e6:.2f} MB / copy bandwidth. XLA = "
-         "`marlin_moe_ref` (dequantize every expert, sort, ragged_dot)."),
+        (f"Experts of the K2 widths: hidden {D}, inter {F}, INT4 group {GROUP}, bf16 activations, top-{TOPK} of {E} "
+         f"uniform random routing. Measured in the same run: copy bandwidth {meta['copy_Bps'] / 1e12:.2f} TB/s "
+         f"(bytes read + written), bf16 matmul {meta['matmul_flops'] / 1e12:.0f} TFLOP/s. floor = distinct experts "
+         f"touched x {EXPERT_BYTES / 1e6:.2f} MB / copy bandwidth; FLOPs floor = 2 x 3 F D x routed slots / matmul "
+         "rate. `before` = " + meta.get("before", "-") + "; `after` = this commit (path and block_m chosen by M)."),
         GOALS + ".",
-        "",
-        ("| M | experts touched | floor µs | kernel µs | kernel µs / token | kernel % of floor | XLA µs | "
-         "XLA % of floor | speedup vs XLA | block_m | rel err vs XLA |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: r["m"]):
-        speed = "-" if r["xla_s"] is None else f"{r['xla_s'] / r['kernel_s']:.1f}x"
-        err = "-" if r["rel_err_vs_xla"] is None else f"{r['rel_err_vs_xla']:.1e}"
-        lines.append(f"| {r['m']:,} | {r['touched']:.1f} | {us(r['floor_s'])} | {us(r['kernel_s'])} | "
-                     f"{us(r['kernel_s'] / r['m'])} | {pct(r['kernel_s'], r['floor_s'])} | {us(r['xla_s'])} | "
-                     f"{pct(r['xla_s'], r['floor_s'])} | {speed} | {r['block_m']} | {err} |")
-    notes = sorted({r["note"] for r in rows if r.get("note")})
+    shapes = [s for s in ("k2", "device") if any(r["shape"] == s for r in rows)]
+    titles = {"k2": f"K2 shape: {E} experts", "device": f"per-device shape: {E // EP} local experts (ep = {EP})"}
+    for shape in shapes:
+        sr = [r for r in rows if r["shape"] == shape]
+        by = {(r["m"], r["variant"]): r for r in sr}
+        lines += ["", f"## {titles[shape]}", "",
+                  ("| M | experts touched | floor µs | FLOPs floor µs | before µs | before % of floor | after µs | "
+                   "after % of floor | after µs / token | speedup | after block_m | rel err after vs before |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for m in sorted({r["m"] for r in sr}):
+            a, b = by.get((m, "after")), by.get((m, "before"))
+            ref = a or b
+            if ref is None:
+                continue
+            speed = "-" if a is None or b is None else f"{b['time_s'] / a['time_s']:.2f}x"
+            e_ab = "-" if b is None or b.get("rel_err") is None else f"{b['rel_err']:.1e}"
+            lines.append(f"| {m:,} | {ref['touched']:.1f} | {us(ref['floor_s'])} | {us(ref['flops_floor_s'])} | "
+                         f"{us(b and b['time_s'])} | {pct(b)} | {us(a and a['time_s'])} | {pct(a)} | "
+                         f"{us(a and a['time_s'] / m)} | {speed} | {a['block_m'] if a else '-'} | {e_ab} |")
+        others = sorted({r["variant"] for r in sr} - {"after", "before"})
+        if others:
+            lines += ["", f"Other variants ({titles[shape]}): time µs (% of floor; rel err vs after)", "",
+                      "| M | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
+            for m in sorted({r["m"] for r in sr}):
+                cells = []
+                for v in others:
+                    r = by.get((m, v))
+                    cells.append("-" if r is None else f"{us(r['time_s'])} ({pct(r)}; {err(r)})")
+                lines.append(f"| {m:,} | " + " | ".join(cells) + " |")
+    notes = meta.get("notes") or []
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
-    if sweep:
-        lines += ["", "## Token block size (block_m)", "", "| M | block_m | kernel µs | % of floor |",
-                  "|---|---|---|---|"]
-        for r in sorted(sweep, key=lambda r: (r["m"], r["block_m"])):
-            lines.append(f"| {r['m']:,} | {r['block_m']} | {us(r['kernel_s'])} | {pct(r['kernel_s'], r['floor_s'])} |")
     with open(os.path.join(out_dir, "marlin_moe.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
@@ -145,30 +235,36 @@ def plot(out_dir: str, meta: dict, rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = sorted(rows, key=lambda r: r["m"])
-    ms = [r["m"] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    left.plot(ms, [1e3 * r["kernel_s"] for r in rows], "o-", label="marlin_moe kernel")
-    xs = [r for r in rows if r["xla_s"] is not None]
-    left.plot([r["m"] for r in xs], [1e3 * r["xla_s"] for r in xs], "s--", label="XLA reference")
-    left.plot(ms, [1e3 * r["floor_s"] for r in rows], "k:", label="bandwidth floor")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4))
+    styles = {"after": "o-", "before": "s--"}
+    for shape, color in (("k2", "C0"), ("device", "C1")):
+        sr = [r for r in rows if r["shape"] == shape]
+        if not sr:
+            continue
+        ms = sorted({r["m"] for r in sr})
+        floor = {r["m"]: r["floor_s"] for r in sr}
+        left.plot(ms, [1e3 * floor[m] for m in ms], ":", color=color, label=f"{shape}: bandwidth floor")
+        for v, st in styles.items():
+            vr = sorted((r for r in sr if r["variant"] == v), key=lambda r: r["m"])
+            if not vr:
+                continue
+            left.plot([r["m"] for r in vr], [1e3 * r["time_s"] for r in vr], st, color=color, label=f"{shape}: {v}")
+            right.plot([r["m"] for r in vr], [100 * r["floor_s"] / r["time_s"] for r in vr], st, color=color,
+                       label=f"{shape}: {v}")
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("M (tokens)")
     left.set_ylabel("ms per call")
-    left.legend(fontsize=8)
+    left.legend(fontsize=7)
     left.grid(alpha=0.3, which="both")
-    right.plot(ms, [100 * r["floor_s"] / r["kernel_s"] for r in rows], "o-", label="kernel")
-    right.plot([r["m"] for r in xs], [100 * r["floor_s"] / r["xla_s"] for r in xs], "s--", label="XLA reference")
-    right.axhline(75, color="gray", lw=0.8, ls=":", label="goal for M <= 64")
-    right.axhline(80, color="gray", lw=0.8, ls="-.", label="1.25x of floor")
+    right.axhline(75, color="gray", lw=0.8, ls=":", label="goal: 75% of the floor")
     right.set_xscale("log", base=2)
     right.set_xlabel("M (tokens)")
     right.set_ylabel("% of bandwidth floor")
     right.set_ylim(0, 105)
-    right.legend(fontsize=8)
+    right.legend(fontsize=7)
     right.grid(alpha=0.3)
-    fig.suptitle(f"marlin_moe, Kimi K2 MoE layer: {meta['device']}, {meta['date']}, commit {meta['commit']}, "
+    fig.suptitle(f"marlin_moe: {meta['device']}, {meta['date']}, commit {meta['commit']}, "
                  f"copy {meta['copy_Bps'] / 1e12:.2f} TB/s", fontsize=10)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "marlin_moe.png"), dpi=110)
@@ -177,8 +273,15 @@ def plot(out_dir: str, meta: dict, rows: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="M = 1, 4, 16, 64, 256, 1024, 4096 only")
-    ap.add_argument("--sweep", action="store_true", help="also time block_m = 8, 16, 32 at a few M")
-    ap.add_argument("--no-xla", action="store_true", help="skip the XLA reference")
+    ap.add_argument("--ms", help="comma-separated M values (overrides --quick)")
+    ap.add_argument("--shapes", default="k2,device", help="k2, device or both (comma separated)")
+    ap.add_argument("--variants", default="after,before", help="comma separated (see above)")
+    ap.add_argument("--variants-at", default="", help="more variants at some M: '1,16=stream+fake,tile64;4096=tile128'")
+    ap.add_argument("--variants-at-shapes", default="k2", help="the shapes --variants-at applies to")
+    ap.add_argument("--baseline-lib", help="older libkdtree_jax_cuda.so with the handler KdMarlinMoeCudaOld")
+    ap.add_argument("--before-label", default="the kernel before issue 18", help="what `before` is, for the table")
+    ap.add_argument("--xla", action="store_true", help="also time the XLA reference (slow; fails at large M)")
+    ap.add_argument("--profile", metavar="SHAPE:M:VARIANT", help="run that op twice and exit (for ncu)")
     add_report_args(ap, "sizes")
     args = ap.parse_args()
     if replot(args, write_report):
@@ -186,36 +289,59 @@ def main() -> None:
 
     import jax
 
-    bw = ceilings()["copy_Bps"]
+    if args.profile:
+        shape, m, name = args.profile.split(":")
+        local = E // EP if shape == "device" else None
+        weights = experts(local or E)
+        (x, ids, w), = routing_sets(int(m), 1, seed=1, local=local)[0]
+        fn = jax.jit(variant_fn(name, int(m), local or E)[0])
+        for _ in range(2):
+            jax.block_until_ready(fn(x, ids, w, *weights))
+        return
+    variants = [v for v in args.variants.split(",") if v]
+    notes = []
+    if "before" in variants:
+        try:
+            if not args.baseline_lib:
+                raise OSError("no --baseline-lib")
+            register_baseline(args.baseline_lib)
+        except (OSError, AttributeError) as e:
+            notes.append(f"`before` not measured: {e}")
+            print(notes[-1], flush=True)
+            variants.remove("before")
+    ceil = ceilings()
+    bw, flops = ceil["copy_Bps"], ceil["matmul_flops"]
     dev = jax.devices()[0]
     meta = dict(date=datetime.date.today().isoformat(), device=f"{dev.device_kind} ({dev.platform})",
-                commit=args.commit, jax=jax.__version__, copy_Bps=bw)
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; expert {EXPERT_BYTES / 1e6:.2f} MB", flush=True)
-    experts = k2_experts()
-    ms = [1, 4, 16, 64, 256, 1024, 4096] if args.quick else [2**i for i in range(13)]
+                commit=args.commit, jax=jax.__version__, copy_Bps=bw, matmul_flops=flops, before=args.before_label,
+                notes=notes)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, matmul {flops / 1e12:.0f} TFLOP/s; expert {EXPERT_BYTES / 1e6:.2f} MB",
+          flush=True)
+    if args.ms:
+        ms = [int(v) for v in args.ms.split(",")]
+    else:
+        ms = [1, 4, 16, 64, 256, 1024, 4096] if args.quick else [2**i for i in range(13)]
     start = time.perf_counter()
-    rows, sweep = [], []
-    for m in ms:
-        if time.perf_counter() - start > args.budget:
-            print(f"budget reached: skipping M={m}", flush=True)
-            continue
-        r = measure(m, experts, bw, with_xla=not args.no_xla)[0]
-        rows.append(r)
-        xla = "-" if r["xla_s"] is None else f"{r['xla_s'] * 1e6:,.0f} us"
-        print(f"M={m}: {r['touched']:.0f} experts, floor {r['floor_s'] * 1e6:,.0f} us, kernel "
-              f"{r['kernel_s'] * 1e6:,.0f} us ({100 * r['floor_s'] / r['kernel_s']:.0f}% of floor, block_m "
-              f"{r['block_m']}), XLA {xla}, err {r['rel_err_vs_xla']}", flush=True)
-        write_report(args.out, meta, rows, sweep)  # partial results survive a timeout
-    if args.sweep:
-        for m in (16, 64, 256, 512, 1024, 4096):
+    rows = []
+    for shape in [s for s in args.shapes.split(",") if s]:
+        weights = experts(E // EP if shape == "device" else E)
+        for m in ms:
             if time.perf_counter() - start > args.budget:
-                break
-            for r in measure(m, experts, bw, with_xla=False, block_ms=(8, 16, 32)):
-                sweep.append(r)
-                print(f"sweep M={m} block_m {r['block_m']}: {r['kernel_s'] * 1e6:,.0f} us "
-                      f"({100 * r['floor_s'] / r['kernel_s']:.0f}% of floor)", flush=True)
-            write_report(args.out, meta, rows, sweep)
-    write_report(args.out, meta, rows, sweep)
+                print(f"budget reached: skipping {shape} M={m}", flush=True)
+                continue
+            more = [v for group in args.variants_at.split(";") if "=" in group
+                    for v in group.split("=")[1].split(",") if str(m) in group.split("=")[0].split(",")]
+            more = more if shape in args.variants_at_shapes.split(",") else []
+            got = measure(shape, m, weights, bw, flops, variants + [v for v in more if v not in variants],
+                          args.xla and m <= 256)
+            rows += got
+            for r in got:
+                print(f"{shape} M={m} {r['variant']:>14}: {r['time_s'] * 1e6:10,.1f} us "
+                      f"({100 * r['floor_s'] / r['time_s']:3.0f}% of floor {r['floor_s'] * 1e6:,.0f} us, FLOPs floor "
+                      f"{r['flops_floor_s'] * 1e6:,.0f} us) block_m {r['block_m']} err {r['rel_err']}", flush=True)
+            write_report(args.out, meta, rows)  # partial results survive a timeout
+        del weights
+    write_report(args.out, meta, rows)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 //
 // The function is the CPU handler's (ffi/marlin_moe.cc has the math). Weights stay in the checkpoint layout
 // (compressed-tensors pack-quantized: int32 [E, out, in/8], nibble q + 8 least significant first; bf16 scales
-// [E, out, in/group]); nothing is repacked. Four launches on the stream, nothing allocated, no host sync:
+// [E, out, in/group]); nothing is repacked. Launches on the stream, nothing allocated, no host sync:
 //
 //   1. align   one block: ids [M, k] -> the M k slots sorted by expert (stable), each expert's run padded to a
 //              multiple of BM with the sentinel M k, and the expert of every BM-slot block (-1: unused block).
@@ -14,12 +14,14 @@
 // element that is read was written earlier in the same call, so no scratch needs clearing. The reductions have a
 // fixed order, so the result is bitwise reproducible.
 //
-// Fast path (bf16, D and F multiples of 128, groups multiples of 32, an even number of groups per row): gemm1 and
-// gemm2 are one kernel (template: gated or not, NT token tiles of 8). A block of 4 warps owns one token block of
-// BM = 8 NT slots (one expert) and 16 output rows of gate and up (gemm1) or 32 rows of down (gemm2); its 4 warps
-// split K in 128-wide chunks (warp w takes chunks w, w + 4, ...) and sum their fp32 partials in shared memory in
-// warp order. The weights are the A operand of mma.m16n8k16 (16 output rows), the tokens the B operand (8
-// columns), so one token per expert wastes 7/8 of the small side and none of the weight stream.
+// Two fast paths (bf16), chosen by the block size BM of the align stage (the Python wrapper picks it from M):
+//
+// Stream path (BM = 8, 16, 32; small M; D and F multiples of 128, groups multiples of 32, an even number of groups
+// per row): gemm1 and gemm2 are one kernel (template: gated or not, NT token tiles of 8). A block of 4 warps owns
+// one token block of BM = 8 NT slots (one expert) and 16 output rows of gate and up (gemm1) or 32 rows of down
+// (gemm2); its 4 warps split K in 128-wide chunks (warp w takes chunks w, w + 4, ...) and sum their fp32 partials
+// in shared memory in warp order. The weights are the A operand of mma.m16n8k16 (16 output rows), the tokens the B
+// operand (8 columns), so one token per expert wastes 7/8 of the small side and none of the weight stream.
 //
 // K permutation. A dot product does not care in which order k is summed, as long as A and B agree. In one chunk,
 // lane (g, t) of a warp (g = lane / 4, t = lane % 4) owns the 32 inputs 32 t .. 32 t + 31: one 16-byte load of 4
@@ -35,7 +37,22 @@
 // no block barrier: cp.async.wait_group orders a thread's own copies. Weights bypass L1 (.cg); scales and token
 // rows go through it (.ca), where the other blocks of the same SM find them.
 //
-// Generic path (float32, or shapes off the fast path): one warp per (slot, output row), CUDA cores, fp32.
+// Tile path (BM = 64 or 128; large M; D a multiple of 256, F of 128, group 32): a block of two warpgroups owns one
+// tile of up to BM slots of one expert and 128 rows of gate and of up (gemm1) or 256 rows of down (gemm2), so each
+// dequantized weight is used for every token of the tile. The weights are the A operand of wgmma.m64nNk16 from
+// registers (warp w of a warpgroup holds rows 16 w .. 16 w + 15 of its 64-row tile, the mma.m16n8k16 fragment
+// layout); the tokens are the B operand, read by the tensor cores from 128B-swizzled shared memory; N = the tile's
+// slot count rounded up to 16 (a template instance per N). Per 128-input stage, lane (g, t) copies the 16 bytes
+// (inputs 32 t .. 32 t + 31) of each of its 4 weight rows and dequantizes them into the A fragments of the stage's
+// 8 k-steps (k-step j takes word j / 2, nibble pairs s = 2 (j % 2) and s + 1, as above). The tensor cores read B
+// in logical k order, so the tokens must hold, at logical position l of every 128-block, input TilePhys(l): a
+// small kernel writes x in that order (into the ys scratch, which gemm2 overwrites later), and gemm1 writes h in
+// that order, so gemm2's B is ready as well. A ring of 4 (BM = 128) or 6 (BM = 64) stages of cp.async, refilled
+// two stages behind the compute so that no wgmma still reads a slot being overwritten; the epilogue goes through
+// shared memory and stores 16-byte row pieces. Two k-steps of wgmma in flight (4 with flag bit 3). The same kernel
+// with mma.sync (ldmatrix for B) is kept for comparison (flag bit 0).
+//
+// Generic path (float32, or shapes off the fast paths): one warp per (slot, output row), CUDA cores, fp32.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -50,10 +67,17 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kWarps = 4;                 // warps per gemm block (the K split)
+constexpr int kWarps = 4;                 // warps per stream-path gemm block (the K split)
 constexpr int kThreads = 32 * kWarps;
 constexpr int kChunk = 128;               // inputs per warp step
 constexpr int kMaxAlignSmem = 200 * 1024;
+
+// Bits of the "flags" attribute (benchmarks and tests; 0 is the default).
+constexpr int64_t kFlagSync = 1;        // tile path: mma.sync + ldmatrix instead of wgmma
+constexpr int64_t kFlagL2Prefetch = 2;  // weight copies ask L2 for 256-byte lines
+constexpr int64_t kFlagFake = 4;        // stream path: read each block's weight rows as if tile-contiguous (WRONG
+                                        // results: a bandwidth experiment for the benchmark only)
+constexpr int64_t kFlagDeep = 8;        // tile path (wgmma): 4 k-steps in flight instead of 2
 
 // ------------------------------------------------------------------------------------------------------------------
 // Small helpers
@@ -63,9 +87,13 @@ __device__ __forceinline__ uint32_t SmemAddress(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
-// 16 bytes global -> shared, cached in L2 only (streamed weights).
-__device__ __forceinline__ void CopyAsync16Cg(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+// 16 bytes global -> shared, cached in L2 only (streamed weights); l2_256: ask L2 to fetch the whole 256-byte line.
+__device__ __forceinline__ void CopyAsync16Cg(uint32_t dst, const void* src, bool l2_256 = false) {
+  if (l2_256) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  }
 }
 
 // 16 bytes global -> shared through L1; zero-filled (src not read) when !valid.
@@ -74,7 +102,16 @@ __device__ __forceinline__ void CopyAsync16Ca(uint32_t dst, const void* src, boo
                : "memory");
 }
 
-// 4 bytes global -> shared through L1.
+// 16 bytes global -> shared, L2 only; zero-filled (src not read) when !valid.
+__device__ __forceinline__ void CopyAsync16CgZ(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// 8 / 4 bytes global -> shared through L1.
+__device__ __forceinline__ void CopyAsync8(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+}
 __device__ __forceinline__ void CopyAsync4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
@@ -84,6 +121,19 @@ __device__ __forceinline__ void CopyCommit() { asm volatile("cp.async.commit_gro
 template <int N>
 __device__ __forceinline__ void CopyWait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// cp.async.wait_group with a run-time count (0..6; uniform over the block).
+__device__ __forceinline__ void CopyWaitDyn(int n) {
+  switch (n) {
+    case 0: CopyWait<0>(); break;
+    case 1: CopyWait<1>(); break;
+    case 2: CopyWait<2>(); break;
+    case 3: CopyWait<3>(); break;
+    case 4: CopyWait<4>(); break;
+    case 5: CopyWait<5>(); break;
+    default: CopyWait<6>(); break;
+  }
 }
 
 __device__ __forceinline__ uint4 LoadShared16(uint32_t addr) {
@@ -99,6 +149,34 @@ __device__ __forceinline__ uint32_t LoadShared4(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
   return v;
+}
+
+__device__ __forceinline__ uint32_t LoadShared2(uint32_t addr) {
+  uint16_t v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreShared2(uint32_t addr, uint16_t v) {
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(v) : "memory");
+}
+
+__device__ __forceinline__ void StoreShared16(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// Four (two) 8x8 b16 matrices from shared memory: lane i gives the address of row i % 8 of matrix i / 8.
+__device__ __forceinline__ void Ldsm4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void Ldsm2(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr)
+               : "memory");
+  r[2] = r[3] = 0u;
 }
 
 __device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
@@ -124,6 +202,14 @@ __device__ __forceinline__ void Mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// The same on 4 accumulators d[0..3] of a larger array.
+__device__ __forceinline__ void MmaAt(float* d, const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 __device__ __forceinline__ float Silu(float v) { return v / (1.0f + __expf(-v)); }
 
 __device__ __forceinline__ float ToFloat(float v) { return v; }
@@ -136,13 +222,209 @@ __device__ __forceinline__ float Round(float v, const __nv_bfloat16*) {
 }
 
 // ------------------------------------------------------------------------------------------------------------------
+// wgmma (the tile path)
+// ------------------------------------------------------------------------------------------------------------------
+
+// Generic-proxy shared-memory writes (cp.async) -> reads by wgmma (async proxy).
+__device__ __forceinline__ void ProxyFence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Keep the compiler from moving reads of wgmma registers above a wait (and their writers below the issue).
+template <int N>
+__device__ __forceinline__ void Pin(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void Pin(uint32_t (&d)[2][4]) {  // one k-step's A fragments (2 tiles)
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(d[i][j])::"memory");
+  }
+}
+
+// Shared-memory matrix descriptor of a K-major operand in 128B-swizzled panels: rows of 64 bf16 (128 B), 8-row
+// groups 1024 B apart (SBO); LBO unused. The panel starts 1024-aligned; k-step kk of it starts at +32 kk bytes.
+__device__ __forceinline__ uint64_t KMajorDesc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3ffff) >> 4) | (static_cast<uint64_t>(16 >> 4) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (uint64_t{1} << 62);
+}
+
+// d[64 x N] += A[64 x 16] (registers, this warp's 16 rows) B[16 x N] (K-major in shared memory).
+template <int N>
+struct Wgmma;
+
+template <>
+struct Wgmma<8> {
+  static __device__ __forceinline__ void Run(float (&d)[4], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3"
+        "}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+  }
+};
+
+template <>
+struct Wgmma<16> {
+  static __device__ __forceinline__ void Run(float (&d)[8], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7"
+        "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+  }
+};
+
+template <>
+struct Wgmma<32> {
+  static __device__ __forceinline__ void Run(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+  }
+};
+
+template <>
+struct Wgmma<48> {
+  static __device__ __forceinline__ void Run(float (&d)[24], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23"
+        "}, {%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+  }
+};
+
+template <>
+struct Wgmma<64> {
+  static __device__ __forceinline__ void Run(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+  }
+};
+
+template <>
+struct Wgmma<80> {
+  static __device__ __forceinline__ void Run(float (&d)[40], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39"
+        "}, {%40, %41, %42, %43}, %44, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+  }
+};
+
+template <>
+struct Wgmma<96> {
+  static __device__ __forceinline__ void Run(float (&d)[48], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+        "}, {%48, %49, %50, %51}, %52, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+  }
+};
+
+template <>
+struct Wgmma<112> {
+  static __device__ __forceinline__ void Run(float (&d)[56], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %61, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55"
+        "}, {%56, %57, %58, %59}, %60, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+  }
+};
+
+template <>
+struct Wgmma<128> {
+  static __device__ __forceinline__ void Run(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+  }
+};
+
+// ------------------------------------------------------------------------------------------------------------------
 // 1. align: slots sorted by expert, padded per expert to BM, with the expert of each block
 // ------------------------------------------------------------------------------------------------------------------
 
-// One block of 32 W threads. Warp w owns slots [w P, (w + 1) P) (P = ceil(S / W)); within a warp, 32 slots at a
-// time, __match_any_sync groups lanes of one expert, so a slot's place is (expert start) + (slots of that expert
-// in earlier warps) + (in earlier rounds of this warp) + (in lower lanes): a stable sort without atomics.
-// Shared memory (ints): hist [W, E] (counts, then running starts), count [E], start [E], part [32 W], total.
+// One block of 32 W threads (W from the slot count: one warp for a handful of slots). Warp w owns slots
+// [w P, (w + 1) P) (P = ceil(S / W)); within a warp, 32 slots at a time, __match_any_sync groups lanes of one
+// expert, so a slot's place is (expert start) + (slots of that expert in earlier warps) + (in earlier rounds of
+// this warp) + (in lower lanes): a stable sort without atomics.
+// Shared memory (ints): hist [W, E] (counts, then running starts), count [E], start [E], warp sums [32], total.
 __global__ void AlignKernel(const int32_t* __restrict__ ids, int slots, int experts, int bm, int max_blocks,
                             int32_t* __restrict__ sorted, int32_t* __restrict__ block_expert) {
   extern __shared__ int align_smem[];
@@ -150,8 +432,8 @@ __global__ void AlignKernel(const int32_t* __restrict__ ids, int slots, int expe
   int* hist = align_smem;
   int* count = hist + nw * experts;
   int* start = count + experts;
-  int* part = start + experts;
-  int* total = part + blockDim.x;
+  int* wsum = start + experts;
+  int* total = wsum + 32;
   for (int i = tid; i < nw * experts; i += blockDim.x) hist[i] = 0;
   __syncthreads();
 
@@ -178,25 +460,34 @@ __global__ void AlignKernel(const int32_t* __restrict__ ids, int slots, int expe
   }
   __syncthreads();
 
-  // Exclusive scan of the padded counts: thread tid takes experts [e0, e1).
+  // Exclusive scan of the padded counts: thread tid takes experts [e0, e1); warp shuffles, then the warp sums.
   const int span = (experts + blockDim.x - 1) / blockDim.x;
   const int e0 = min(experts, tid * span), e1 = min(experts, e0 + span);
   int sum = 0;
   for (int e = e0; e < e1; ++e) sum += (count[e] + bm - 1) / bm * bm;
-  part[tid] = sum;
+  int incl = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) wsum[warp] = incl;
   __syncthreads();
-  if (tid == 0) {
-    int run = 0;
-    for (int j = 0; j < static_cast<int>(blockDim.x); ++j) {
-      const int c = part[j];
-      part[j] = run;
-      run += c;
+  if (warp == 0) {
+    const int v = lane < nw ? wsum[lane] : 0;
+    int w_incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int u = __shfl_up_sync(0xffffffffu, w_incl, o);
+      if (lane >= o) w_incl += u;
     }
-    *total = run;
+    __syncwarp();
+    if (lane < nw) wsum[lane] = w_incl - v;
+    if (lane == 31) *total = w_incl;
   }
   __syncthreads();
   const int cap = max_blocks * bm;
-  int run = part[tid];
+  int run = wsum[warp] + incl - sum;
   for (int e = e0; e < e1; ++e) {
     const int padded = (count[e] + bm - 1) / bm * bm;
     start[e] = run;
@@ -222,17 +513,20 @@ __global__ void AlignKernel(const int32_t* __restrict__ ids, int slots, int expe
   }
 }
 
-int AlignWarps(int64_t experts) {
-  for (int w = 16; w >= 1; --w) {
-    if (((w + 2) * experts + 32 * w + 1) * 4 <= kMaxAlignSmem) return w;
+int64_t AlignSmem(int64_t experts, int warps) { return ((warps + 2) * experts + 33) * 4; }
+
+// Warps of the align block: one per 256 slots, at most 16 and as many as the shared memory holds.
+int AlignWarps(int64_t experts, int64_t slots) {
+  int w = static_cast<int>((slots + 255) / 256);
+  w = w < 1 ? 1 : (w > 16 ? 16 : w);
+  for (; w >= 1; --w) {
+    if (AlignSmem(experts, w) <= kMaxAlignSmem) return w;
   }
   return 0;
 }
 
-int64_t AlignSmem(int64_t experts, int warps) { return ((warps + 2) * experts + 32 * warps + 1) * 4; }
-
 // ------------------------------------------------------------------------------------------------------------------
-// 2./3. the fast gemm
+// 2./3. the stream-path gemm
 // ------------------------------------------------------------------------------------------------------------------
 
 struct GemmParams {
@@ -250,6 +544,7 @@ struct GemmParams {
   int group;                   // group size, a multiple of 32
   int src_div;                 // slot -> B row divisor (top-k for gemm1, 1 for gemm2)
   int slots;                   // M k
+  int flags;                   // kFlag*
 };
 
 template <int NT>
@@ -286,6 +581,7 @@ __global__ void __launch_bounds__(kThreads) GemmKernel(const GemmParams p) {
 
   const int row0 = blockIdx.y * (kGated ? 16 : 32);
   const int64_t words = p.k / 8;
+  const bool l2_256 = (p.flags & kFlagL2Prefetch) != 0, fake = (p.flags & kFlagFake) != 0;
   const uint32_t* a_ptr[2][2];
   const __nv_bfloat16* s_ptr[2][2];
 #pragma unroll
@@ -295,8 +591,14 @@ __global__ void __launch_bounds__(kThreads) GemmKernel(const GemmParams p) {
       const int64_t row = static_cast<int64_t>(e) * p.rows + row0 + (kGated ? 0 : 16 * tile) + g + 8 * rh;
       a_ptr[tile][rh] = ((kGated && tile) ? p.w1 : p.w0) + row * words + 4 * t;
       s_ptr[tile][rh] = ((kGated && tile) ? p.s1 : p.s0) + row * p.groups;
+      if (fake) {  // the block's own rows, read as consecutive 2 KB (gated: 1 KB per matrix) runs per chunk
+        const uint32_t* region = ((kGated && tile) ? p.w1 : p.w0) + (static_cast<int64_t>(e) * p.rows + row0) *
+                                 words;
+        a_ptr[tile][rh] = region + (kGated ? (rh * 32 + lane) : ((2 * tile + rh) * 32 + lane)) * 4;
+      }
     }
   }
+  const int fake_stride = kGated ? 256 : 512;  // words per chunk of the fake layout
   const __nv_bfloat16* x_ptr[NT];
   bool x_ok[NT];
 #pragma unroll
@@ -312,7 +614,7 @@ __global__ void __launch_bounds__(kThreads) GemmKernel(const GemmParams p) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int tile = i >> 1, rh = i & 1;
-      CopyAsync16Cg(base + (i * kThreads + tid) * 16, a_ptr[tile][rh] + chunk * 16);
+      CopyAsync16Cg(base + (i * kThreads + tid) * 16, a_ptr[tile][rh] + chunk * (fake ? fake_stride : 16), l2_256);
       const int gi = (chunk * kChunk + 32 * t) / p.group;
       CopyAsync4(base + R::kOffS + (i * kThreads + tid) * 4, s_ptr[tile][rh] + (gi & ~1));
     }
@@ -325,7 +627,6 @@ __global__ void __launch_bounds__(kThreads) GemmKernel(const GemmParams p) {
       }
     }
   };
-
   float acc[2][NT][4];
 #pragma unroll
   for (int tile = 0; tile < 2; ++tile) {
@@ -436,6 +737,289 @@ __global__ void __launch_bounds__(kThreads) GemmKernel(const GemmParams p) {
   }
 }
 
+
+// ------------------------------------------------------------------------------------------------------------------
+// 2./3. the tile-path gemm
+// ------------------------------------------------------------------------------------------------------------------
+
+constexpr int kTileThreads = 256;            // two warpgroups
+constexpr int kMaxTile = 128;                // slots per tile (BM)
+constexpr int kTileW = 16 * 4 * kTileThreads;  // stage bytes of weights: 4 rows x 16 B per thread
+constexpr int kTileS = 8 * kTileThreads;       // stage bytes of scales: 4 groups of one row per thread
+constexpr int kTileX = kTileW + kTileS;        // tokens: two 128B-swizzled panels [BM rows x 64 inputs]
+
+__host__ __device__ constexpr int TileStages(int bt) { return bt <= 64 ? 6 : 4; }
+__host__ __device__ constexpr int TileStageBytes(int bt) { return kTileX + 256 * bt; }
+constexpr int TileSmem(int bt) { return TileStages(bt) * TileStageBytes(bt) + 1024; }  // + room to align the base
+
+// The input held at logical position l (0..127) of a 128-input block in the tile path's k order: k-step j = l / 16
+// of the block takes, from lane t's word j / 2 (inputs 32 t + 8 (j / 2) ..), the nibble pairs s = 2 (j % 2)
+// (logical 2t, 2t+1 of the step) and s + 1 (logical 2t+8, 2t+9); pair s holds inputs s and s + 4 of the word.
+__host__ __device__ constexpr int TilePhys(int l) {
+  return 32 * ((l & 7) >> 1) + 8 * (l >> 5) + 2 * ((l >> 4) & 1) + ((l >> 3) & 1) + 4 * (l & 1);
+}
+
+// Its inverse: the logical position of input f (0..127).
+__host__ __device__ constexpr int TileLogical(int f) {
+  return 16 * (2 * ((f & 31) >> 3) + ((f >> 1) & 1)) + 8 * (f & 1) + 2 * (f >> 5) + ((f >> 2) & 1);
+}
+
+// xp[m, 128 b + l] = x[m, 128 b + TilePhys(l)], one thread per 128-input block (bf16).
+__global__ void PermuteKernel(const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ xp, int64_t blocks) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < blocks;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint4* src = reinterpret_cast<const uint4*>(x + i * 128);
+    uint32_t w[64];
+#pragma unroll
+    for (int c = 0; c < 16; ++c) {
+      const uint4 v = src[c];
+      w[4 * c] = v.x;
+      w[4 * c + 1] = v.y;
+      w[4 * c + 2] = v.z;
+      w[4 * c + 3] = v.w;
+    }
+    uint4* dst = reinterpret_cast<uint4*>(xp + i * 128);
+#pragma unroll
+    for (int c = 0; c < 16; ++c) {
+      uint32_t o[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int l = 8 * c + 2 * q;  // logical pair (l, l + 1) = inputs (p, p + 4), same half of words p/2, p/2 + 2
+        const int ph = TilePhys(l);
+        o[q] = __byte_perm(w[ph >> 1], w[(ph >> 1) + 2], (ph & 1) ? 0x7632 : 0x5410);
+      }
+      dst[c] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+}
+
+struct TileParams {
+  const uint32_t* w0;          // packed [E, rows, K/8]: gate (gated) or down
+  const uint32_t* w1;          // packed [E, rows, K/8]: up (gated only)
+  const __nv_bfloat16* s0;     // scales [E, rows, K/32] of w0
+  const __nv_bfloat16* s1;     // scales of w1
+  const __nv_bfloat16* src;    // B rows [*, K] in tile k order: xp [M, D] (gated, row = slot / k) or h [M k, F]
+  __nv_bfloat16* dst;          // [M k, rows]: h in tile k order (gated) or ys
+  const int32_t* sorted;       // [max_blocks * BM] slots (M k = padding)
+  const int32_t* block_expert; // [max_blocks] (-1: unused)
+  int rows;                    // output rows per expert (F or D)
+  int k;                       // inputs (D or F), a multiple of 128
+  int groups;                  // scales per row (K / 32)
+  int src_div;                 // slot -> B row divisor (top-k for gemm1, 1 for gemm2)
+  int slots;                   // M k
+  int row_tiles;               // rows / 128 (gated) or rows / 256
+  int bt;                      // BM: 64 or 128
+  int flags;                   // kFlag*
+};
+
+// One block: tile `tile` (<= BM slots of expert e, ntok of them real, N = ntok rounded up) x row tile rt. kDepth:
+// k-steps whose wgmma may be in flight (2 or 4; it divides the 8 k-steps of a stage), each with its own fragments.
+template <int N, bool kGated, bool kSync, int kDepth>
+__device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, int ntok, uint32_t base,
+                                          const int* s_src, const int* s_dst) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int64_t words = p.k / 8;
+  const int stages = TileStages(p.bt), stage_bytes = TileStageBytes(p.bt), panel = 128 * p.bt;
+  const bool l2_256 = (p.flags & kFlagL2Prefetch) != 0;
+
+  // This thread's 4 weight rows i = 2 tau + rh: tile tau (gate / up, or the two 64-row halves of a warpgroup's
+  // down rows), rows 16 wq + g + 8 rh of the 64-row tile.
+  const uint32_t* w_ptr[4];
+  const __nv_bfloat16* sc_ptr = nullptr;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int tau = i >> 1, rh = i & 1;
+    const int local = kGated ? 64 * wg + 16 * wq + g + 8 * rh : 128 * wg + 64 * tau + 16 * wq + g + 8 * rh;
+    const int64_t row = static_cast<int64_t>(e) * p.rows + (kGated ? 128 : 256) * rt + local;
+    w_ptr[i] = ((kGated && tau) ? p.w1 : p.w0) + row * words + 4 * t;
+    if (i == t) sc_ptr = ((kGated && tau) ? p.s1 : p.s0) + row * p.groups;  // lane t copies row t's scales
+  }
+  // Token rows this thread copies: row n = tid / 16 + 16 r, 16-byte piece c = tid % 16 of the 256-byte stage.
+  constexpr int kRowsPer = (N + 15) / 16;
+  const int c16 = tid & 15;
+  const __nv_bfloat16* x_ptr[kRowsPer];
+  bool x_ok[kRowsPer];
+#pragma unroll
+  for (int r = 0; r < kRowsPer; ++r) {
+    const int n = (tid >> 4) + 16 * r;
+    x_ok[r] = n < ntok;
+    x_ptr[r] = p.src + static_cast<int64_t>(x_ok[r] ? s_src[n] : 0) * p.k + 8 * c16;
+  }
+
+  auto issue = [&](int slot, int s) {
+    const uint32_t sb = base + slot * stage_bytes;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) CopyAsync16Cg(sb + (i * kTileThreads + tid) * 16, w_ptr[i] + 16 * s, l2_256);
+    CopyAsync8(sb + kTileW + tid * 8, sc_ptr + 4 * s);
+#pragma unroll
+    for (int r = 0; r < kRowsPer; ++r) {
+      const int n = (tid >> 4) + 16 * r;
+      if (N % 16 == 0 || n < N) {
+        CopyAsync16CgZ(sb + kTileX + (c16 >> 3) * panel + n * 128 + (((c16 & 7) ^ (n & 7)) << 4),
+                       x_ptr[r] + 128 * s, x_ok[r]);
+      }
+    }
+  };
+
+  float acc[2][N / 2];
+#pragma unroll
+  for (int tau = 0; tau < 2; ++tau) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) acc[tau][i] = 0.0f;
+  }
+  uint32_t a[kDepth][2][4];  // [k-step % kDepth][tau][fragment register]
+#pragma unroll
+  for (int b = 0; b < kDepth; ++b) {
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[b][tau][r] = 0u;
+    }
+  }
+
+  const int ks = p.k / 128;
+  for (int s = 0; s < stages - 2; ++s) {
+    if (s < ks) issue(s, s);
+    CopyCommit();
+  }
+  for (int s = 0; s < ks; ++s) {
+    CopyWaitDyn(stages - 3);  // this thread's copies of stage s have landed
+    if (!kSync) ProxyFence();
+    __syncthreads();          // everyone's; and every wgmma of stage s - 2 is done (wait_group kDepth - 1 < 8)
+    {
+      const int ahead = s + stages - 2;
+      if (ahead < ks) issue(ahead % stages, ahead);
+      CopyCommit();
+    }
+    const uint32_t sb = base + (s % stages) * stage_bytes;
+    uint4 wv[4];
+    __nv_bfloat162 sc[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      wv[i] = LoadShared16(sb + (i * kTileThreads + tid) * 16);
+      const uint32_t bits = LoadShared2(sb + kTileW + (warp * 32 + 4 * g + i) * 8 + 2 * t);
+      sc[i] = BitsBf2(bits | (bits << 16));
+    }
+    const uint32_t xb = sb + kTileX;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      uint32_t(&aj)[2][4] = a[j % kDepth];
+      const int hs = 2 * (j & 1);
+#pragma unroll
+      for (int tau = 0; tau < 2; ++tau) {
+        const uint32_t w0 = Word(wv[2 * tau], j >> 1), w1 = Word(wv[2 * tau + 1], j >> 1);
+        aj[tau][0] = Dequant(w0, hs, sc[2 * tau]);
+        aj[tau][1] = Dequant(w1, hs, sc[2 * tau + 1]);
+        aj[tau][2] = Dequant(w0, hs + 1, sc[2 * tau]);
+        aj[tau][3] = Dequant(w1, hs + 1, sc[2 * tau + 1]);
+      }
+      const uint32_t pb = xb + (j >> 2) * panel;
+      if (kSync) {
+        const int c0 = 2 * (j & 3);
+#pragma unroll
+        for (int jj = 0; jj < N / 8; jj += 2) {
+          uint32_t b[4];
+          if (jj + 1 < N / 8) {
+            const int q = lane >> 3, r = lane & 7, n = 8 * (jj + (q >> 1)) + r, c = c0 + (q & 1);
+            Ldsm4(b, pb + n * 128 + ((c ^ r) << 4));
+          } else {
+            const int q = (lane >> 3) & 1, r = lane & 7, n = 8 * jj + r, c = c0 + q;
+            Ldsm2(b, pb + n * 128 + ((c ^ r) << 4));
+          }
+#pragma unroll
+          for (int tau = 0; tau < 2; ++tau) {
+            MmaAt(&acc[tau][4 * jj], aj[tau], b[0], b[1]);
+            if (jj + 1 < N / 8) MmaAt(&acc[tau][4 * (jj + 1)], aj[tau], b[2], b[3]);
+          }
+        }
+      } else {
+        const uint64_t desc = KMajorDesc(pb + (j & 3) * 32);
+        WgmmaFence();
+        Wgmma<N>::Run(acc[0], aj[0], desc);
+        Wgmma<N>::Run(acc[1], aj[1], desc);
+        WgmmaCommit();
+        WgmmaWait<kDepth - 1>();  // k-step j + 1 - kDepth is done: its fragments may be rewritten next
+        Pin(a[(j + 1) % kDepth]);
+      }
+    }
+  }
+  if (!kSync) WgmmaWait<0>();
+  Pin(acc[0]);
+  Pin(acc[1]);
+  CopyWait<0>();
+  __syncthreads();  // the ring is free: stage the output tile there
+
+  // Accumulator 4 jj + c of tile tau: row 16 wq + g + 8 (c >> 1) of the tile, token 8 jj + 2 t + (c & 1).
+  constexpr int kCols = kGated ? 128 : 256;
+  constexpr int kPitch = 2 * kCols + 16;
+#pragma unroll
+  for (int jj = 0; jj < N / 8; ++jj) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int n = 8 * jj + 2 * t + (c & 1), r = 16 * wq + g + 8 * (c >> 1);
+      const uint32_t row = base + n * kPitch;
+      if (kGated) {
+        const float v = Silu(acc[0][4 * jj + c]) * acc[1][4 * jj + c];
+        StoreShared2(row + 2 * TileLogical(64 * wg + r), __bfloat16_as_ushort(__float2bfloat16_rn(v)));
+      } else {
+#pragma unroll
+        for (int tau = 0; tau < 2; ++tau) {
+          StoreShared2(row + 2 * (128 * wg + 64 * tau + r),
+                       __bfloat16_as_ushort(__float2bfloat16_rn(acc[tau][4 * jj + c])));
+        }
+      }
+    }
+  }
+  __syncthreads();
+  constexpr int kPieces = kCols / 8;  // 16-byte pieces per row
+  const int64_t col0 = static_cast<int64_t>(kCols) * rt;
+  for (int idx = tid; idx < ntok * kPieces; idx += kTileThreads) {
+    const int n = idx / kPieces, c = idx % kPieces;
+    const uint4 v = LoadShared16(base + n * kPitch + 16 * c);
+    *reinterpret_cast<uint4*>(p.dst + static_cast<int64_t>(s_dst[n]) * p.rows + col0 + 8 * c) = v;
+  }
+}
+
+template <bool kGated, bool kSync, int kDepth>
+__global__ void __launch_bounds__(kTileThreads, 1) TileKernel(const TileParams p) {
+  extern __shared__ __align__(16) unsigned char tile_smem[];
+  __shared__ int s_src[kMaxTile];  // B row of each token (slot / k or slot)
+  __shared__ int s_dst[kMaxTile];  // output row (slot) of each token (-1: padding)
+  const int tid = threadIdx.x;
+  const int tile = blockIdx.x / p.row_tiles, rt = blockIdx.x - tile * p.row_tiles;
+  const int e = p.block_expert[tile];
+  if (e < 0) return;  // uniform over the block
+  int ok = 0;
+  if (tid < p.bt) {
+    const int slot = p.sorted[static_cast<int64_t>(tile) * p.bt + tid];
+    ok = slot >= 0 && slot < p.slots;
+    s_dst[tid] = ok ? slot : -1;
+    s_src[tid] = ok ? slot / p.src_div : 0;
+  }
+  const int ntok = __syncthreads_count(ok);  // the real slots come first in a tile
+  const uint32_t base = (SmemAddress(tile_smem) + 1023u) & ~1023u;
+  if (ntok <= 8) {
+    TileBlock<8, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+  } else if (ntok <= 16) {
+    TileBlock<16, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+  } else if (ntok <= 32) {
+    TileBlock<32, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+  } else if (ntok <= 48) {
+    TileBlock<48, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+  } else if (ntok <= 64) {
+    TileBlock<64, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+  } else if (ntok <= 80) {
+    TileBlock<80, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+  } else if (ntok <= 96) {
+    TileBlock<96, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+  } else if (ntok <= 112) {
+    TileBlock<112, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+  } else {
+    TileBlock<128, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+  }
+}
+
 // ------------------------------------------------------------------------------------------------------------------
 // Generic path and the combine
 // ------------------------------------------------------------------------------------------------------------------
@@ -512,6 +1096,40 @@ __global__ void CombineKernel(const T* __restrict__ ys, const int32_t* __restric
   }
 }
 
+// The same for bf16 with D a multiple of 8: one thread per 8 consecutive outputs (16-byte loads and stores); the
+// same fixed order and fp32 arithmetic, so the same bits.
+__global__ void CombineKernel8(const __nv_bfloat16* __restrict__ ys, const int32_t* __restrict__ ids,
+                               const float* __restrict__ weights, int64_t m, int topk, int experts, int d,
+                               __nv_bfloat16* __restrict__ out) {
+  const int pieces = d / 8;
+  const int64_t n = m * pieces;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / pieces, col = 8 * (i % pieces);
+    float sum[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) sum[q] = 0.0f;
+    for (int j = 0; j < topk; ++j) {
+      const int64_t slot = row * topk + j;
+      const int e = ids[slot];
+      if (e < 0 || e >= experts) continue;
+      const float w = weights[slot];
+      const uint4 v = *reinterpret_cast<const uint4*>(ys + slot * d + col);
+      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(BitsBf2(u[q]));
+        sum[2 * q] += w * f.x;
+        sum[2 * q + 1] += w * f.y;
+      }
+    }
+    uint32_t o[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) o[q] = Bf2Bits(__floats2bfloat162_rn(sum[2 * q], sum[2 * q + 1]));
+    *reinterpret_cast<uint4*>(out + row * d + col) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
 // ------------------------------------------------------------------------------------------------------------------
 // Handler
 // ------------------------------------------------------------------------------------------------------------------
@@ -541,6 +1159,23 @@ ffi::Error LaunchGemms(cudaStream_t stream, GemmParams g1, GemmParams g2, int ma
   return LaunchGemm<NT, false>(stream, g2, max_blocks, "down kernel launch");
 }
 
+template <bool kGated, bool kSync, int kDepth>
+ffi::Error LaunchTile(cudaStream_t stream, const TileParams& p, int64_t tiles, const char* what) {
+  const int bytes = TileSmem(p.bt);
+  auto kernel = TileKernel<kGated, kSync, kDepth>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) {
+    return LastError("raising the tile kernel's shared-memory limit");
+  }
+  kernel<<<static_cast<unsigned>(tiles * p.row_tiles), kTileThreads, bytes, stream>>>(p);
+  return LastError(what);
+}
+
+template <bool kSync, int kDepth>
+ffi::Error LaunchTiles(cudaStream_t stream, const TileParams& g1, const TileParams& g2, int64_t tiles) {
+  if (ffi::Error e = LaunchTile<true, kSync, kDepth>(stream, g1, tiles, "tile gate/up launch"); e.failure()) return e;
+  return LaunchTile<false, kSync, kDepth>(stream, g2, tiles, "tile down launch");
+}
+
 template <typename T>
 ffi::Error LaunchGeneric(cudaStream_t stream, GenericParams p1, GenericParams p2, const T* x, T* h, T* ys,
                          const float* weights, int64_t m, int topk, int64_t d, T* out) {
@@ -568,7 +1203,8 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
                              ffi::Result<ffi::Buffer<ffi::S32>> sorted,        // [max_blocks * BM]
                              ffi::Result<ffi::Buffer<ffi::S32>> block_expert,  // [max_blocks]
                              ffi::Result<ffi::AnyBuffer> h,            // [M k, F]
-                             ffi::Result<ffi::AnyBuffer> ys) {         // [M k, D]
+                             ffi::Result<ffi::AnyBuffer> ys,           // [M k, D]
+                             int64_t flags) {
   kdtree::MoeShape shape;
   if (ffi::Error e = kdtree::CheckMoeShape(x.dimensions(), ids.dimensions(), weights.dimensions(),
                                            gate_q.dimensions(), gate_s.dimensions(), up_q.dimensions(),
@@ -603,11 +1239,19 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
 
   const int64_t max_blocks = static_cast<int64_t>(block_expert->element_count());
   const int64_t bm = max_blocks > 0 ? static_cast<int64_t>(sorted->element_count()) / max_blocks : 0;
-  const int align_warps = AlignWarps(E);
-  const bool fast = t == ffi::DataType::BF16 && D % kChunk == 0 && F % kChunk == 0 && gg % 32 == 0 &&
-                    dg % 32 == 0 && gate_scales % 2 == 0 && down_scales % 2 == 0 && align_warps > 0 &&
-                    (bm == 8 || bm == 16 || bm == 32) && max_blocks * bm == static_cast<int64_t>(
-                        sorted->element_count()) && max_blocks <= INT32_MAX / 64;
+  const int align_warps = AlignWarps(E, S);
+  const bool bf16 = t == ffi::DataType::BF16;
+  const bool blocks_ok = align_warps > 0 && max_blocks * bm == static_cast<int64_t>(sorted->element_count()) &&
+                         max_blocks <= INT32_MAX / 256;
+  const bool stream_ok = bf16 && D % kChunk == 0 && F % kChunk == 0 && gg % 32 == 0 && dg % 32 == 0 &&
+                         gate_scales % 2 == 0 && down_scales % 2 == 0 && blocks_ok &&
+                         (bm == 8 || bm == 16 || bm == 32);
+  const bool tile_ok = bf16 && D % 256 == 0 && F % 128 == 0 && gg == 32 && dg == 32 && blocks_ok &&
+                       (bm == 64 || bm == 128) && static_cast<int64_t>(S) * D < (int64_t{1} << 40);
+  if ((bm == 64 || bm == 128) && !tile_ok) {
+    return ffi::Error::InvalidArgument("marlin_moe: blocks of 64 or 128 slots (the tile path) need bf16, D a "
+                                       "multiple of 256, F of 128 and group size 32");
+  }
   const auto* xq = reinterpret_cast<const uint32_t*>(gate_q.typed_data());
   const auto* uqp = reinterpret_cast<const uint32_t*>(up_q.typed_data());
   const auto* dqp = reinterpret_cast<const uint32_t*>(down_q.typed_data());
@@ -615,7 +1259,7 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
   const auto* usp = reinterpret_cast<const __nv_bfloat16*>(up_s.typed_data());
   const auto* dsp = reinterpret_cast<const __nv_bfloat16*>(down_s.typed_data());
 
-  if (fast) {
+  if (stream_ok || tile_ok) {
     const int64_t need = (S + (E < S ? E : S) * (bm - 1)) / bm;
     if (max_blocks < need) {
       return ffi::Error::InvalidArgument("marlin_moe: " + std::to_string(max_blocks) + " blocks of " +
@@ -631,19 +1275,37 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
                                                        static_cast<int>(bm), static_cast<int>(max_blocks),
                                                        sorted->typed_data(), block_expert->typed_data());
     if (ffi::Error e = LastError("align launch"); e.failure()) return e;
+    const auto* xp = static_cast<const __nv_bfloat16*>(x.untyped_data());
     auto* hp = static_cast<__nv_bfloat16*>(h->untyped_data());
     auto* yp = static_cast<__nv_bfloat16*>(ys->untyped_data());
-    GemmParams g1{xq, uqp, gsp, usp, static_cast<const __nv_bfloat16*>(x.untyped_data()), hp,
-                  sorted->typed_data(), block_expert->typed_data(), static_cast<int>(F), static_cast<int>(D),
-                  static_cast<int>(gate_scales), static_cast<int>(gg), static_cast<int>(topk), static_cast<int>(S)};
-    GemmParams g2{dqp, nullptr, dsp, nullptr, hp, yp, sorted->typed_data(), block_expert->typed_data(),
-                  static_cast<int>(D), static_cast<int>(F), static_cast<int>(down_scales), static_cast<int>(dg), 1,
-                  static_cast<int>(S)};
-    ffi::Error err = bm == 8    ? LaunchGemms<1>(stream, g1, g2, static_cast<int>(max_blocks))
-                     : bm == 16 ? LaunchGemms<2>(stream, g1, g2, static_cast<int>(max_blocks))
-                                : LaunchGemms<4>(stream, g1, g2, static_cast<int>(max_blocks));
-    if (err.failure()) return err;
-    CombineKernel<__nv_bfloat16><<<GridFor(M * D, 256), 256, 0, stream>>>(
+    if (tile_ok) {
+      // x in tile k order, into the ys scratch (gemm2 overwrites it after gemm1 has read it).
+      const int64_t pblocks = M * D / 128;
+      PermuteKernel<<<GridFor(pblocks, 128), 128, 0, stream>>>(xp, yp, pblocks);
+      if (ffi::Error e = LastError("permute launch"); e.failure()) return e;
+      TileParams g1{xq, uqp, gsp, usp, yp, hp, sorted->typed_data(), block_expert->typed_data(),
+                    static_cast<int>(F), static_cast<int>(D), static_cast<int>(gate_scales), static_cast<int>(topk),
+                    static_cast<int>(S), static_cast<int>(F / 128), static_cast<int>(bm), static_cast<int>(flags)};
+      TileParams g2{dqp, nullptr, dsp, nullptr, hp, yp, sorted->typed_data(), block_expert->typed_data(),
+                    static_cast<int>(D), static_cast<int>(F), static_cast<int>(down_scales), 1,
+                    static_cast<int>(S), static_cast<int>(D / 256), static_cast<int>(bm), static_cast<int>(flags)};
+      ffi::Error err = (flags & kFlagSync)   ? LaunchTiles<true, 2>(stream, g1, g2, max_blocks)
+                       : (flags & kFlagDeep) ? LaunchTiles<false, 4>(stream, g1, g2, max_blocks)
+                                             : LaunchTiles<false, 2>(stream, g1, g2, max_blocks);
+      if (err.failure()) return err;
+    } else {
+      GemmParams g1{xq, uqp, gsp, usp, xp, hp, sorted->typed_data(), block_expert->typed_data(),
+                    static_cast<int>(F), static_cast<int>(D), static_cast<int>(gate_scales), static_cast<int>(gg),
+                    static_cast<int>(topk), static_cast<int>(S), static_cast<int>(flags)};
+      GemmParams g2{dqp, nullptr, dsp, nullptr, hp, yp, sorted->typed_data(), block_expert->typed_data(),
+                    static_cast<int>(D), static_cast<int>(F), static_cast<int>(down_scales), static_cast<int>(dg), 1,
+                    static_cast<int>(S), static_cast<int>(flags)};
+      ffi::Error err = bm == 8    ? LaunchGemms<1>(stream, g1, g2, static_cast<int>(max_blocks))
+                       : bm == 16 ? LaunchGemms<2>(stream, g1, g2, static_cast<int>(max_blocks))
+                                  : LaunchGemms<4>(stream, g1, g2, static_cast<int>(max_blocks));
+      if (err.failure()) return err;
+    }
+    CombineKernel8<<<GridFor(M * D / 8, 256), 256, 0, stream>>>(
         yp, ids.typed_data(), weights.typed_data(), M, static_cast<int>(topk), static_cast<int>(E),
         static_cast<int>(D), static_cast<__nv_bfloat16*>(out->untyped_data()));
     return LastError("combine launch");
@@ -685,5 +1347,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KdMarlinMoeCuda, MarlinMoeCudaImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()        // sorted slots [max_blocks * BM]
                                   .Ret<ffi::Buffer<ffi::S32>>()        // expert of each block [max_blocks]
                                   .Ret<ffi::AnyBuffer>()               // h [M k, F]
-                                  .Ret<ffi::AnyBuffer>(),              // ys [M k, D]
+                                  .Ret<ffi::AnyBuffer>()               // ys [M k, D]
+                                  .Attr<int64_t>("flags"),             // kFlag* bits (0: the defaults)
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -13,7 +13,9 @@ import pytest
 
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
-from kdtree_jax.kernels.marlin_moe import _cuda_call, block_size, marlin_moe, marlin_moe_ref, max_blocks, moe_align
+from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_L2_256, FLAG_SYNC, TILE_128_MIN_M, TILE_MIN_M, _cuda_call, block_size,
+                                           choose_block_m, marlin_moe, marlin_moe_ref, max_blocks, moe_align,
+                                           tile_eligible)
 from kdtree_jax.model import forward, moe_experts_ref
 from kdtree_jax.quant import Int4Array, quantize_int4, unpack_int4
 from kdtree_jax.sharding import moe_expert_parallel
@@ -51,10 +53,18 @@ def make_routing(rng, m, k, e, kind="uniform"):
     return jnp.asarray(ids, jnp.int32), jnp.asarray(weights, jnp.float32)
 
 
+_DEQUANT_CACHE: dict = {}  # (id of the packed array, expert) -> exact float32 weights (K2-sized tests reuse them)
+
+
 def _dequant64(w: Int4Array, ex: int) -> np.ndarray:
-    q = unpack_int4(np.asarray(w.packed[ex])).astype(np.float64)  # [out, in]
-    s = np.asarray(w.scale[ex]).astype(np.float64)  # [out, in / group]
-    return q * np.repeat(s, q.shape[1] // s.shape[1], axis=1)
+    key = (id(w.packed), ex)
+    if key not in _DEQUANT_CACHE:
+        if len(_DEQUANT_CACHE) > 64:
+            _DEQUANT_CACHE.clear()
+        q = unpack_int4(np.asarray(w.packed[ex])).astype(np.float32)  # [out, in]
+        s = np.asarray(w.scale[ex]).astype(np.float32)  # [out, in / group]
+        _DEQUANT_CACHE[key] = (w.packed, q * np.repeat(s, q.shape[1] // s.shape[1], axis=1))  # q * s: exact
+    return _DEQUANT_CACHE[key][1].astype(np.float64)
 
 
 def experts64(x, ids, weights, gate, up, down, rows=None) -> np.ndarray:
@@ -119,6 +129,19 @@ def test_block_size_and_bound():
     assert block_size(346, 8, 384) == 16 and block_size(1024, 8, 384) == 32 and block_size(4096, 8, 384) == 32
     assert max_blocks(8, 384, 8) == 8  # M = 1, top-8: one block per touched expert
     assert max_blocks(32768, 384, 32) == (32768 + 384 * 31) // 32
+
+
+def test_choose_block_m_picks_the_path_by_m():
+    """The stream path's block_size below TILE_MIN_M tokens, the tile path's 64 and then 128 slots above, where the
+    shapes allow the tile path (bf16, D % 256, F % 128, group 32)."""
+    assert tile_eligible(7168, 2048, 32, 32, jnp.bfloat16) and tile_eligible(256, 128, 32, 32, jnp.bfloat16)
+    assert not tile_eligible(7168, 2048, 32, 32, jnp.float32) and not tile_eligible(128, 128, 32, 32, jnp.bfloat16)
+    assert not tile_eligible(7168, 2048, 64, 32, jnp.bfloat16) and not tile_eligible(256, 64, 32, 32, jnp.bfloat16)
+    for m in (1, 16, 64, TILE_MIN_M - 1):
+        assert choose_block_m(m, 8, 384, True) == block_size(m, 8, 384)
+    assert choose_block_m(TILE_MIN_M, 8, 384, True) == 64 and choose_block_m(TILE_128_MIN_M - 1, 8, 48, True) == 64
+    assert choose_block_m(TILE_128_MIN_M, 8, 384, True) == 128 and choose_block_m(8192, 8, 384, True) == 128
+    assert choose_block_m(4096, 8, 384, False) == block_size(4096, 8, 384) == 32
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -242,6 +265,8 @@ def test_bad_impl_and_block_m():
         marlin_moe(**_bad(), impl="triton")
     with pytest.raises(ValueError, match="block_m"):
         marlin_moe(**_bad(), block_m=12)
+    with pytest.raises(ValueError, match="tile path"):  # float32, D = 64: not for the tile path
+        marlin_moe(**_bad(), block_m=64)
 
 
 def test_model_ffi_equals_xla():
@@ -285,12 +310,14 @@ def random_experts(key, e, d, f, group=32):
 @pytest.mark.parametrize("m, k, e, bm, kind", [
     (1, 8, 384, 8, "uniform"), (64, 8, 384, 8, "sentinel"), (700, 8, 384, 16, "uniform"),
     (2048, 8, 64, 32, "one_expert"), (300, 4, 16, 8, "few"), (4096, 8, 384, 32, "repeat"),
+    (3, 8, 384, 64, "uniform"), (1024, 8, 384, 64, "sentinel"), (4096, 8, 384, 128, "uniform"),
+    (2048, 8, 48, 128, "few"),
 ])
 def test_gpu_align_stage_equals_moe_align(m, k, e, bm, kind):
     """The CUDA align stage (stable, deterministic) writes exactly moe_align's arrays in the blocks it uses."""
     rng = np.random.default_rng(hash((m, k, e, bm)) % 2**32)
     ids, weights = make_routing(rng, m, k, e, kind)
-    d, f = 128, 128
+    d, f = 256, 128
     _registry.register()
     experts = random_experts(jax.random.key(1), e, d, f)
     x = jax.random.normal(jax.random.key(2), (m, d), jnp.bfloat16)
@@ -303,11 +330,16 @@ def test_gpu_align_stage_equals_moe_align(m, k, e, bm, kind):
     np.testing.assert_array_equal(np.asarray(outs[1])[:used], sorted_slots[:used])
 
 
-# (M, k, E, routing, block_m): decode and tree-verify sizes up to 2048 tokens on K2-sized experts
+# (M, k, E, routing, block_m, flags): decode and tree-verify sizes up to 2048 tokens on K2-sized experts, both paths
+# (block_m None: the default for M; 8 / 16 / 32 the stream path, 64 / 128 the tile path), the tile path's mma.sync
+# variant and the L2 prefetch flag
 K2_CASES = [
-    (1, 8, 16, "uniform", None), (2, 8, 16, "uniform", None), (7, 8, 16, "sentinel", None),
-    (64, 8, 16, "uniform", None), (64, 8, 16, "uniform", 32), (256, 8, 16, "one_expert", None),
-    (2048, 8, 16, "uniform", None), (512, 8, 16, "few", 16),
+    (1, 8, 16, "uniform", None, None), (7, 8, 16, "sentinel", None, None), (64, 8, 16, "uniform", None, None),
+    (64, 8, 16, "uniform", 32, 0), (256, 8, 16, "one_expert", None, None), (2048, 8, 16, "uniform", 32, 0),
+    (512, 8, 16, "few", 16, FLAG_L2_256), (2048, 8, 16, "uniform", None, None), (512, 8, 16, "few", 64, 0),
+    (1024, 8, 16, "sentinel", 128, 0), (128, 8, 16, "repeat", 64, FLAG_L2_256 | FLAG_DEEP),
+    (1024, 8, 16, "uniform", 64, FLAG_SYNC), (700, 8, 16, "one_expert", 128, FLAG_DEEP),
+    (600, 8, 16, "uniform", None, FLAG_L2_256 | FLAG_DEEP),
 ]
 
 
@@ -318,26 +350,51 @@ def k2_experts():
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("m, k, e, kind, bm", K2_CASES)
-def test_gpu_fast_path_k2_shapes(k2_experts, m, k, e, kind, bm):
-    rng = np.random.default_rng(hash((m, k, kind, bm or 0)) % 2**32)
+@pytest.mark.parametrize("m, k, e, kind, bm, flags", K2_CASES)
+def test_gpu_fast_path_k2_shapes(k2_experts, m, k, e, kind, bm, flags):
+    rng = np.random.default_rng(hash((m, k, kind, bm or 0, flags)) % 2**32)
     ids, weights = make_routing(rng, m, k, e, kind)
-    x = jax.random.normal(jax.random.key(m), (m, K2_D), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(m + 7 * (flags or 0)), (m, K2_D), jnp.bfloat16)
     _poison((m * k, K2_D + K2_F))
     gpu0 = jax.devices("gpu")[0]
-    out = run(x, ids, weights, k2_experts, device=gpu0, block_m=bm)
+    out = run(x, ids, weights, k2_experts, device=gpu0, block_m=bm, flags=flags)
     assert out.devices() == {gpu0}
     host = np.asarray(out, np.float32)
     assert np.all(np.isfinite(host))
     ref = _ref(*jax.device_put((x, ids, weights, *k2_experts), gpu0))
     assert rel_err(host, ref) <= 1e-2
-    rows = np.arange(min(m, 2))  # float64 on the host is slow at this size: two tokens
+    rows = np.array([0, m - 1]) if m > 1 else np.array([0])  # float64 on the host is slow at this size: two tokens
     assert rel_err(host[rows], experts64(x, ids, weights, *k2_experts, rows=rows)) <= 1e-2
-    again = run(x, ids, weights, k2_experts, device=gpu0, block_m=bm)
+    again = run(x, ids, weights, k2_experts, device=gpu0, block_m=bm, flags=flags)
     np.testing.assert_array_equal(np.asarray(again, np.float32), host)  # fixed-order reductions: bitwise repeatable
 
 
-# (M, k, E, D, F, dtype, routing, block_m): the fast path on small experts (vs float64 and the CPU kernel), and the
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("bm, flags", [(128, 0), (64, FLAG_L2_256), (128, FLAG_SYNC), (64, FLAG_SYNC),
+                                       (128, FLAG_DEEP | FLAG_L2_256), (64, FLAG_DEEP)])
+def test_gpu_tile_path_every_tile_width(bm, flags):
+    """Experts with 1 to 300 slots: full and partial tiles of every width the tile path instantiates (the slot count
+    rounded up to 8, 16, 32, 48, ..., 128), experts with no slot, and one slot of each token sent to no expert;
+    against float64 and the CPU kernel."""
+    rng = np.random.default_rng(bm + 3 * flags)
+    counts = [1, 5, 9, 16, 17, 31, 33, 47, 49, 64, 65, 79, 81, 96, 97, 112, 113, 127, 128, 129, 200, 300]
+    e, d, f = len(counts) + 2, 512, 256
+    experts = make_experts(rng, e, d, f)
+    owner = np.repeat(rng.permutation(e)[:len(counts)], counts)
+    rng.shuffle(owner)
+    m = len(owner)
+    ids = np.stack([owner, np.full(m, e)], axis=1)[:, rng.permutation(2)]  # [M, 2]: one real slot, one dropped
+    ids, weights = jnp.asarray(ids, jnp.int32), jnp.asarray(rng.uniform(0.05, 1.0, size=(m, 2)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
+    _poison((m * 2, d + f))
+    out = run(x, ids, weights, experts, device=jax.devices("gpu")[0], block_m=bm, flags=flags)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    assert rel_err(out, experts64(x, ids, weights, *experts)) <= 1e-2
+    assert rel_err(out, run(x, ids, weights, experts, device=jax.devices("cpu")[0])) <= 1e-2
+
+
+# (M, k, E, D, F, dtype, routing, block_m): the fast paths on small experts (vs float64 and the CPU kernel), and the
 # generic path (float32; D off the multiples of 128; group 16)
 SMALL_CASES = [
     (1, 8, 8, 256, 128, jnp.bfloat16, "uniform", None),
@@ -347,6 +404,9 @@ SMALL_CASES = [
     (50, 4, 16, 64, 32, jnp.float32, "uniform", None),
     (50, 4, 16, 64, 32, jnp.bfloat16, "few", None),
     (20, 4, 8, 256, 128, jnp.float32, "sentinel", None),
+    (300, 8, 8, 512, 256, jnp.bfloat16, "one_expert", 128),
+    (100, 4, 8, 256, 128, jnp.bfloat16, "sentinel", 64),
+    (129, 3, 6, 768, 384, jnp.bfloat16, "repeat", None),
 ]
 
 

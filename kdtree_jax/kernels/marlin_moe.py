@@ -12,34 +12,72 @@ compressed-tensors `Int4Array` of `kdtree_jax.quant` (packed int32 [E, out, in/8
 first, bf16 scales [E, out, in/group]); the CUDA kernel streams those words directly with 16-byte loads along `in`,
 so there is no repack and no inverse to keep in step with the converter.
 
-CUDA fast path (bf16 activations, D and F multiples of 128, groups multiples of 32 with an even count per row, as
+CUDA fast paths (bf16 activations, D and F multiples of 128, groups multiples of 32 with an even count per row, as
 Kimi K2 has): the M k slots are sorted by expert on the device into blocks of `block_m` slots of one expert (the
 `moe_align` of this module, as a kernel), then gate+up with the SiLU-and-multiply fused, then down, each streaming
-every touched expert's INT4 weights once (mma.sync bf16 tensor cores, fp32 accumulation), then a fixed-order sum
-over the top-k with the routing weights. The sorted slots, the block experts and the bf16 intermediates h [M k, F]
-and ys [M k, D] are extra outputs of the call (scratch; nothing in them needs clearing). Float32 activations and
-other shapes run a generic CUDA-core kernel: correct, not fast.
+every touched expert's INT4 weights once (bf16 tensor cores, fp32 accumulation), then a fixed-order sum over the
+top-k with the routing weights. `block_m` picks the path, by M at trace time (`choose_block_m`):
+
+- stream path (block_m 8, 16, 32; small M): mma.sync with the weights as the 16-row operand and 8 slots as the
+  other; a block owns 16 rows of gate and up (or 32 of down) and one block of slots;
+- tile path (block_m 64, 128; M >= TILE_MIN_M; D a multiple of 256, F of 128, group 32): a block owns up to
+  block_m slots of one expert and 128 rows of gate and up (256 of down), so every dequantized weight tile serves
+  all of the expert's slots (up to block_m) at once; wgmma with the weights from registers and the slots from
+  shared memory.
+
+The sorted slots, the block experts and the bf16 intermediates h [M k, F] and ys [M k, D] are extra outputs of the
+call (scratch; nothing in them needs clearing). Float32 activations and other shapes run a generic CUDA-core
+kernel: correct, not fast.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..quant import Int4Array
 from . import _registry
 
-BLOCK_SIZES = (8, 16, 32)  # slots per token block of the CUDA kernel (8 per mma column tile)
+STREAM_BLOCKS = (8, 16, 32)  # slots per block of the stream path (8 per mma column tile)
+TILE_BLOCKS = (64, 128)  # slots per tile of the tile path
+BLOCK_SIZES = STREAM_BLOCKS + TILE_BLOCKS
+TILE_MIN_M = 512  # tokens from which the tile path runs (where it is eligible); H200: the stream path is faster at 256
+TILE_128_MIN_M = 2048  # tokens from which its tiles hold 128 slots rather than 64
 TARGET = "kdtree_marlin_moe"
+
+# Bits of the custom call's `flags` attribute (benchmarks and tests; the default is 0).
+FLAG_SYNC = 1  # tile path: mma.sync + ldmatrix instead of wgmma
+FLAG_L2_256 = 2  # weight copies ask L2 for whole 256-byte lines
+FLAG_FAKE = 4  # stream path: read each block's weight rows as if tile-contiguous (WRONG results; timing only)
+FLAG_DEEP = 8  # tile path (wgmma): 4 k-steps in flight instead of 2
+TILE_FLAGS = FLAG_L2_256  # the tile path's default flags (H200: the 256-byte L2 lines gain ~5% at M = 1,024)
+STREAM_FLAGS = 0  # the stream path's (the L2 hint changes nothing there)
 
 
 def block_size(m: int, k: int, e: int) -> int:
-    """Slots per token block: the smallest of 8 / 16 / 32 that an average expert's M k / E slots fill to less than
-    90% (as vLLM picks its moe block size); one block holds the slots of one expert, padded."""
-    for bm in BLOCK_SIZES:
+    """Slots per token block of the stream path: the smallest of 8 / 16 / 32 that an average expert's M k / E slots
+    fill to less than 90% (as vLLM picks its moe block size); one block holds the slots of one expert, padded."""
+    for bm in STREAM_BLOCKS:
         if m * k / max(e, 1) / bm < 0.9:
             return bm
-    return BLOCK_SIZES[-1]
+    return STREAM_BLOCKS[-1]
+
+
+def tile_eligible(d: int, f: int, gate_group: int, down_group: int, dtype) -> bool:
+    """Shapes the tile path takes: bf16, D a multiple of 256, F of 128, group 32 for gate/up and down."""
+    return (jnp.dtype(dtype) == jnp.bfloat16 and d % 256 == 0 and f % 128 == 0 and gate_group == 32
+            and down_group == 32)
+
+
+def choose_block_m(m: int, k: int, e: int, tile_ok: bool) -> int:
+    """block_m (and so the CUDA path) for M tokens: the tile path's 64 from TILE_MIN_M tokens and 128 from
+    TILE_128_MIN_M where the shapes allow it, the stream path's `block_size` otherwise. By M rather than by M k / E:
+    under expert parallelism a shard's E is local while most of its k slots are other shards' (M k / E_local
+    overstates the slots per expert ep-fold), and M tokens put about M k / E_global slots on every expert in both."""
+    if tile_ok and m >= TILE_MIN_M:
+        return TILE_BLOCKS[1] if m >= TILE_128_MIN_M else TILE_BLOCKS[0]
+    return block_size(m, k, e)
 
 
 def max_blocks(slots: int, e: int, bm: int) -> int:
@@ -121,20 +159,21 @@ def _check(x, ids, weights, we_gate, we_up, we_down) -> tuple[int, int, int, int
     return m, d, k, e, f
 
 
-def _cuda_call(args, m: int, d: int, k: int, e: int, f: int, dtype, block_m: int) -> list[jax.Array]:
+def _cuda_call(args, m: int, d: int, k: int, e: int, f: int, dtype, block_m: int,
+               flags: int = 0) -> list[jax.Array]:
     """The CUDA custom call: [out [M, D], sorted slots, block experts, h [M k, F], ys [M k, D]] (the GPU tests
-    read the scratch outputs too)."""
+    read the scratch outputs too). In the tile path h holds each 128-column block in the kernel's k order."""
     nb = max_blocks(m * k, e, block_m)
     outs = [jax.ShapeDtypeStruct((m, d), dtype),
             jax.ShapeDtypeStruct((nb * block_m,), jnp.int32),  # slots sorted by expert, padded per expert
             jax.ShapeDtypeStruct((nb,), jnp.int32),  # the expert of each block (-1: unused)
             jax.ShapeDtypeStruct((m * k, f), dtype),  # h = silu(gate) * up per slot
             jax.ShapeDtypeStruct((m * k, d), dtype)]  # ys = h @ down.T per slot
-    return jax.ffi.ffi_call(TARGET, outs, vmap_method="sequential")(*args)
+    return jax.ffi.ffi_call(TARGET, outs, vmap_method="sequential")(*args, flags=np.int64(flags))
 
 
 def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up, we_down, *, impl: str = "ffi",
-               block_m: int | None = None) -> jax.Array:
+               block_m: int | None = None, flags: int | None = None) -> jax.Array:
     """Routed experts: sum_j weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = ids[m, j].
 
     x [M, D] float32 or bfloat16; ids int [M, k] (outside [0, E): no expert); weights float [M, k] (used in fp32);
@@ -142,8 +181,10 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
     -> [M, D] in x's dtype. Float (not INT4) experts have no W4A16 kernel to run: they go to `marlin_moe_ref`.
 
     impl="ffi" runs the custom call (C++ on CPU, CUDA on GPU, the reference on other platforms); impl="xla" runs
-    `marlin_moe_ref`. block_m (8, 16 or 32) overrides `block_size` for the CUDA fast path (benchmarks). No host
-    sync: usable under jit, vmap, shard_map and inside loops.
+    `marlin_moe_ref`. block_m overrides `choose_block_m` on CUDA (benchmarks, tests): 8, 16 or 32 run the stream
+    path, 64 or 128 the tile path (bf16, D % 256 == 0, F % 128 == 0, group 32 only). flags: FLAG_* bits for
+    benchmarks and tests (None: TILE_FLAGS or STREAM_FLAGS). No host sync: usable under jit, vmap, shard_map and
+    inside loops.
     """
     quantized = [isinstance(w, Int4Array) for w in (we_gate, we_up, we_down)]
     if not all(quantized):
@@ -157,16 +198,23 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
         raise ValueError(f"marlin_moe: impl must be 'ffi' or 'xla', got {impl!r}")
     if block_m is not None and block_m not in BLOCK_SIZES:
         raise ValueError(f"marlin_moe: block_m must be one of {BLOCK_SIZES}, got {block_m!r}")
+    tile_ok = tile_eligible(d, f, we_gate.group_size, we_down.group_size, x.dtype)
+    if block_m in TILE_BLOCKS and not tile_ok:
+        raise ValueError(f"marlin_moe: block_m={block_m} (the tile path) needs bfloat16 x, D % 256 == 0, F % 128 == 0 "
+                         f"and group size 32; got {x.dtype}, D = {d}, F = {f}, groups {we_gate.group_size} / "
+                         f"{we_down.group_size}")
     if m == 0 or k == 0:
         return jnp.zeros((m, d), x.dtype)
     _registry.register()
-    bm = block_m or block_size(m, k, e)
+    bm = block_m or choose_block_m(m, k, e, tile_ok)
+    if flags is None:
+        flags = TILE_FLAGS if bm in TILE_BLOCKS else STREAM_FLAGS
 
     def cpu(*args):
         return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, d), x.dtype), vmap_method="sequential")(*args)
 
     def cuda(*args):
-        return _cuda_call(args, m, d, k, e, f, x.dtype, bm)[0]
+        return _cuda_call(args, m, d, k, e, f, x.dtype, bm, flags)[0]
 
     def other(x, ids, weights, gq, gs, uq, us, dq, ds):
         return marlin_moe_ref(x, ids, weights, Int4Array(gq, gs), Int4Array(uq, us), Int4Array(dq, ds))
