@@ -90,7 +90,10 @@ def summarize(concurrency: int, results: list[dict], wall: float) -> dict:
 
 
 def _commit() -> str | None:
-    """The commit of the source tree this package runs from, when it is a git checkout."""
+    """The commit of the source tree this package runs from: $KDTREE_COMMIT when set (a copy whose git metadata
+    is stale), else git's answer when it is a checkout."""
+    if os.environ.get("KDTREE_COMMIT"):
+        return os.environ["KDTREE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, text=True,
                               capture_output=True, check=True).stdout.strip()
