@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ConfigError, ModelConfig
-from .model import ArrayInfo, Params, init_from_info, stack_info, pytree_dataclass, rms_norm
+from .model import ArrayInfo, Params, embed, init_from_info, stack_info, pytree_dataclass, rms_norm
 
 
 @jax.tree_util.register_static
@@ -205,7 +205,7 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
     p, d = drafter.params, drafter.cfg
     b, bs = bonus.shape[0], d.block_size
     block = jnp.concatenate([bonus[:, None], jnp.full((b, bs - 1), d.mask_token_id, jnp.int32)], axis=1)
-    x = target.embed[block]  # [B, bs, D]
+    x = embed(target, block)  # [B, bs, D]
     positions = lengths[:, None] + jnp.arange(bs)[None, :]
     seen = jnp.arange(cache.k.shape[2])[None, :] < lengths[:, None]  # [B, S]
     rep = d.num_heads // d.num_kv_heads

@@ -30,7 +30,7 @@ from .kernels.mla_verify import (combine_lse, mask_softmax, mla_absorbed_attenti
                                  tree_attention_lse)
 from .sharding import (ShardingError, checked_sharding, current_mesh, logical_to_spec, mla_head_parallel,
                        mla_sequence_parallel, moe_expert_parallel, sequence_sharded, take_rows_sequence,
-                       trace_context, write_rows_sequence)
+                       trace_context, vocab_parallel_lookup, write_rows_sequence)
 
 # --------------------------------------------------------------------------------------------------------------
 # 1. Weights: declared once (shape, dtype, logical axes, initializer); init, abstract shapes and shardings
@@ -673,7 +673,10 @@ def _logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    return params.embed[tokens]  # [B, T, D]
+    """The token embeddings [B, T, D]; on a model-parallel mesh, looked up where each row lies."""
+    if current_mesh() is not None:
+        return vocab_parallel_lookup(params.embed, tokens)
+    return params.embed[tokens]
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, return_hidden: bool = False):
