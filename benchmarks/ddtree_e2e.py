@@ -54,8 +54,7 @@ def tiny_widths(kernels: str) -> kj.ModelConfig:
 
 
 def bench(cfg, params, drafter, batch: int, prompt_len: int, method: str, budget: int, repeats: int) -> dict:
-    build_impl = "ffi" if cfg.uses_ffi("tree_build") else "xla"
-    accept_impl = "ffi" if cfg.uses_ffi("tree_accept") else "xla"
+    build_impl, accept_impl = cfg.impl("tree_build"), cfg.impl("tree_accept")
     rng = np.random.default_rng(0)
     bs = drafter.cfg.block_size
     n = bs if method == "chain" else budget + 1

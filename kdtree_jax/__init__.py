@@ -3,7 +3,7 @@
 Public API (see DESIGN.md): ModelConfig, configs, init_params, forward, init_drafter, load, make_mesh, generate.
 """
 
-from . import configs
+from . import configs, kernels
 from .config import ConfigError, ModelConfig
 from .model import KVCache, Model, Params, decode_step, forward, init_cache, init_params, prefill, shard_params
 from .drafter import Drafter, OracleDrafter, init_drafter
@@ -15,5 +15,5 @@ from .checkpoint import load
 
 __all__ = ["ConfigError", "Drafter", "GenerateOutput", "KVCache", "Model", "ModelConfig", "OracleDrafter", "Params",
            "configs", "decode_step", "forward", "generate", "init_cache", "init_drafter", "init_params", "load",
-           "init_distributed", "make_mesh", "prefill", "shard_params"]
+           "init_distributed", "kernels", "make_mesh", "prefill", "shard_params"]
 __version__ = "0.1.0"

@@ -118,8 +118,7 @@ def oracle_draft(params: Params, cfg: ModelConfig, oracle: OracleDrafter, s: Spe
 def spec_step(params: Params, cfg: ModelConfig, drafter: Drafter, s: SpecState, method: str, budget: int,
               temperature, eos_id, greedy: bool) -> SpecState:
     """One draft -> build -> verify -> accept -> compact step for every row (rows already done stay frozen)."""
-    build_impl = "ffi" if cfg.uses_ffi("tree_build") else "xla"
-    accept_impl = "ffi" if cfg.uses_ffi("tree_accept") else "xla"
+    build_impl, accept_impl = cfg.impl("tree_build"), cfg.impl("tree_accept")
     oracle = isinstance(drafter, OracleDrafter)
     lengths = s.cache.lengths
     bs = drafter.block_size if oracle else drafter.cfg.block_size

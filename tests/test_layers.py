@@ -85,3 +85,17 @@ def test_no_import_cycles():
     for m in sorted(GRAPH):
         visit(m)
     assert not cycles, cycles
+
+
+def test_the_api_imports_the_kernels_itself():
+    """`import kdtree_jax as kj; kj.kernels.tree_build(...)` works because the package imports `kernels` itself, not
+    as a side effect of another module's import."""
+    import jax
+    import numpy as np
+
+    import kdtree_jax as kj
+
+    assert "kernels" in GRAPH["__init__"] and "kernels" in kj.__all__
+    logits = jax.random.normal(jax.random.key(0), (2, 3, 16))
+    tree = kj.kernels.tree_build(logits, 5, impl="xla")
+    np.testing.assert_array_equal(tree.tokens, kj.kernels.tree_build_ref(logits, 5).tokens)

@@ -176,6 +176,18 @@ def test_config_errors_name_the_key():
     assert kj.configs.k2_6().kv_cache_dim == 576
 
 
+def test_one_switch_picks_every_kernel():
+    """cfg.impl(op) is the `impl=` the model and the speculative step pass to each kernel."""
+    ops = ("tree_build", "tree_accept", "mla_verify", "marlin_moe")
+    assert [kj.configs.tiny().impl(op) for op in ops] == ["xla"] * 4
+    assert [kj.configs.tiny(kernels="ffi").impl(op) for op in ops] == ["ffi"] * 4
+    assert [kj.configs.tiny(kernels="ffi", ffi_ops=("tree_build", "mla_verify")).impl(op) for op in ops] == [
+        "ffi", "xla", "ffi", "xla"]
+    assert [kj.configs.tiny(kernels="dense").impl(op) for op in ops] == ["xla", "xla", "xla", "dense"]
+    with pytest.raises(ValueError, match="unknown kernel"):
+        kj.configs.tiny().impl("flash_attention")
+
+
 def test_dense_experts_equal_routed_experts(tiny):
     cfg, params = tiny
     tokens = np.random.default_rng(8).integers(0, cfg.vocab_size, size=(2, 16))
