@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .drafter import DraftCache, Drafter, OracleDrafter, append_context, draft, init_draft_cache
+from .drafter import DrafterProtocol
 from .decoding import choose, commit, finish, nonfinite_rows, prepare, run_compiled
 from .kernels import tree_accept, tree_build
 from .model import KVCache, Params, init_cache, prefill_last, pytree_dataclass, step
@@ -35,7 +35,7 @@ class SpecState:
     """The loop carry of speculative decoding."""
 
     cache: KVCache  # target latent cache; lengths[b] = committed tokens (the bonus is not in it yet)
-    dcache: DraftCache | None  # drafter context keys/values for the same committed slots (None: oracle)
+    dcache: Any  # the drafter's state: the DFlash context keys/values of the committed slots (None: oracle)
     out: jax.Array  # int32 [B, N]   generated tokens; -1 beyond num_out
     num_out: jax.Array  # int32 [B]
     done: jax.Array  # bool [B]
@@ -98,35 +98,14 @@ def compact(cache: KVCache, starts: jax.Array, path: jax.Array, n_nodes: int) ->
     return dataclasses.replace(cache, latent=tuple(map(move, cache.latent)), k_pe=tuple(map(move, cache.k_pe)))
 
 
-def oracle_draft(params: Params, cfg: ModelConfig, oracle: OracleDrafter, s: SpecState) -> jax.Array:
-    """The target's own logits [B, L, V] along its greedy continuation of the bonus (plus optional noise)."""
-
-    def one(carry, _):
-        cache, tok = carry
-        res = step(params, cfg, tok[:, None], cache)
-        logits = res.logits[:, 0]
-        cache = dataclasses.replace(res.cache, lengths=res.cache.lengths + 1)
-        return (cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)), logits
-
-    _, logits = jax.lax.scan(one, (s.cache, s.last), None, length=oracle.depth)
-    logits = jnp.moveaxis(logits, 0, 1) * oracle.sharpness  # [B, L, V]
-    if oracle.noise:
-        logits = logits + oracle.noise * jax.random.normal(jax.random.fold_in(s.key, 1), logits.shape)
-    return logits
-
-
-def spec_step(params: Params, cfg: ModelConfig, drafter: Drafter, s: SpecState, method: str, budget: int,
+def spec_step(params: Params, cfg: ModelConfig, drafter: DrafterProtocol, s: SpecState, method: str, budget: int,
               temperature, eos_id, greedy: bool) -> SpecState:
     """One draft -> build -> verify -> accept -> compact step for every row (rows already done stay frozen)."""
     build_impl, accept_impl = cfg.impl("tree_build"), cfg.impl("tree_accept")
-    oracle = isinstance(drafter, OracleDrafter)
     lengths = s.cache.lengths
-    bs = drafter.block_size if oracle else drafter.cfg.block_size
+    bs = drafter.block_size
     with jax.named_scope("draft"):
-        if oracle:
-            dlogits = oracle_draft(params, cfg, drafter, s)
-        else:
-            dlogits = draft(drafter, params, s.dcache, lengths, s.last)  # [B, L, V]
+        dlogits = drafter.propose(params, cfg, s.dcache, s.cache, s.last, s.key)  # [B, L, V]
     with jax.named_scope("tree_build"):
         if method == "chain":
             tree = chain_tree(dlogits, s.last)
@@ -149,10 +128,8 @@ def spec_step(params: Params, cfg: ModelConfig, drafter: Drafter, s: SpecState, 
         out, num_out, done, _ = commit(s.out, s.num_out, s.done, emitted, acc.length, eos_id, s.out.shape[1])
     with jax.named_scope("compact"):
         cache = compact(res.cache, lengths, path, n)
-        dcache = None
-        if not oracle:
-            hidden = jnp.take_along_axis(res.hidden, jnp.clip(path, 0, n - 1)[None, :, :, None], axis=2)  # [L,B,P,D]
-            dcache = append_context(drafter, s.dcache, hidden, lengths)
+        hidden = jnp.take_along_axis(res.hidden, jnp.clip(path, 0, n - 1)[None, :, :, None], axis=2)  # [L, B, P, D]
+        dcache = drafter.add_context(s.dcache, hidden, lengths)
         grow = jnp.where(active, acc.length, 0)
         cache = dataclasses.replace(cache, lengths=lengths + grow)
     accepted = s.accepted.at[jnp.arange(lengths.shape[0]), acc.length].add(active.astype(jnp.int32))
@@ -161,16 +138,12 @@ def spec_step(params: Params, cfg: ModelConfig, drafter: Drafter, s: SpecState, 
                      nonfinite=s.nonfinite | (active & nonfinite_rows(res.logits)))
 
 
-def _spec_start(params, cfg, drafter: Drafter, tokens, lengths, key, temperature, eos_id, *, cache_len: int,
+def _spec_start(params, cfg, drafter: DrafterProtocol, tokens, lengths, key, temperature, eos_id, *, cache_len: int,
                 max_new: int, greedy: bool, chunk: int | None = None) -> SpecState:
     b = tokens.shape[0]
-    if isinstance(drafter, OracleDrafter):
-        dcache, block, on_chunk = None, drafter.block_size, None
-    else:  # the drafter's context keys and values, taken from each prefilled piece
-        dcache, block = init_draft_cache(drafter.cfg, b, cache_len), drafter.cfg.block_size
-        on_chunk = lambda dc, hidden, starts: append_context(drafter, dc, hidden, starts)
+    block = drafter.block_size
     last_logits, cache, dcache = prefill_last(params, cfg, tokens, lengths, init_cache(cfg, b, cache_len), chunk,
-                                              on_chunk, dcache)
+                                              drafter.add_context, drafter.start(b, cache_len))  # context per piece
     key, sub = jax.random.split(key)
     first = choose(last_logits, sub, temperature, greedy)
     out = jnp.full((b, max_new), -1, jnp.int32)
@@ -198,14 +171,11 @@ def _spec_generate(params, cfg, drafter, tokens, lengths, key, temperature, eos_
 
 def check_spec_args(cfg: ModelConfig, drafter, method: str, budget) -> int:
     """Validate the speculative arguments; returns the number of tree nodes per step (root included)."""
-    if isinstance(drafter, OracleDrafter):
-        depth = drafter.depth
-    elif isinstance(drafter, Drafter):
-        drafter.cfg.check_target(cfg)
-        depth = drafter.cfg.depth
-    else:
-        raise ValueError(f"method={method!r} needs a drafter (kj.init_drafter or a loaded model's), got "
-                         f"{type(drafter).__name__}")
+    if not isinstance(drafter, DrafterProtocol):
+        raise ValueError(f"method={method!r} needs a drafter (kj.init_drafter, a loaded model's, or an OracleDrafter), "
+                         f"got {type(drafter).__name__}")
+    drafter.check(cfg)
+    depth = drafter.depth
     if method == "chain":
         return depth + 1
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:

@@ -137,3 +137,45 @@ def test_bad_speculative_input(model):
         kj.generate(params, small, [[1, 2, 3]], max_new_tokens=4, method="ddtree", drafter=drafter, budget=100)
     with pytest.raises(ValueError, match="block_size"):
         kj.init_drafter(cfg, jax.random.key(3), block_size=1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TableDrafter:
+    """A third drafter, written against kj.DrafterProtocol alone: fixed per-depth logits table [L, V], whatever the
+    context, and a state that counts the context pieces it was given."""
+
+    table: jax.Array
+
+    @property
+    def block_size(self) -> int:
+        return self.table.shape[0] + 1
+
+    @property
+    def depth(self) -> int:
+        return self.table.shape[0]
+
+    def check(self, cfg) -> None:
+        if self.table.shape[1] != cfg.vocab_size:
+            raise ValueError("the table's vocabulary is not the target's")
+
+    def start(self, batch, max_len):
+        return jnp.zeros((batch,), jnp.int32)
+
+    def add_context(self, state, hidden, starts):
+        return state + 1
+
+    def propose(self, target, cfg, state, cache, bonus, key):
+        return jnp.broadcast_to(self.table, (bonus.shape[0], *self.table.shape))
+
+
+@pytest.mark.parametrize("method", ["chain", "ddtree"])
+def test_any_drafter_of_the_protocol(model, method):
+    """The speculative methods ask a drafter only for the protocol: a new kind of drafter works unchanged."""
+    cfg, params, _, ar = model
+    drafter = TableDrafter(jax.random.normal(jax.random.key(7), (5, cfg.vocab_size)))
+    assert isinstance(drafter, kj.DrafterProtocol)
+    out = kj.generate(params, cfg, PROMPTS[1], max_new_tokens=20, method=method, drafter=drafter, budget=8)
+    assert out.tokens == ar[1]
+    with pytest.raises(ValueError, match="vocabulary"):
+        kj.generate(params, cfg, PROMPTS[1], method=method, drafter=TableDrafter(jnp.zeros((5, 7))))
