@@ -118,6 +118,8 @@ def test_sampling_is_seeded_and_varies(tiny):
     b = kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=16, temperature=1.0, seed=1).tokens
     c = kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=16, temperature=1.0, seed=2).tokens
     assert a == b and a != c
+    greedy = kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=16).tokens
+    assert kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=16, temperature=1.0, top_k=1, seed=2).tokens == greedy
 
 
 def test_eos_stops_a_row(tiny):
@@ -140,6 +142,8 @@ def test_eos_stops_a_row(tiny):
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_new_tokens=3000), "exceeds the context"),
     (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=1.0, top_k=0), "top_k"),
+    (dict(temperature=1.0, top_p=1.5), "top_p"),
     (dict(method="beam"), "method"),
     (dict(eos_id=10**6), "eos_id"),
 ])

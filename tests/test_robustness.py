@@ -345,11 +345,9 @@ def test_verify_takes_no_other_arguments(capsys):
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-39, 1e39])
 def test_temperatures_outside_float32_are_refused(temperature):
-    from kdtree_jax.decoding import prepare
-
     with pytest.raises(ValueError, match="outside float32's normal range"):
-        prepare(kj.configs.tiny(), [[1, 2]], 4, temperature)
-    prepare(kj.configs.tiny(), [[1, 2]], 4, 1e-30)  # small but normal: accepted
+        kj.Sampler(temperature)
+    assert kj.Sampler(1e-30).temperature == 1e-30  # small but normal: accepted
 
 
 def test_cli_refuses_without_echoing_or_tracebacks(capsys):

@@ -8,10 +8,10 @@ and adds nothing, which is how expert parallelism passes each shard the slots of
     out[m]  += weights[m, j] * (h @ down_e.T)                  [D]
 
 This is `moe_experts_ref` below; `moe_experts_dense` (`impl="dense"`) computes the same function with plain dense
-matmuls over every expert (for training small models). The experts stay in the model's (and the checkpoint's) layout: the
-compressed-tensors `Int4Array` of `kdtree_jax.quant` (packed int32 [E, out, in/8], nibble q + 8 least significant
-first, bf16 scales [E, out, in/group]); the CUDA kernel streams those words directly with 16-byte loads along `in`,
-so there is no repack and no inverse to keep in step with the converter.
+matmuls over every expert (for training small models). The experts stay in the model's (and the checkpoint's)
+layout: the compressed-tensors `Int4Array` of `kdtree_jax.quant` (packed int32 [E, out, in/8], nibble q + 8 least
+significant first, bf16 scales [E, out, in/group]); the CUDA kernel streams those words directly with 16-byte loads
+along `in`, so there is no repack and no inverse to keep in step with the converter.
 
 CUDA fast path (bf16 activations, D and F multiples of 128, groups multiples of 32 with an even count per row, as
 Kimi K2 has): the M k slots are sorted by expert on the device into blocks of `block_m` slots of one expert (the
