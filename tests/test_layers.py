@@ -1,10 +1,12 @@
 """The package's layers (README, "Layout"): each module imports only from its own layer or those below, and no two
-modules import each other, directly or around a circle (function-level imports included)."""
+modules import each other, directly or around a circle (function-level imports included). The converters
+(`kdtree_converters`) sit on top: the library never imports them."""
 
 import ast
 import pathlib
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kdtree_jax"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "kdtree_jax"
 
 # lowest first; a module may import from its own layer and every layer below
 LAYERS = [
@@ -16,9 +18,9 @@ LAYERS = [
     {"drafter"},
     {"decoding"},
     {"ddtree"},
-    {"generate", "builtin", "hf"},
+    {"generate", "builtin"},
     {"checkpoint"},
-    {"plan", "train", "convert", "cli"},
+    {"plan", "train", "cli"},
     {"__init__"},
 ]
 LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}
@@ -54,6 +56,23 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 
 GRAPH = {_module(p): _imports(p) for p in PACKAGE.rglob("*.py")}
+
+
+def _imported_packages(path: pathlib.Path) -> set[str]:
+    """The top-level names of the absolute imports of `path` (function-level ones included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+    return out
+
+
+def test_the_library_never_imports_the_converters():
+    users = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "kdtree_converters" in
+                   _imported_packages(p))
+    assert not users, users
 
 
 def test_every_module_has_a_layer():
