@@ -147,6 +147,16 @@ def test_bad_speculative_input(model):
         kj.init_drafter(cfg, jax.random.key(3), block_size=1)
 
 
+def _drain(run):
+    """(the chunks a stream yielded, the final loop state it returned)."""
+    chunks = []
+    while True:
+        try:
+            chunks.append(next(run))
+        except StopIteration as end:
+            return chunks, end.value
+
+
 @pytest.mark.parametrize("method", ["ar", "chain", "ddtree"])
 def test_streaming_gives_generate_tokens_and_stats(model, method):
     """generate.stream (the CLI's output) resumes the compiled loop a few steps at a time from its donated state:
@@ -154,13 +164,7 @@ def test_streaming_gives_generate_tokens_and_stats(model, method):
     cfg, params, drafter, ar = model
     kw = dict(max_new_tokens=20, method=method, drafter=drafter, budget=32)
     want = kj.generate(params, cfg, PROMPTS[1], **kw)
-    run, chunks = stream(params, cfg, PROMPTS[1][0], every=2, **kw), []
-    while True:
-        try:
-            chunks.append(next(run))
-        except StopIteration as end:
-            final = end.value
-            break
+    chunks, final = _drain(stream(params, cfg, PROMPTS[1][0], every=2, **kw))
     assert len(chunks) > 1  # really streamed
     assert sum(chunks, []) == want.tokens[0] == ar[1][0]
     stats = step_stats(final)
@@ -206,14 +210,8 @@ def test_any_drafter_of_the_protocol(model, method):
     cfg, params, _, ar = model
     drafter = TableDrafter(jax.random.normal(jax.random.key(7), (5, cfg.vocab_size)))
     assert isinstance(drafter, kj.DrafterProtocol)
-    run, chunks = stream(params, cfg, PROMPTS[1][0], max_new_tokens=20, method=method, drafter=drafter, budget=8,
-                         temperature=0.9, top_k=1, seed=3), []
-    while True:
-        try:
-            chunks.append(next(run))
-        except StopIteration as end:
-            final = end.value
-            break
+    chunks, final = _drain(stream(params, cfg, PROMPTS[1][0], max_new_tokens=20, method=method, drafter=drafter,
+                                  budget=8, temperature=0.9, top_k=1, seed=3))
     assert sum(chunks, []) == ar[1][0]
     assert final.draft.tolist() == [int(final.steps) + 1]
     with pytest.raises(ValueError, match="vocabulary"):
