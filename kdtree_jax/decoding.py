@@ -260,7 +260,7 @@ class Method(Protocol):
     name: str  # "ar", "chain", "ddtree": the stats' method
     budget: int | None  # the stats' budget (ddtree's node budget; None for ar and chain)
     tokens_per_step: int  # the most tokens one step commits
-    extra_slots: int  # cache slots a step needs past the committed tokens and the bonus
+    extra_slots: int  # cache slots needed beyond the prompt and max_new tokens (the speculative tree's nodes)
 
     def start(self, params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
               chunk: int | None) -> tuple[jax.Array, KVCache, Any]:
