@@ -193,7 +193,7 @@ def run_measured(code: str) -> dict:
             "sys": usage.ru_stime}
 
 
-IMPORTS = "import json, os; os.environ['JAX_PLATFORMS'] = 'cpu'; import kdtree_jax.convert as c"
+IMPORTS = "import json, os; os.environ['JAX_PLATFORMS'] = 'cpu'; import kdtree_converters.convert as c"
 
 
 def machine() -> str:

@@ -26,11 +26,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import kdtree_jax as kj  # noqa: E402
-from kdtree_jax import ddtree  # noqa: E402
-from kdtree_jax.drafter import append_context, draft, init_draft_cache  # noqa: E402
-from kdtree_jax.decoding import choose  # noqa: E402
-from kdtree_jax.kernels import tree_accept  # noqa: E402
-from kdtree_jax.model import init_cache, prefill, step  # noqa: E402
+from kdtree_jax.ddtree import accept, verify  # noqa: E402
+from kdtree_jax.decoding import Sampler, loop_step, start  # noqa: E402
+from kdtree_jax.generate import make_method  # noqa: E402
 
 
 def timeit(fn, *args, repeats: int = 20) -> float:
@@ -54,57 +52,36 @@ def tiny_widths(kernels: str) -> kj.ModelConfig:
 
 
 def bench(cfg, params, drafter, batch: int, prompt_len: int, method: str, budget: int, repeats: int) -> dict:
-    build_impl = "ffi" if cfg.uses_ffi("tree_build") else "xla"
-    accept_impl = "ffi" if cfg.uses_ffi("tree_accept") else "xla"
+    """Each stage of one step of `method` (the public stages of kdtree_jax.ddtree) jitted and timed alone, on the
+    inputs of a real step after a prefill of `prompt_len` tokens, then the whole loop step."""
     rng = np.random.default_rng(0)
-    bs = drafter.cfg.block_size
-    n = bs if method == "chain" else budget + 1
-    cache_len = prompt_len + n + 64
+    m = make_method(cfg, method, drafter, max(budget, 1))
+    greedy, key = Sampler(), jax.random.key(0)
+    n = max(m.extra_slots, 1)
     tokens = jnp.asarray(rng.integers(0, min(cfg.vocab_size, 50000), size=(batch, prompt_len)), jnp.int32)
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
-    pre = jax.jit(prefill, static_argnames="cfg")(params, cfg, tokens, lengths, init_cache(cfg, batch, cache_len))
-    bonus = jnp.argmax(pre.logits[:, -1], axis=-1).astype(jnp.int32)
-    dcache = jax.jit(append_context)(drafter, init_draft_cache(drafter.cfg, batch, cache_len), pre.hidden,
-                                     jnp.zeros_like(lengths))
-    cache = pre.cache
+    state = start(m, params, cfg, tokens, lengths, key, jnp.int32(-1), sampler=greedy, cache_len=prompt_len + n + 64,
+                  max_new=64)
     out = {"batch": batch, "method": method, "budget": None if method != "ddtree" else budget, "nodes": n}
+    f_step = jax.jit(lambda m, p, s: loop_step(m, p, cfg, s, greedy))
     if method == "ar":
-        f = jax.jit(lambda p, c, t: choose(step(p, cfg, t[:, None], c).logits[:, 0], None, 1.0, True))
-        out["verify_s"] = out["step_s"] = timeit(f, params, cache, bonus, repeats=repeats)
+        out["verify_s"] = out["step_s"] = timeit(f_step, m, params, state, repeats=repeats)
         return out
-    f_draft = jax.jit(draft)
-    dlogits = f_draft(drafter, params, dcache, cache.lengths, bonus)
-    out["draft_s"] = timeit(f_draft, drafter, params, dcache, cache.lengths, bonus, repeats=repeats)
-    if method == "chain":
-        f_tree = jax.jit(ddtree.chain_tree)
-    else:
-        f_tree = jax.jit(lambda dl, b: ddtree.ddtree_tree(dl, b, budget, build_impl))
-    tree = f_tree(dlogits, bonus)
-    out["tree_build_s"] = timeit(f_tree, dlogits, bonus, repeats=repeats)
-    f_verify = jax.jit(lambda p, c, t: (lambda r: (choose(r.logits, None, 1.0, True), r))(
-        step(p, cfg, t.tokens, c, depths=t.depths, tree_mask=t.visibility)))
-    target, res = f_verify(params, cache, tree)
-    out["verify_s"] = timeit(f_verify, params, cache, tree, repeats=repeats)
-    f_accept = jax.jit(lambda t, tt: tree_accept(t.tokens, t.parents, tt, impl=accept_impl))
-    acc = f_accept(tree, target)
+    f_draft = jax.jit(lambda m, p, s: m.propose(p, cfg, s, greedy))
+    dlogits = f_draft(m, params, state)
+    out["draft_s"] = timeit(f_draft, m, params, state, repeats=repeats)
+    f_tree = jax.jit(lambda m, dl, bonus: m.build(cfg, dl, bonus))
+    tree = f_tree(m, dlogits, state.last)
+    out["tree_build_s"] = timeit(f_tree, m, dlogits, state.last, repeats=repeats)
+    f_verify = jax.jit(lambda p, t, c: verify(p, cfg, t, c, key, greedy))
+    target, res = f_verify(params, tree, state.cache)
+    out["verify_s"] = timeit(f_verify, params, tree, state.cache, repeats=repeats)
+    f_accept = jax.jit(lambda t, tt: accept(cfg, t, tt, min(n, m.tokens_per_step)))
+    path = f_accept(tree, target)
     out["accept_s"] = timeit(f_accept, tree, target, repeats=repeats)
-    width = min(n, bs)
-
-    def compaction(d, c, dc, hidden, path):
-        path = path[:, :width]
-        c = ddtree.compact(c, c.lengths, path, n)
-        h = jnp.take_along_axis(hidden, jnp.clip(path, 0, n - 1)[None, :, :, None], axis=2)
-        return c, append_context(d, dc, h, c.lengths)
-
-    f_compact = jax.jit(compaction)
-    out["compaction_s"] = timeit(f_compact, drafter, res.cache, dcache, res.hidden, acc.path, repeats=repeats)
-    state = ddtree.SpecState(cache=cache, dcache=dcache, out=jnp.zeros((batch, 64), jnp.int32),
-                             num_out=jnp.zeros((batch,), jnp.int32), done=jnp.zeros((batch,), bool), last=bonus,
-                             key=jax.random.key(0), steps=jnp.zeros((), jnp.int32),
-                             accepted=jnp.zeros((batch, bs + 1), jnp.int32), nonfinite=jnp.zeros((batch,), bool))
-    f_step = jax.jit(lambda p, d, s: ddtree.spec_step(p, cfg, d, s, method, max(budget, 1), jnp.float32(1.0),
-                                                      jnp.int32(-1), True))
-    out["step_s"] = timeit(f_step, params, drafter, state, repeats=repeats)
+    f_keep = jax.jit(lambda m, r, d, starts, path: m.keep(cfg, r, d, starts, path))
+    out["compaction_s"] = timeit(f_keep, m, res, state.draft, state.cache.lengths, path, repeats=repeats)
+    out["step_s"] = timeit(f_step, m, params, state, repeats=repeats)
     out["overhead_share"] = (out["tree_build_s"] + out["accept_s"] + out["compaction_s"]) / out["step_s"]
     return out
 

@@ -34,7 +34,6 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from orbax.checkpoint import type_handlers
 
 from .config import ModelConfig
-from .hf import CheckpointError
 from .builtin import load_builtin, load_npz, save_npz
 from .distributed import check_same
 from .drafter import Drafter, DrafterConfig, drafter_info
@@ -57,6 +56,11 @@ CHUNK_BYTES = 64 << 20
 OCDBT_FILE_BYTES = 256 << 20
 PART_BYTES = 1 << 30
 PART_PREFIX = "part_"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (a source or a converted one) cannot be read or written as asked: a tensor is missing, has the
+    wrong shape or bad values, a file is corrupt, or another conversion holds the output."""
 
 
 def layer_item(i: int) -> str:
@@ -142,7 +146,7 @@ def check_arrays(what: str, found: dict[Path, Any], expected: dict[Path, Any]) -
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Writing (used by kdtree_jax.convert)
+# Writing (used by kdtree_converters.convert)
 # ---------------------------------------------------------------------------------------------------------------
 
 

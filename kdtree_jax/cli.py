@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="on an error, show the traceback")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a continuation of a prompt",
-                       description="Generate a continuation of --prompt and print it (streamed for ar), then a stats "
+                       description="Generate a continuation of --prompt and print it as it comes, then a stats "
                                    "line: new_tokens, steps, tau (tokens per step), compile_s, wall_s (the run "
                                    "without compilation) and tokens_per_s = new_tokens / wall_s. Compilation comes "
                                    "first and is timed apart, for every method.")
@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--budget", type=int, default=64, help="ddtree: draft tree nodes per step (default: 64)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--top-k", type=int, default=None, help="sample from the K most likely tokens only (default: all)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="then from the most likely tokens holding P of the probability (nucleus; default: 1, all)")
     _common(g)
     _compilation_cache_arg(g)
 
@@ -270,21 +273,9 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def generate_command(args) -> int:
-    import kdtree_jax as kj
-
     _use_compilation_cache(args)
     params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
-    ids = tok.encode(args.prompt)
-    if args.method == "ar":
-        stats = _stream_ar(params, cfg, tok, ids, args)
-    else:
-        _log(f"compiling {args.method}, then running it ...")
-        out = kj.generate(params, cfg, [ids], max_new_tokens=args.max_new_tokens, method=args.method,
-                          drafter=drafter, budget=args.budget, temperature=args.temperature, seed=args.seed,
-                          eos_id=tok.eos_id)
-        stats = out.stats
-        _log(f"compiled in {stats['compile_s']:.1f} s, ran in {stats['wall_s']:.2f} s")
-        sys.stdout.write(args.prompt + tok.decode(out.tokens[0]))
+    stats = _stream(params, cfg, tok, drafter, tok.encode(args.prompt), args)
     print()
     print(stats_line(stats))
     return 0
@@ -294,17 +285,19 @@ def _log(text: str) -> None:
     print(f"[kdtree-jax] {text}", file=sys.stderr, flush=True)
 
 
-def _stream_ar(params, cfg, tok, ids: list[int], args) -> dict:
-    """Stream the text of AR decoding and return `generate`'s stats. Compilation comes first, apart: a throwaway
-    run of the first two chunks compiles the prefill and the decode loop (compile_s includes that short run), so
-    wall_s and tokens_per_s time the streamed run alone, as `generate` does for every method."""
-    from kdtree_jax.generate import stream_ar
+def _stream(params, cfg, tok, drafter, ids: list[int], args) -> dict:
+    """Stream the text as the method decodes it and return `generate`'s stats. Compilation comes first, apart: a
+    throwaway run of the first two chunks compiles the prefill and the decoding loop (compile_s includes that short
+    run), so wall_s and tokens_per_s time the streamed run alone, as `generate` does."""
+    from kdtree_jax.decoding import step_stats
+    from kdtree_jax.generate import stream
 
     def chunks():
-        return stream_ar(params, cfg, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         seed=args.seed, eos_id=tok.eos_id)
+        return stream(params, cfg, ids, max_new_tokens=args.max_new_tokens, method=args.method, drafter=drafter,
+                      budget=args.budget, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                      seed=args.seed, eos_id=tok.eos_id)
 
-    _log("compiling ar ...")
+    _log(f"compiling {args.method} ...")
     t0 = time.perf_counter()
     warm = chunks()
     if next(warm, []):  # the inputs are checked here: a prompt that is refused is not echoed
@@ -314,16 +307,21 @@ def _stream_ar(params, cfg, tok, ids: list[int], args) -> dict:
     _log(f"compiled in {t1 - t0:.1f} s")
     new = []
     sys.stdout.write(args.prompt)
-    for chunk in chunks():
+    run = chunks()
+    while True:
+        try:
+            chunk = next(run)
+        except StopIteration as end:
+            final = end.value
+            break
         before = tok.decode(new)
         new += chunk
         sys.stdout.write(tok.decode(new)[len(before):])
         sys.stdout.flush()
     wall = time.perf_counter() - t1
-    steps = max(len(new) - 1, 0)  # decode steps after the prefill's token, as generate counts them
-    return {"steps": steps, "tau": 1.0 if steps else 0.0, "tau_histogram": [0, steps] if steps else [0],
-            "compile_s": t1 - t0, "wall_s": wall,
-            "method": "ar", "budget": None, "new_tokens": len(new), "tokens_per_s": len(new) / wall}
+    return {**step_stats(final), "compile_s": t1 - t0, "wall_s": wall, "method": args.method,
+            "budget": args.budget if args.method == "ddtree" else None, "new_tokens": len(new),
+            "tokens_per_s": len(new) / wall}
 
 
 def stats_line(stats: dict) -> str:

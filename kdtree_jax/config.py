@@ -109,9 +109,16 @@ class ModelConfig:
 
         return jnp.dtype(self.dtype)
 
-    def uses_ffi(self, op: str) -> bool:
-        """Whether custom call `op` (one of FFI_OPS) runs instead of its pure-JAX reference."""
-        return self.kernels == "ffi" and op in self.ffi_ops
+    def impl(self, op: str) -> str:
+        """The implementation of kernel `op` (one of FFI_OPS) that this model runs, the `impl=` argument of the
+        op's function in `kdtree_jax.kernels`: "ffi" (the custom call: kernels="ffi" and op in ffi_ops), "dense"
+        (marlin_moe with kernels="dense": every expert on every token, for training) or "xla" (the pure-JAX
+        reference). The model, the speculative step and the benchmarks all pick kernels here."""
+        if op not in FFI_OPS:
+            raise ValueError(f"unknown kernel {op!r} (known: {FFI_OPS})")
+        if self.kernels == "ffi" and op in self.ffi_ops:
+            return "ffi"
+        return "dense" if self.kernels == "dense" and op == "marlin_moe" else "xla"
 
     def validate(self) -> None:
         """Raise ConfigError naming the field when the config cannot describe a model we run."""

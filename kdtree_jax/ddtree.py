@@ -1,49 +1,37 @@
-"""DDTree speculative decoding (Ringel & Romano, arXiv:2604.12989) with the DFlash drafter, in one jitted loop.
+"""DDTree speculative decoding (Ringel & Romano, arXiv:2604.12989) with the DFlash drafter: the methods "ddtree" and
+"chain" as one `Speculative` method of the decoding driver (`kdtree_jax.decoding`), run in its jitted loop.
 
-One step, a pure function of the loop state:
-  1. the drafter reads the block [bonus, MASK, ...] and gives per-depth distributions q_1 .. q_L;
-  2. `tree_build` keeps the `budget` prefixes with the largest summed log-probability (DDTree Algorithm 1);
+One step, a pure function of the loop state, in public stages (the benchmarks time each one):
+  1. `propose`: the drafter reads the block [bonus, MASK, ...] and gives per-depth distributions q_1 .. q_L, put
+     through the step's `Sampler` (the distribution the target samples from);
+  2. `build`: `tree_build` keeps the `budget` prefixes with the largest summed log-probability (DDTree Algorithm 1);
      "chain" takes the drafter's argmax at each depth instead (DFlash's linear draft);
-  3. the target verifies all budget + 1 nodes in one forward: node i at position prefix + depth(i), seeing the
-     prefix and its ancestors; its latent KV is written into the cache right after the prefix;
-  4. the target's token at each node (argmax, or a sample at temperature > 0) and `tree_accept` give the
-     longest root path the target agrees with, and the next bonus token;
-  5. the accepted nodes' latents are moved to contiguous slots, and their hidden states become drafter context.
+  3. `verify`: the target runs all budget + 1 nodes in one forward: node i at position prefix + depth(i), seeing the
+     prefix and its ancestors; its latent KV is written into the cache right after the prefix; the Sampler chooses
+     the target's token at each node;
+  4. `accept`: `tree_accept` gives the longest root path the target agrees with, and the next bonus token;
+  5. `keep`: the accepted nodes' latents are moved to contiguous slots, and their hidden states become drafter
+     context.
 Every committed token is the target's own choice given the committed prefix, so greedy decoding returns exactly
-the autoregressive tokens, and sampling draws from the target's distribution (docs/ddtree.md §4).
+the autoregressive tokens, and sampling draws from the target's (filtered) distribution (docs/ddtree.md §4).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .drafter import DraftCache, Drafter, OracleDrafter, append_context, draft, init_draft_cache
-from .decoding import choose, commit, finish, nonfinite_rows, prepare, run_compiled
+from .decoding import Committed, DecodeState, Sampler, nonfinite_rows
+from .drafter import DrafterProtocol
 from .kernels import tree_accept, tree_build
-from .model import KVCache, Params, init_cache, move_accepted, prefill_last, pytree_dataclass, step
+from .model import KVCache, Params, StepOutput, move_accepted, prefill_last, step
 from .sharding import replicated_call
 
-
-@pytree_dataclass
-class SpecState:
-    """The loop carry of speculative decoding."""
-
-    cache: KVCache  # target latent cache; lengths[b] = committed tokens (the bonus is not in it yet)
-    dcache: DraftCache | None  # drafter context keys/values for the same committed slots (None: oracle)
-    out: jax.Array  # int32 [B, N]   generated tokens; -1 beyond num_out
-    num_out: jax.Array  # int32 [B]
-    done: jax.Array  # bool [B]
-    last: jax.Array  # int32 [B]      the bonus token: emitted, not yet verified into the cache
-    key: jax.Array
-    steps: jax.Array  # int32 []       verify steps run
-    accepted: jax.Array  # int32 [B, L + 2] histogram: tokens accepted per step (bonus included)
-    nonfinite: jax.Array  # bool [B]       the target gave this row a NaN or inf logit
+TREES = ("chain", "ddtree")
 
 
 class DraftTree(NamedTuple):
@@ -74,132 +62,108 @@ def ddtree_tree(draft_logits: jax.Array, bonus: jax.Array, budget: int, impl: st
                      depths=jnp.concatenate([zero, t.depths], axis=1), visibility=t.visibility)
 
 
-def oracle_draft(params: Params, cfg: ModelConfig, oracle: OracleDrafter, s: SpecState) -> jax.Array:
-    """The target's own logits [B, L, V] along its greedy continuation of the bonus (plus optional noise)."""
-
-    def one(carry, _):
-        cache, tok = carry
-        res = step(params, cfg, tok[:, None], cache)
-        logits = res.logits[:, 0]
-        cache = dataclasses.replace(res.cache, lengths=res.cache.lengths + 1)
-        return (cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)), logits
-
-    _, logits = jax.lax.scan(one, (s.cache, s.last), None, length=oracle.depth)
-    logits = jnp.moveaxis(logits, 0, 1) * oracle.sharpness  # [B, L, V]
-    if oracle.noise:
-        logits = logits + oracle.noise * jax.random.normal(jax.random.fold_in(s.key, 1), logits.shape)
-    return logits
+def verify(params: Params, cfg: ModelConfig, tree: DraftTree, cache: KVCache, key: jax.Array,
+           sampler: Sampler) -> tuple[jax.Array, StepOutput]:
+    """The target over every node of the tree in one forward after the committed prefix: (its token at every node
+    int32 [B, N], chosen by the sampler; the forward's output, the nodes' latents written after the prefix)."""
+    res = step(params, cfg, tree.tokens, cache, depths=tree.depths, tree_mask=tree.visibility)
+    return sampler.choose(res.logits, key), res
 
 
-def spec_step(params: Params, cfg: ModelConfig, drafter: Drafter, s: SpecState, method: str, budget: int,
-              temperature, eos_id, greedy: bool) -> SpecState:
-    """One draft -> build -> verify -> accept -> compact step for every row (rows already done stay frozen)."""
-    build_impl = "ffi" if cfg.uses_ffi("tree_build") else "xla"
-    accept_impl = "ffi" if cfg.uses_ffi("tree_accept") else "xla"
-    oracle = isinstance(drafter, OracleDrafter)
-    lengths = s.cache.lengths
-    bs = drafter.block_size if oracle else drafter.cfg.block_size
-    with jax.named_scope("draft"):
-        if oracle:
-            dlogits = oracle_draft(params, cfg, drafter, s)
-        else:
-            dlogits = draft(drafter, params, s.dcache, lengths, s.last)  # [B, L, V]
-    with jax.named_scope("tree_build"):
-        if method == "chain":
-            tree = chain_tree(dlogits, s.last)
-        else:
-            tree = ddtree_tree(dlogits, s.last, budget, build_impl)
+class Path(NamedTuple):
+    nodes: jax.Array  # int32 [B, P]   accepted node indices, root first, padded with -1
+    length: jax.Array  # int32 [B]     nodes on the path, root included (>= 1): the tokens committed
+    tokens: jax.Array  # int32 [B, P]  the committed tokens: the path's tokens after the root, then the bonus
+
+
+def accept(cfg: ModelConfig, tree: DraftTree, target: jax.Array, width: int) -> Path:
+    """The longest root path whose every node's token is the target's choice at its parent (`tree_accept`), kept to
+    `width` nodes (a path holds at most block_size nodes), and the tokens it commits."""
+    acc = replicated_call(lambda *a: tree_accept(*a, impl=cfg.impl("tree_accept")), tree.tokens, tree.parents, target)
     n = tree.tokens.shape[1]
-    with jax.named_scope("verify"):
-        res = step(params, cfg, tree.tokens, s.cache, depths=tree.depths, tree_mask=tree.visibility)
-        key, sub = jax.random.split(s.key)
-        target = choose(res.logits, sub, temperature, greedy)  # [B, N]
-    with jax.named_scope("accept"):
-        acc = replicated_call(lambda *a: tree_accept(*a, impl=accept_impl), tree.tokens, tree.parents, target)
-        width = min(n, bs)  # a path holds at most L + 1 = block_size nodes, and at most N
-        path = acc.path[:, :width]  # [B, P]
-        path_tokens = jnp.take_along_axis(tree.tokens, jnp.clip(path, 0, n - 1), axis=1)  # [B, P]
-        col = jnp.arange(width)[None, :]
-        emitted = jnp.where(col == acc.length[:, None] - 1, acc.bonus[:, None],
-                            jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1))
-        active = ~s.done
-        out, num_out, done, _ = commit(s.out, s.num_out, s.done, emitted, acc.length, eos_id, s.out.shape[1])
-    with jax.named_scope("compact"):
-        cache = move_accepted(res.cache, cfg, lengths, path, n)
-        dcache = None
-        if not oracle:
-            hidden = jnp.take_along_axis(res.hidden, jnp.clip(path, 0, n - 1)[None, :, :, None], axis=2)  # [L,B,P,D]
-            dcache = append_context(drafter, s.dcache, hidden, lengths)
-        grow = jnp.where(active, acc.length, 0)
-        cache = dataclasses.replace(cache, lengths=lengths + grow)
-    accepted = s.accepted.at[jnp.arange(lengths.shape[0]), acc.length].add(active.astype(jnp.int32))
-    return SpecState(cache=cache, dcache=dcache, out=out, num_out=num_out, done=done,
-                     last=jnp.where(active, acc.bonus, s.last), key=key, steps=s.steps + 1, accepted=accepted,
-                     nonfinite=s.nonfinite | (active & nonfinite_rows(res.logits)))
+    nodes = acc.path[:, :width]  # [B, P]
+    path_tokens = jnp.take_along_axis(tree.tokens, jnp.clip(nodes, 0, n - 1), axis=1)  # [B, P]
+    col = jnp.arange(width)[None, :]
+    tokens = jnp.where(col == acc.length[:, None] - 1, acc.bonus[:, None],
+                       jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1))
+    return Path(nodes=nodes, length=acc.length, tokens=tokens)
 
 
-def _spec_start(params, cfg, drafter: Drafter, tokens, lengths, key, temperature, eos_id, *, cache_len: int,
-                max_new: int, greedy: bool, chunk: int | None = None) -> SpecState:
-    b = tokens.shape[0]
-    if isinstance(drafter, OracleDrafter):
-        dcache, block, on_chunk = None, drafter.block_size, None
-    else:  # the drafter's context keys and values, taken from each prefilled piece
-        dcache, block = init_draft_cache(drafter.cfg, b, cache_len), drafter.cfg.block_size
-        on_chunk = lambda dc, hidden, starts: append_context(drafter, dc, hidden, starts)
-    last_logits, cache, dcache = prefill_last(params, cfg, tokens, lengths, init_cache(cfg, b, cache_len), chunk,
-                                              on_chunk, dcache)
-    key, sub = jax.random.split(key)
-    first = choose(last_logits, sub, temperature, greedy)
-    out = jnp.full((b, max_new), -1, jnp.int32)
-    out, num_out, done, _ = commit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
-                                    jnp.ones((b,), jnp.int32), eos_id, max_new)
-    return SpecState(cache=cache, dcache=dcache, out=out, num_out=num_out, done=done, last=first, key=key,
-                     steps=jnp.zeros((), jnp.int32), accepted=jnp.zeros((b, block + 1), jnp.int32),
-                     nonfinite=nonfinite_rows(last_logits))
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Speculative:
+    """The speculative methods as a `kdtree_jax.decoding.Method`: `name` "ddtree" (a tree of `budget` nodes below
+    the bonus) or "chain" (the drafter's argmax path, `budget` = its depth), with any drafter of the
+    `DrafterProtocol`. Make one with `speculative`, which checks the arguments."""
+
+    drafter: DrafterProtocol
+    name: str = dataclasses.field(metadata=dict(static=True))
+    tree_nodes: int = dataclasses.field(metadata=dict(static=True))  # nodes below the root
+
+    @property
+    def budget(self) -> int | None:
+        return self.tree_nodes if self.name == "ddtree" else None
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.drafter.block_size
+
+    @property
+    def extra_slots(self) -> int:
+        return self.tree_nodes + 1
+
+    def start(self, params, cfg, tokens, lengths, cache, chunk):
+        """The prefill, the drafter taking its context from every prefilled piece."""
+        state = self.drafter.start(tokens.shape[0], cache.max_len)
+        return prefill_last(params, cfg, tokens, lengths, cache, chunk, self.drafter.add_context, state)
+
+    def propose(self, params: Params, cfg: ModelConfig, s: DecodeState, sampler: Sampler) -> jax.Array:
+        """The drafter's per-depth logits [B, L, V] after the bonus, as the sampler filters them."""
+        return sampler.logits(self.drafter.propose(params, cfg, s.draft, s.cache, s.last, s.key))
+
+    def build(self, cfg: ModelConfig, draft_logits: jax.Array, bonus: jax.Array) -> DraftTree:
+        if self.name == "chain":
+            return chain_tree(draft_logits, bonus)
+        return ddtree_tree(draft_logits, bonus, self.tree_nodes, cfg.impl("tree_build"))
+
+    def keep(self, cfg: ModelConfig, res: StepOutput, draft: Any, starts: jax.Array,
+             path: Path) -> tuple[KVCache, Any]:
+        """The accepted nodes' latents moved next to the prefix (`model.move_accepted`), their hidden states to the
+        drafter."""
+        n = res.logits.shape[1]
+        cache = move_accepted(res.cache, cfg, starts, path.nodes, n)
+        hidden = jnp.take_along_axis(res.hidden, jnp.clip(path.nodes, 0, n - 1)[None, :, :, None], axis=2)  # [L,B,P,D]
+        return cache, self.drafter.add_context(draft, hidden, starts)
+
+    def step(self, params, cfg, s: DecodeState, key, sampler: Sampler) -> Committed:
+        """draft -> build -> verify -> accept -> keep, for every row."""
+        with jax.named_scope("draft"):
+            draft_logits = self.propose(params, cfg, s, sampler)  # [B, L, V]
+        with jax.named_scope("tree_build"):
+            tree = self.build(cfg, draft_logits, s.last)
+        with jax.named_scope("verify"):
+            target, res = verify(params, cfg, tree, s.cache, key, sampler)  # [B, N]
+        with jax.named_scope("accept"):
+            path = accept(cfg, tree, target, min(tree.tokens.shape[1], self.tokens_per_step))
+        with jax.named_scope("compact"):
+            cache, draft = self.keep(cfg, res, s.draft, s.cache.lengths, path)
+        return Committed(tokens=path.tokens, count=path.length, cache=cache, draft=draft,
+                         nonfinite=nonfinite_rows(res.logits))
 
 
-@partial(jax.jit, static_argnames=("cfg", "cache_len", "max_new", "greedy", "method", "budget", "chunk"))
-def _spec_generate(params, cfg, drafter, tokens, lengths, key, temperature, eos_id, *, cache_len, max_new, greedy,
-                   method, budget, chunk=None):
-    state = _spec_start(params, cfg, drafter, tokens, lengths, key, temperature, eos_id, cache_len=cache_len,
-                        max_new=max_new, greedy=greedy, chunk=chunk)
-
-    def cond(s):
-        return ~jnp.all(s.done)
-
-    def body(s):
-        return spec_step(params, cfg, drafter, s, method, budget, temperature, eos_id, greedy)
-
-    return jax.lax.while_loop(cond, body, state)
-
-
-def check_spec_args(cfg: ModelConfig, drafter, method: str, budget) -> int:
-    """Validate the speculative arguments; returns the number of tree nodes per step (root included)."""
-    if isinstance(drafter, OracleDrafter):
-        depth = drafter.depth
-    elif isinstance(drafter, Drafter):
-        drafter.cfg.check_target(cfg)
-        depth = drafter.cfg.depth
-    else:
-        raise ValueError(f"method={method!r} needs a drafter (kj.init_drafter or a loaded model's), got "
-                         f"{type(drafter).__name__}")
+def speculative(cfg: ModelConfig, method: str, drafter, budget) -> Speculative:
+    """The method "chain" or "ddtree" (with `budget` tree nodes) for target cfg, its arguments checked."""
+    if method not in TREES:
+        raise ValueError(f"a speculative method is one of {TREES}, got {method!r}")
+    if not isinstance(drafter, DrafterProtocol):
+        raise ValueError(f"method={method!r} needs a drafter (kj.init_drafter, a loaded model's, or an OracleDrafter), "
+                         f"got {type(drafter).__name__}")
+    drafter.check(cfg)
+    depth = drafter.depth
     if method == "chain":
-        return depth + 1
+        return Speculative(drafter, method, depth)
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
     if budget > depth * cfg.vocab_size:
         raise ValueError(f"budget {budget} exceeds the {depth} x {cfg.vocab_size} distinct (depth, token) choices")
-    return budget + 1
-
-
-def generate_speculative(params, cfg: ModelConfig, prompts, *, max_new_tokens: int, method: str, drafter,
-                         budget: int, temperature: float, seed: int, eos_id, prefill_chunk=None):
-    """`generate(method="ddtree" | "chain")`: see kdtree_jax.generate.generate."""
-    n_nodes = check_spec_args(cfg, drafter, method, budget)
-    req = prepare(cfg, prompts, max_new_tokens, temperature, eos_id, extra_slots=n_nodes, prefill_chunk=prefill_chunk)
-    args = (params, cfg, drafter, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed),
-            jnp.float32(req.temperature or 1.0), jnp.int32(req.eos_id))
-    static = dict(cache_len=req.cache_len, max_new=req.max_new, greedy=req.temperature == 0, method=method,
-                  budget=n_nodes - 1, chunk=req.chunk)
-    state, timing = run_compiled(_spec_generate, args, static)
-    return finish(state, timing, method=method, budget=n_nodes - 1)
+    return Speculative(drafter, method, budget)

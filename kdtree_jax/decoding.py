@@ -1,5 +1,16 @@
-"""What every decoding method shares: request checks and layout, sampling, committing tokens, compile-and-run
-with timing, and the host-side result. The methods (`generate`'s AR loop, `ddtree`'s speculative loop) build on it.
+"""The decoding engine: request checks and layout, the `Sampler`, committing tokens, the loop state, the methods'
+protocol and the one `lax.while_loop` driver that runs every method, compile-and-run with timing, and the result.
+
+A method implements `Method`: `start` fills the cache with the prompts (and makes the method's own state), `step`
+runs one target forward and returns what it commits (`Committed`). `AR` (one token per step) lives here; the
+speculative methods "chain" and "ddtree" are `kdtree_jax.ddtree.Speculative`. The driver keeps the books the same
+way for every method (commit, EOS, the histogram, non-finite logits), in one carry, `DecodeState`:
+
+    state = start(method, params, cfg, tokens, lengths, key, eos_id, sampler=..., cache_len=..., max_new=...)
+    state = advance(method, params, cfg, state, until, sampler=...)   # state donated; run until `until` steps
+    state = run(method, params, cfg, tokens, lengths, key, eos_id, ...)  # both, compiled as one function
+
+`generate` calls `run` once; `stream` calls `advance` a few steps at a time and shows the tokens in between.
 """
 
 from __future__ import annotations
@@ -7,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Iterator, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +27,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .distributed import to_host
+from .model import KVCache, Params, init_cache, prefill_last, pytree_dataclass, step
 from .sharding import trace_context
 
 
@@ -33,17 +46,76 @@ def nonfinite_rows(logits: jax.Array) -> jax.Array:
     return ~jnp.all(jnp.isfinite(logits.reshape(logits.shape[0], -1)), axis=-1)
 
 
-def choose(logits: jax.Array, key: jax.Array, temperature: jax.Array, greedy: bool) -> jax.Array:
-    """The target's token for logits [B, ..., V]: argmax when greedy, else a sample at `temperature`: one scalar, or
-    one per row f32 [B] where a row at 0 takes the argmax (requests with their own temperatures in one batch)."""
-    top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if greedy:
-        return top
-    if jnp.ndim(temperature) == 0:
-        return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
-    t = temperature.reshape(-1, *(1,) * (logits.ndim - 1))  # [B, 1, ..., 1]
-    sample = jax.random.categorical(key, logits / jnp.where(t > 0, t, 1.0), axis=-1).astype(jnp.int32)
-    return jnp.where(t[..., 0] > 0, sample, top)
+# --------------------------------------------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """How a token is chosen from logits: greedy (argmax) when temperature is 0, else a draw from the filtered
+    distribution `logits` defines. Static (hashable, compiled into the loop: another setting compiles again).
+
+    The speculative methods use the same Sampler on both sides: the target's token at every tree node is
+    `choose`, and the drafter's logits go through `logits` before the tree is built, so the tree is made for the
+    distribution the target samples from. A new option is a field here and a line in `logits`.
+    """
+
+    temperature: float = 0.0  # 0: greedy; > 0: sample from softmax(logits / temperature)
+    top_k: int | None = None  # keep the top_k most likely tokens (and any tied with the k-th); None: all
+    top_p: float | None = None  # then keep the most likely tokens until they hold top_p of the mass; None or 1: all
+
+    def __post_init__(self):
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if isinstance(t, bool) or not (isinstance(t, (int, float, np.integer, np.floating)) and math.isfinite(t)
+                                       and t >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        tiny, huge = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+        if 0 < t < tiny or t > huge:  # sampling divides float32 logits by it
+            raise ValueError(f"temperature {t!r} is outside float32's normal range [{tiny:.4g}, {huge:.4g}] "
+                             "(it would round to 0 or inf); use 0 for greedy decoding")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1):
+            raise ValueError(f"top_k must be None or an integer >= 1, got {k!r}")
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating))
+                              or not 0 < p <= 1):
+            raise ValueError(f"top_p must be None or a number in (0, 1], got {p!r}")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_k", None if k is None else int(k))
+        object.__setattr__(self, "top_p", None if p is None or p == 1 else float(p))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def logits(self, logits: jax.Array) -> jax.Array:
+        """The log-probabilities (unnormalized, f32) of the distribution sampled from logits [..., V]: divided by the
+        temperature, then -inf outside the top_k tokens, then -inf past the nucleus (the smallest set of most likely
+        tokens whose probability reaches top_p; every token tied with its least likely one kept). Greedy: as is."""
+        if self.greedy:
+            return logits
+        x = logits.astype(jnp.float32) / self.temperature
+        if self.top_k is not None and self.top_k < x.shape[-1]:
+            kth = jax.lax.top_k(x, self.top_k)[0][..., -1:]
+            x = jnp.where(x >= kth, x, -jnp.inf)
+        if self.top_p is not None:
+            desc = jnp.flip(jnp.sort(x, axis=-1), axis=-1)
+            p = jax.nn.softmax(desc, axis=-1)
+            before = jnp.concatenate([jnp.zeros_like(p[..., :1]), jnp.cumsum(p, axis=-1)[..., :-1]], axis=-1)
+            keep = jnp.sum(before < self.top_p, axis=-1, keepdims=True)  # the nucleus' size (>= 1)
+            x = jnp.where(x >= jnp.take_along_axis(desc, keep - 1, axis=-1), x, -jnp.inf)
+        return x
+
+    def choose(self, logits: jax.Array, key: jax.Array | None) -> jax.Array:
+        """The token for logits [..., V]: int32 [...], the argmax when greedy, else a draw with `key`."""
+        if self.greedy:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return jax.random.categorical(key, self.logits(logits), axis=-1).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------------------------
 
 
 def commit(out, num_out, done, new, n_new, eos_id, max_new):
@@ -96,12 +168,12 @@ class Request:
     lengths: np.ndarray  # int32 [B]
     max_new: int
     cache_len: int
-    temperature: float
+    sampler: Sampler
     eos_id: int  # -1: none
     chunk: int | None = None  # prefill in chunks of this many tokens (None: one pass)
 
 
-def prepare(cfg: ModelConfig, prompts, max_new_tokens: int, temperature: float = 0.0, eos_id: int | None = None,
+def prepare(cfg: ModelConfig, prompts, max_new_tokens: int, sampler: Sampler = Sampler(), eos_id: int | None = None,
             extra_slots: int = 0, prefill_chunk: int | None = None) -> Request:
     """Check the inputs and lay them out; every error is a ValueError/TypeError naming the problem.
 
@@ -129,12 +201,8 @@ def prepare(cfg: ModelConfig, prompts, max_new_tokens: int, temperature: float =
         rows.append(a.astype(np.int32))
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    tiny, huge = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
-    if 0 < temperature < tiny or temperature > huge:  # sampling divides float32 logits by it
-        raise ValueError(f"temperature {temperature!r} is outside float32's normal range [{tiny:.4g}, {huge:.4g}] "
-                         "(it would round to 0 or inf); use 0 for greedy decoding")
+    if not isinstance(sampler, Sampler):
+        raise TypeError(f"sampler must be a kdtree_jax.decoding.Sampler, got {type(sampler).__name__}")
     if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
         raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
     longest = max(len(r) for r in rows)
@@ -149,16 +217,163 @@ def prepare(cfg: ModelConfig, prompts, max_new_tokens: int, temperature: float =
     for i, r in enumerate(rows):
         tokens[i, :len(r)] = r
     return Request(tokens=tokens, lengths=np.array([len(r) for r in rows], np.int32), max_new=int(max_new_tokens),
-                   cache_len=_round_up(max(t_pad, need), 64), temperature=float(temperature),
+                   cache_len=_round_up(max(t_pad, need), 64), sampler=sampler,
                    eos_id=-1 if eos_id is None else int(eos_id), chunk=_prefill_chunk(prefill_chunk, t_pad))
 
 
-def _histogram_stats(accepted: np.ndarray, steps: int) -> dict:
-    hist = accepted.sum(axis=0)  # [N + 1]: count of (row, step) pairs that committed i tokens
-    total_steps = int(hist.sum())
-    tau = float((hist * np.arange(len(hist))).sum() / total_steps) if total_steps else 0.0
-    last = int(np.nonzero(hist)[0].max()) + 1 if hist.any() else 1
-    return {"steps": steps, "tau": tau, "tau_histogram": hist[:last].tolist()}
+# --------------------------------------------------------------------------------------------------------------
+# The loop state, the methods' protocol, AR
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytree_dataclass
+class DecodeState:
+    """The carry of the decoding loop, the same for every method (one row per prompt or slot)."""
+
+    cache: KVCache  # the target's latent cache; lengths[b] = committed tokens of row b (the bonus not yet in it)
+    draft: Any  # the method's own state: the drafter's context cache (None for ar and the oracle drafter)
+    out: jax.Array  # int32 [B, N]      generated tokens; -1 beyond num_out
+    num_out: jax.Array  # int32 [B]     tokens generated so far
+    done: jax.Array  # bool [B]         row finished (EOS or N tokens)
+    last: jax.Array  # int32 [B]        the bonus: the newest token, emitted, not yet in the cache
+    key: jax.Array  # PRNG key
+    eos_id: jax.Array  # int32 []       a row stops after this token (-1: none)
+    steps: jax.Array  # int32 []        steps run (target forwards after the prefill)
+    accepted: jax.Array  # int32 [B, K + 1]  histogram: steps of row b that committed i tokens (K: most per step)
+    nonfinite: jax.Array  # bool [B]    the target gave this row a NaN or inf logit (an error, not token 0)
+
+
+class Committed(NamedTuple):
+    """What one step of a method commits for every row (the driver freezes the rows already done)."""
+
+    tokens: jax.Array  # int32 [B, K]  the committed tokens in order; the last valid one is the next bonus
+    count: jax.Array  # int32 [B]      valid tokens in `tokens` (>= 1); the cache grows by as many
+    cache: KVCache  # the target's cache holding the committed tokens' latents after the prefix (lengths unchanged)
+    draft: Any  # the method's new state
+    nonfinite: jax.Array  # bool [B]   the target's logits of the row held a NaN or an inf
+
+
+class Method(Protocol):
+    """A decoding method, run by the driver (`start`, `advance`, `run`). An implementation is a pytree (the drafter's
+    weights as leaves, the rest static)."""
+
+    name: str  # "ar", "chain", "ddtree": the stats' method
+    budget: int | None  # the stats' budget (ddtree's node budget; None for ar and chain)
+    tokens_per_step: int  # the most tokens one step commits
+    extra_slots: int  # cache slots needed beyond the prompt and max_new tokens (the speculative tree's nodes)
+
+    def start(self, params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
+              chunk: int | None) -> tuple[jax.Array, KVCache, Any]:
+        """Prefill the right-padded prompts tokens [B, T] into the empty cache: (the next-token logits [B, V], the
+        cache, the method's state)."""
+
+    def step(self, params: Params, cfg: ModelConfig, state: DecodeState, key: jax.Array,
+             sampler: Sampler) -> Committed:
+        """One step for every row: one target forward from the committed prefix and the bonus `state.last`."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AR:
+    """Autoregressive decoding: one target forward and one token per step."""
+
+    name = "ar"
+    budget = None
+    tokens_per_step = 1
+    extra_slots = 0
+
+    def start(self, params, cfg, tokens, lengths, cache, chunk):
+        return prefill_last(params, cfg, tokens, lengths, cache, chunk)
+
+    def step(self, params, cfg, state: DecodeState, key, sampler: Sampler) -> Committed:
+        res = step(params, cfg, state.last[:, None], state.cache)
+        nxt = sampler.choose(res.logits[:, 0], key)
+        return Committed(tokens=nxt[:, None], count=jnp.ones_like(nxt), cache=res.cache, draft=state.draft,
+                         nonfinite=nonfinite_rows(res.logits))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The driver
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _start(method: Method, params, cfg: ModelConfig, tokens, lengths, key, eos_id, *, sampler: Sampler,
+           cache_len: int, max_new: int, chunk: int | None = None) -> DecodeState:
+    """The loop state after the prefill: the prompts tokens [B, T] (right-padded; lengths [B]) in a cache of
+    `cache_len` slots (prefilled in pieces of `chunk` tokens, or in one pass), the first token chosen and committed,
+    room for `max_new` tokens per row, eos_id (int32 []; -1: none) kept in the state."""
+    b = tokens.shape[0]
+    last_logits, cache, draft = method.start(params, cfg, tokens, lengths, init_cache(cfg, b, cache_len), chunk)
+    key, sub = jax.random.split(key)
+    first = sampler.choose(last_logits, sub)
+    out = jnp.full((b, max_new), -1, jnp.int32)
+    out, num_out, done, _ = commit(out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), first[:, None],
+                                    jnp.ones((b,), jnp.int32), eos_id, max_new)
+    return DecodeState(cache=cache, draft=draft, out=out, num_out=num_out, done=done, last=first, key=key,
+                       eos_id=jnp.asarray(eos_id, jnp.int32), steps=jnp.zeros((), jnp.int32),
+                       accepted=jnp.zeros((b, method.tokens_per_step + 1), jnp.int32),
+                       nonfinite=nonfinite_rows(last_logits))
+
+
+def loop_step(method: Method, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler) -> DecodeState:
+    """One iteration of the loop: the method's step, and the books kept alike for every method: commit (EOS, N
+    tokens), the cache's lengths, the bonus, the histogram, non-finite logits."""
+    key, sub = jax.random.split(s.key)
+    c = method.step(params, cfg, s, sub, sampler)
+    active = ~s.done
+    out, num_out, done, _ = commit(s.out, s.num_out, s.done, c.tokens, c.count, s.eos_id, s.out.shape[1])
+    bonus = jnp.take_along_axis(c.tokens, (c.count - 1)[:, None], axis=1)[:, 0]
+    rows = jnp.arange(s.last.shape[0])
+    return DecodeState(cache=dataclasses.replace(c.cache, lengths=s.cache.lengths + jnp.where(active, c.count, 0)),
+                       draft=c.draft, out=out, num_out=num_out, done=done, last=jnp.where(active, bonus, s.last),
+                       key=key, eos_id=s.eos_id, steps=s.steps + 1,
+                       accepted=s.accepted.at[rows, c.count].add(active.astype(jnp.int32)),
+                       nonfinite=s.nonfinite | (active & c.nonfinite))
+
+
+def _loop(method: Method, params, cfg: ModelConfig, state: DecodeState, until, sampler: Sampler) -> DecodeState:
+    return jax.lax.while_loop(lambda s: (s.steps < until) & ~jnp.all(s.done),
+                              lambda s: loop_step(method, params, cfg, s, sampler), state)
+
+
+start = jax.jit(_start, static_argnames=("cfg", "sampler", "cache_len", "max_new", "chunk"))
+
+
+@partial(jax.jit, static_argnames=("cfg", "sampler"), donate_argnames=("state",))
+def advance(method: Method, params, cfg: ModelConfig, state: DecodeState, until, *, sampler: Sampler) -> DecodeState:
+    """Run the loop from `state` (donated) until `until` steps (int32, counted from the start) have run or every
+    row is done, and return the new state: resumable, a few steps at a time."""
+    return _loop(method, params, cfg, state, until, sampler)
+
+
+@partial(jax.jit, static_argnames=("cfg", "sampler", "cache_len", "max_new", "chunk"))
+def run(method: Method, params, cfg: ModelConfig, tokens, lengths, key, eos_id, *, sampler: Sampler, cache_len: int,
+        max_new: int, chunk: int | None = None) -> DecodeState:
+    """`start`, then the loop until every row is done, compiled as one function (no host round trip)."""
+    state = _start(method, params, cfg, tokens, lengths, key, eos_id, sampler=sampler, cache_len=cache_len,
+                   max_new=max_new, chunk=chunk)
+    return _loop(method, params, cfg, state, jnp.int32(max_new), sampler)  # every step commits >= 1 token per row
+
+
+def stream_tokens(state: DecodeState, resume: Callable[[DecodeState, jax.Array], DecodeState],
+                every: int) -> Iterator[list[int]]:
+    """Yield row 0's new tokens as the loop runs: resume(state, until) continues it (`advance`) `every` steps at a
+    time. Returns the final state (the generator's return value)."""
+    shown = 0
+    while True:
+        check_finite(state)
+        n = int(to_host(state.num_out)[0])
+        if n > shown:
+            yield to_host(state.out)[0, shown:n].tolist()
+            shown = n
+        if bool(to_host(state.done)[0]):
+            return state
+        state = resume(state, state.steps + every)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Compile, run, read the result
+# --------------------------------------------------------------------------------------------------------------
 
 
 _COMPILED: dict = {}  # compiled executables by function, argument shapes and static arguments
@@ -183,7 +398,7 @@ def run_compiled(fn, args: tuple, static: dict):
     return result, {"compile_s": t1 - t0, "wall_s": t2 - t1}
 
 
-def check_finite(state) -> None:
+def check_finite(state: DecodeState) -> None:
     """Raise FloatingPointError naming the rows for which the model produced NaN or inf logits."""
     bad = np.flatnonzero(to_host(state.nonfinite))
     if bad.size:
@@ -191,7 +406,16 @@ def check_finite(state) -> None:
                                  "weights or an overflow in the activations); no tokens are returned")
 
 
-def finish(state, timing: dict, method: str, budget: int | None) -> GenerateOutput:
+def step_stats(state: DecodeState) -> dict:
+    """steps, tau (tokens committed per row and step, the bonus included) and tau_histogram of a loop state."""
+    hist = to_host(state.accepted).sum(axis=0)  # [K + 1]: count of (row, step) pairs that committed i tokens
+    total_steps = int(hist.sum())
+    tau = float((hist * np.arange(len(hist))).sum() / total_steps) if total_steps else 0.0
+    last = int(np.nonzero(hist)[0].max()) + 1 if hist.any() else 1
+    return {"steps": int(to_host(state.steps)), "tau": tau, "tau_histogram": hist[:last].tolist()}
+
+
+def finish(state: DecodeState, timing: dict, method: str, budget: int | None) -> GenerateOutput:
     """Host-side result: per-row token lists and the stats (FloatingPointError if logits were not finite).
 
     The stats have the same keys for every method: steps, tau, tau_histogram, compile_s (tracing and compilation),
@@ -200,7 +424,7 @@ def finish(state, timing: dict, method: str, budget: int | None) -> GenerateOutp
     check_finite(state)
     out, num = to_host(state.out), to_host(state.num_out)  # replicated: readable on every process
     tokens = [out[i, :num[i]].tolist() for i in range(out.shape[0])]
-    stats = _histogram_stats(to_host(state.accepted), int(to_host(state.steps)))
+    stats = step_stats(state)
     total = int(num.sum())
     stats.update(timing, method=method, budget=budget, new_tokens=total,
                  tokens_per_s=total / timing["wall_s"] if timing["wall_s"] > 0 else float("nan"))

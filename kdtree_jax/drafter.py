@@ -16,12 +16,45 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 
 from .config import ConfigError, ModelConfig
-from .model import ArrayInfo, Params, embed, init_from_info, stack_info, pytree_dataclass, rms_norm
+from .model import ArrayInfo, KVCache, Params, embed, init_from_info, pytree_dataclass, rms_norm, stack_info, step
+
+
+@runtime_checkable
+class DrafterProtocol(Protocol):
+    """What the speculative methods (`kdtree_jax.ddtree`) ask of a drafter; the DFlash `Drafter` and the
+    `OracleDrafter` implement it, and the methods never ask which one they hold. An implementation is a pytree (its
+    weights as leaves, its shape as static data), so it passes through `jax.jit` like the target's params.
+
+    The drafter's own state (`start`, `add_context`) rides in the decoding loop's carry; `propose` is pure.
+    """
+
+    @property
+    def block_size(self) -> int:
+        """The block [bonus, MASK x depth]: a step commits at most this many tokens."""
+
+    @property
+    def depth(self) -> int:
+        """Draft positions per step, block_size - 1 (the tree's depth)."""
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Raise ValueError when this drafter cannot draft for target cfg."""
+
+    def start(self, batch: int, max_len: int) -> Any:
+        """The drafter's state for `batch` rows of up to `max_len` cache slots (a pytree, or None)."""
+
+    def add_context(self, state: Any, hidden: jax.Array, starts: jax.Array) -> Any:
+        """Take the target's hidden states [L, B, T, D] of T committed tokens at slots starts[b] + t."""
+
+    def propose(self, target: Params, cfg: ModelConfig, state: Any, cache: KVCache, bonus: jax.Array,
+                key: jax.Array) -> jax.Array:
+        """Per-depth draft logits [B, depth, V] (f32) for the tokens after the bonus [B], the target's cache holding
+        the committed prefix (cache.lengths[b] tokens)."""
 
 
 @jax.tree_util.register_static
@@ -89,6 +122,29 @@ class Drafter:
 
     params: DrafterParams
     cfg: DrafterConfig = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def depth(self) -> int:
+        return self.cfg.depth
+
+    def check(self, cfg: ModelConfig) -> None:
+        self.cfg.check_target(cfg)
+
+    def start(self, batch: int, max_len: int) -> DraftCache:
+        """An empty context cache."""
+        return init_draft_cache(self.cfg, batch, max_len)
+
+    def add_context(self, state: DraftCache, hidden: jax.Array, starts: jax.Array) -> DraftCache:
+        return append_context(self, state, hidden, starts)
+
+    def propose(self, target: Params, cfg: ModelConfig, state: DraftCache, cache: KVCache, bonus: jax.Array,
+                key: jax.Array) -> jax.Array:
+        """One forward of the block (`draft`)."""
+        return draft(self, target, state, cache.lengths, bonus)
 
 
 @pytree_dataclass
@@ -251,3 +307,31 @@ class OracleDrafter:
     @property
     def depth(self) -> int:
         return self.block_size - 1
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Any target: the oracle is the target itself."""
+
+    def start(self, batch: int, max_len: int) -> None:
+        """No state: the oracle reads the target's own cache."""
+        return None
+
+    def add_context(self, state: None, hidden: jax.Array, starts: jax.Array) -> None:
+        return state
+
+    def propose(self, target: Params, cfg: ModelConfig, state: None, cache: KVCache, bonus: jax.Array,
+                key: jax.Array) -> jax.Array:
+        """The target's own logits [B, L, V] along its greedy continuation of the bonus, times `sharpness`, plus
+        Gaussian noise of std `noise` (drawn from fold_in(key, 1))."""
+
+        def one(carry, _):
+            c, tok = carry
+            res = step(target, cfg, tok[:, None], c)
+            logits = res.logits[:, 0]
+            c = dataclasses.replace(res.cache, lengths=res.cache.lengths + 1)
+            return (c, jnp.argmax(logits, axis=-1).astype(jnp.int32)), logits
+
+        _, logits = jax.lax.scan(one, (cache, bonus), None, length=self.depth)
+        logits = jnp.moveaxis(logits, 0, 1) * self.sharpness  # [B, L, V]
+        if self.noise:
+            logits = logits + self.noise * jax.random.normal(jax.random.fold_in(key, 1), logits.shape)
+        return logits

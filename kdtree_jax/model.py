@@ -25,9 +25,8 @@ import numpy as np
 
 from .config import ModelConfig
 from .quant import Int4Array, quantize_int4
-from .kernels.marlin_moe import marlin_moe, moe_experts_ref
-from .kernels.mla_verify import (combine_lse, mask_softmax, mla_absorbed_attention, mla_prefix, mla_verify,
-                                 tree_attention_lse)
+from .kernels.marlin_moe import marlin_moe
+from .kernels.mla_verify import combine_lse, mask_softmax, mla_prefix, mla_verify, tree_attention_lse
 from .sharding import (ShardingError, checked_sharding, current_mesh, logical_to_spec, mla_head_parallel,
                        mla_sequence_parallel, moe_expert_parallel, sequence_sharded, take_rows_sequence,
                        trace_context, vocab_parallel_lookup, write_rows_sequence)
@@ -535,20 +534,19 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
     elif mode == "chunk" and not (current_mesh() is not None and cfg.cache_sharding == "sequence"):
         with jax.named_scope("chunk_attention"):
             latent, pe = _write_rows(cache_layer[0], c_kv, lengths, cfg), _write_rows(cache_layer[1], k_pe, lengths, cfg)
-            impl = "cudnn" if cfg.uses_ffi("mla_verify") and jax.default_backend() == "gpu" else "xla"
+            impl = "cudnn" if cfg.impl("mla_verify") == "ffi" and jax.default_backend() == "gpu" else "xla"
             o = chunk_attention(p, q_nope, q_pe, c_kv, k_pe, latent, pe, lengths, scale, impl)  # [B, T, H, dv]
             new_cache = (latent, pe)
     else:
         with jax.named_scope("absorbed_attention"):
             latent, pe = _write_rows(cache_layer[0], c_kv, lengths, cfg), _write_rows(cache_layer[1], k_pe, lengths, cfg)
             q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, p.k_b)  # [B, T, H, R]
-            attend = mla_verify if cfg.uses_ffi("mla_verify") else mla_absorbed_attention
-
+            impl = cfg.impl("mla_verify")
+            attend = partial(mla_verify, impl=impl)
             if current_mesh() is not None and cfg.cache_sharding == "sequence":
-                prefix = partial(mla_prefix, impl="ffi" if cfg.uses_ffi("mla_verify") else "xla")
-                o_lat = mla_sequence_parallel(prefix, tree_attention_lse, combine_lse, q_lat, q_pe, latent, pe,
-                                              c_kv, k_pe, lengths, tree_mask, scale)
-            elif current_mesh() is not None and cfg.uses_ffi("mla_verify"):
+                o_lat = mla_sequence_parallel(partial(mla_prefix, impl=impl), tree_attention_lse, combine_lse, q_lat,
+                                              q_pe, latent, pe, c_kv, k_pe, lengths, tree_mask, scale)
+            elif current_mesh() is not None and impl == "ffi":
                 o_lat = mla_head_parallel(attend, q_lat, q_pe, latent, pe, lengths, tree_mask, scale)
             else:
                 o_lat = attend(q_lat, q_pe, latent, pe, lengths, tree_mask, scale)  # [B, T, H, R]
@@ -587,23 +585,6 @@ def route(p: MoE, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]
     return ids.astype(jnp.int32), w * cfg.routed_scaling_factor
 
 
-def moe_experts_dense(x, ids, weights, we_gate, we_up, we_down):
-    """The same function as `moe_experts_ref`, computed by running every expert on every token and combining
-    with a [M, E] weight matrix that is zero off the top-k: E / k times the work, but plain dense matmuls
-    (used for training the embedded model, and as a second reference)."""
-    dt = x.dtype
-    deq = lambda w: (w.dequantize(dt) if isinstance(w, Int4Array) else w)
-    g, u, dn = deq(we_gate), deq(we_up), deq(we_down)
-    rows = jnp.arange(x.shape[0])[:, None]
-    combine = jnp.zeros((x.shape[0], g.shape[0]), jnp.float32).at[rows, ids].add(weights, mode="drop")  # [M, E]
-    h = jax.nn.silu(jnp.einsum("md,efd->mef", x, g)) * jnp.einsum("md,efd->mef", x, u)  # [M, E, F]
-    y = jnp.einsum("mef,edf->med", h, dn)  # [M, E, D]
-    return jnp.einsum("med,me->md", y.astype(jnp.float32), combine).astype(dt)
-
-
-_EXPERTS = {"xla": moe_experts_ref, "dense": moe_experts_dense}
-
-
 def moe(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Routed experts (top-k of the sigmoid router) plus the shared expert, for x [B, T, D]."""
     b, t, d = x.shape
@@ -611,7 +592,7 @@ def moe(p: MoE, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     with jax.named_scope("router"):
         ids, w = route(p, flat, cfg)
     with jax.named_scope("experts"):
-        experts = marlin_moe if cfg.uses_ffi("marlin_moe") else _EXPERTS.get(cfg.kernels, moe_experts_ref)
+        experts = partial(marlin_moe, impl=cfg.impl("marlin_moe"))
 
         if current_mesh() is not None:  # the shared expert's slice added before the one all-reduce
             sh = p.shared

@@ -36,6 +36,7 @@ from .config import ModelConfig
 from .configs import TINY_BOS, TINY_EOS, TINY_MASK
 from .drafter import Drafter, append_context, draft, init_draft_cache, init_drafter
 from .generate import generate
+from .kernels.marlin_moe import moe_experts_dense
 from .model import (
     MoE,
     Params,
@@ -45,7 +46,6 @@ from .model import (
     embed,
     init_params,
     mla,
-    moe_experts_dense,
     rms_norm,
     rope_tables,
     route,

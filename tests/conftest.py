@@ -33,3 +33,25 @@ def has_gpu() -> bool:
 
 
 needs_gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU (run with JAX_PLATFORMS=cuda,cpu)")
+
+
+def filtered_probs(logits, temperature: float, top_k=None, top_p=None) -> np.ndarray:
+    """Numpy reference of the sampled distribution (float64, [..., V]): logits / temperature; then only the tokens
+    whose logit is at least the top_k-th largest; then, by descending probability, every token until the ones
+    before it hold top_p of the mass (and every token tied with the last one kept)."""
+    x = np.asarray(logits, np.float64) / temperature
+    if top_k is not None and top_k < x.shape[-1]:
+        kth = np.sort(x, axis=-1)[..., -top_k, None]
+        x = np.where(x >= kth, x, -np.inf)
+    if top_p is not None and top_p < 1:
+        flat = x.reshape(-1, x.shape[-1])
+        for row in flat:
+            desc = np.sort(row)[::-1]
+            p = np.exp(desc - desc[0])
+            p /= p.sum()
+            before = np.concatenate([[0.0], np.cumsum(p)[:-1]])
+            cut = desc[np.sum(before < top_p) - 1]
+            row[row < cut] = -np.inf
+        x = flat.reshape(x.shape)
+    p = np.exp(x - x.max(axis=-1, keepdims=True))
+    return p / p.sum(axis=-1, keepdims=True)

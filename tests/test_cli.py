@@ -10,13 +10,24 @@ _STATS_KEYS = {"method", "budget", "new_tokens", "steps", "tau", "tau_histogram"
                "tokens_per_s"}
 
 
-@pytest.mark.parametrize("method, prompt", [("ar", None), ("ddtree", "import os\n")])
-def test_generate_prints_text_and_stats(method, prompt, capsys, monkeypatch):
-    """The text, then one stats line of the same keys for every method; compilation is reported apart, first."""
-    seen = []
+@pytest.mark.parametrize("method, prompt, sampling", [("ar", None, []), ("ddtree", "import os\n", []),
+                                                      ("chain", None, ["--temperature", "0.7", "--top-k", "20",
+                                                                       "--top-p", "0.9"])])
+def test_generate_prints_text_and_stats(method, prompt, sampling, capsys, monkeypatch):
+    """The text, streamed by every method, then one stats line of the same keys for every method; compilation is
+    reported apart, first; the sampling options reach the decoding loop."""
+    import importlib
+
+    api = importlib.import_module("kdtree_jax.generate")  # the module (kdtree_jax.generate is the function)
+    seen, streamed = [], []
     monkeypatch.setattr(cli, "stats_line", lambda stats: seen.append(stats) or stats_line(stats))
-    argv = ["generate", "--max-new-tokens", "24", "--method", method, "--budget", "16"]
+    real_stream = api.stream
+    monkeypatch.setattr(api, "stream", lambda *a, **kw: streamed.append(kw) or real_stream(*a, **kw))
+    argv = ["generate", "--max-new-tokens", "24", "--method", method, "--budget", "16"] + sampling
     assert main(argv + (["--prompt", prompt] if prompt else [])) == 0
+    assert streamed and all(kw["method"] == method for kw in streamed)
+    if sampling:
+        assert (streamed[-1]["temperature"], streamed[-1]["top_k"], streamed[-1]["top_p"]) == (0.7, 20, 0.9)
     out = capsys.readouterr()
     prompt = prompt or DEFAULT_PROMPT
     assert out.out.startswith(prompt) and len(out.out) > len(prompt)
@@ -51,6 +62,8 @@ def test_bad_arguments_are_clear_errors(capsys):
     assert "max_new_tokens" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--method", "ddtree", "--budget", "0"]) == 2
     assert "budget" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--temperature", "1", "--top-p", "1.5"]) == 2
+    assert "top_p" in capsys.readouterr().err
     with pytest.raises(ValueError, match="dp=N, ep=N, tp=N"):
         parse_mesh("tp=2,xx=3")
     assert parse_mesh("ep=4,tp=2") == {"ep": 4, "tp": 2}

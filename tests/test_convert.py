@@ -20,8 +20,8 @@ from safetensors.numpy import load_file
 import kdtree_jax as kj
 from kdtree_jax.model import Model
 from kdtree_jax.config import ConfigError
-from kdtree_jax.convert import FAULT_ENV, convert, main
-from kdtree_jax.hf import CheckpointError
+from kdtree_converters.convert import FAULT_ENV, convert, main
+from kdtree_jax.checkpoint import CheckpointError
 from kdtree_jax.quant import Int4Array, unpack_int4
 from kdtree_jax.tokenizer import ByteTokenizer, TiktokenTokenizer
 
@@ -220,7 +220,7 @@ def read_text(path: str) -> str:
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "kdtree_jax.convert", *args], check=False, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kdtree_converters.convert", *args], check=False, capture_output=True,
                           text=True, env={**os.environ, **(env or {})}, timeout=300)
 
 

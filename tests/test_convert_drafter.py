@@ -10,8 +10,8 @@ from safetensors.numpy import save_file
 
 import kdtree_jax as kj
 from kdtree_jax.config import ConfigError
-from kdtree_jax.convert import convert
-from kdtree_jax.hf import CheckpointError
+from kdtree_converters.convert import convert
+from kdtree_jax.checkpoint import CheckpointError
 
 from hf_models import build_hf_model, save_hf_model
 

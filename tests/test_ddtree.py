@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 import kdtree_jax as kj
-from kdtree_jax.ddtree import _spec_generate
+from conftest import filtered_probs
+from kdtree_jax.ddtree import speculative
+from kdtree_jax.decoding import Sampler, prepare, run, run_compiled, step_stats
+from kdtree_jax.generate import stream
 from kdtree_jax.drafter import OracleDrafter
-from kdtree_jax.decoding import prepare
 
 PROMPTS = {1: [[5, 17, 99, 3, 250]], 4: [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7], list(range(60, 74))]}
 
@@ -86,20 +88,24 @@ def _chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
     return float(jax.scipy.special.gammaincc((len(obs) - 1) / 2.0, stat / 2.0))
 
 
-def test_sampling_matches_target_distribution(model):
-    """At temperature 1, the second generated token (the first one produced by a tree verify step) follows the
-    target's marginal sum_t1 p(t1 | prompt) p(t2 | prompt, t1). Chi-square, fixed seed, alarm at p < 1e-3."""
+@pytest.mark.parametrize("method, sampling", [("ddtree", dict(temperature=1.0)),
+                                             ("ddtree", dict(temperature=0.8, top_k=40, top_p=0.9)),
+                                             ("chain", dict(temperature=0.6, top_k=100, top_p=0.8))])
+def test_sampling_matches_target_distribution(model, method, sampling):
+    """At temperature > 0 (with top-k and top-p filters), the second generated token (the first one produced by a
+    tree verify step) follows the target's marginal sum_t1 p(t1 | prompt) p(t2 | prompt, t1), p the filtered
+    distribution (numpy reference). Chi-square, fixed seed, alarm at p < 1e-3."""
     cfg, params, _, _ = model
     prompt = [9, 8, 7, 6]
     n = 3000
-    out = kj.generate(params, cfg, [prompt] * n, max_new_tokens=2, method="ddtree", drafter=OracleDrafter(8),
-                      budget=16, temperature=1.0, seed=123)
+    out = kj.generate(params, cfg, [prompt] * n, max_new_tokens=2, method=method, drafter=OracleDrafter(8),
+                      budget=16, seed=123, **sampling)
     toks = np.array(out.tokens)
     assert toks.shape == (n, 2)
     v = cfg.vocab_size
-    p1 = np.asarray(jax.nn.softmax(kj.forward(params, cfg, jnp.array([prompt]))[0, -1]), np.float64)
+    p1 = filtered_probs(kj.forward(params, cfg, jnp.array([prompt]))[0, -1], **sampling)
     seqs = jnp.array([prompt + [t] for t in range(v)])
-    p2_given = np.asarray(jax.nn.softmax(kj.forward(params, cfg, seqs)[:, -1], axis=-1), np.float64)  # [V, V]
+    p2_given = filtered_probs(kj.forward(params, cfg, seqs)[:, -1], **sampling)  # [V, V]
     p2 = p1 @ p2_given
     assert _chi2_pvalue(np.bincount(toks[:, 0], minlength=v), n * p1) > 1e-3
     assert _chi2_pvalue(np.bincount(toks[:, 1], minlength=v), n * p2) > 1e-3
@@ -107,17 +113,19 @@ def test_sampling_matches_target_distribution(model):
 
 
 def test_loop_makes_no_host_transfers(model):
-    cfg, params, drafter, _ = model
-    req = prepare(cfg, PROMPTS[4], 12, 0.0, None, extra_slots=17)
-    args = jax.device_put((params, drafter, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(0),
-                           jnp.float32(1.0), jnp.int32(-1)))
-    p, d, toks, lens, key, temp, eos = args
-    static = dict(cache_len=req.cache_len, max_new=req.max_new, greedy=True, method="ddtree", budget=16)
-    _spec_generate(p, cfg, d, toks, lens, key, temp, eos, **static)  # compile outside the guard
+    """generate's compiled function (the one test_lossless_with_random_drafter compiled) runs without a transfer."""
+    cfg, params, drafter, ar = model
+    method = speculative(cfg, "ddtree", drafter, 32)
+    req = prepare(cfg, PROMPTS[4], 20, Sampler(), None, extra_slots=method.extra_slots)
+    m, p, toks, lens, key, eos = jax.device_put((method, params, jnp.asarray(req.tokens), jnp.asarray(req.lengths),
+                                                 jax.random.key(0), jnp.int32(-1)))
+    args = (m, p, cfg, toks, lens, key, eos)
+    static = dict(sampler=req.sampler, cache_len=req.cache_len, max_new=req.max_new, chunk=req.chunk)
+    run_compiled(run, args, static)  # compiled outside the guard
     with jax.transfer_guard("disallow"):
-        state = _spec_generate(p, cfg, d, toks, lens, key, temp, eos, **static)
-        state = jax.block_until_ready(state)
+        state, _ = run_compiled(run, args, static)
     assert int(state.steps) >= 1
+    assert [r[:n].tolist() for r, n in zip(state.out, state.num_out)] == ar[4]
 
 
 def test_bad_speculative_input(model):
@@ -137,3 +145,74 @@ def test_bad_speculative_input(model):
         kj.generate(params, small, [[1, 2, 3]], max_new_tokens=4, method="ddtree", drafter=drafter, budget=100)
     with pytest.raises(ValueError, match="block_size"):
         kj.init_drafter(cfg, jax.random.key(3), block_size=1)
+
+
+def _drain(run):
+    """(the chunks a stream yielded, the final loop state it returned)."""
+    chunks = []
+    while True:
+        try:
+            chunks.append(next(run))
+        except StopIteration as end:
+            return chunks, end.value
+
+
+@pytest.mark.parametrize("method", ["ar", "chain", "ddtree"])
+def test_streaming_gives_generate_tokens_and_stats(model, method):
+    """generate.stream (the CLI's output) resumes the compiled loop a few steps at a time from its donated state:
+    the chunks put together are generate's tokens (= ar's) and the final state gives generate's steps and tau."""
+    cfg, params, drafter, ar = model
+    kw = dict(max_new_tokens=20, method=method, drafter=drafter, budget=32)
+    want = kj.generate(params, cfg, PROMPTS[1], **kw)
+    chunks, final = _drain(stream(params, cfg, PROMPTS[1][0], every=2, **kw))
+    assert len(chunks) > 1  # really streamed
+    assert sum(chunks, []) == want.tokens[0] == ar[1][0]
+    stats = step_stats(final)
+    assert stats["tau"] == pytest.approx(want.stats["tau"]) and stats["steps"] == want.stats["steps"]
+    assert stats["tau_histogram"] == want.stats["tau_histogram"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TableDrafter:
+    """A third drafter, written against kj.DrafterProtocol alone: fixed per-depth logits table [L, V], whatever the
+    context, and a state that counts the context pieces it was given."""
+
+    table: jax.Array
+
+    @property
+    def block_size(self) -> int:
+        return self.table.shape[0] + 1
+
+    @property
+    def depth(self) -> int:
+        return self.table.shape[0]
+
+    def check(self, cfg) -> None:
+        if self.table.shape[1] != cfg.vocab_size:
+            raise ValueError("the table's vocabulary is not the target's")
+
+    def start(self, batch, max_len):
+        return jnp.zeros((batch,), jnp.int32)
+
+    def add_context(self, state, hidden, starts):
+        return state + 1
+
+    def propose(self, target, cfg, state, cache, bonus, key):
+        return jnp.broadcast_to(self.table, (bonus.shape[0], *self.table.shape))
+
+
+@pytest.mark.parametrize("method", ["chain", "ddtree"])
+def test_any_drafter_of_the_protocol(model, method):
+    """The speculative methods ask a drafter only for the protocol: a new kind of drafter works unchanged, and its
+    state rides in the loop (one context piece from the prefill, one per step). Sampling at temperature 0.9 with
+    top_k=1 (the same filter on the drafter's logits: one token per depth left) is greedy decoding."""
+    cfg, params, _, ar = model
+    drafter = TableDrafter(jax.random.normal(jax.random.key(7), (5, cfg.vocab_size)))
+    assert isinstance(drafter, kj.DrafterProtocol)
+    chunks, final = _drain(stream(params, cfg, PROMPTS[1][0], max_new_tokens=20, method=method, drafter=drafter,
+                                  budget=8, temperature=0.9, top_k=1, seed=3))
+    assert sum(chunks, []) == ar[1][0]
+    assert final.draft.tolist() == [int(final.steps) + 1]
+    with pytest.raises(ValueError, match="vocabulary"):
+        kj.generate(params, cfg, PROMPTS[1], method=method, drafter=TableDrafter(jnp.zeros((5, 7))))

@@ -7,7 +7,7 @@ from hf_models import VARIANTS, build_hf_model, hf_layer_outputs, save_hf_model
 from safetensors.numpy import load_file
 
 import kdtree_jax as kj
-from kdtree_jax.hf import params_from_hf
+from kdtree_converters.hf import params_from_hf
 
 pytest.importorskip("transformers")
 

@@ -1,10 +1,12 @@
 """The package's layers (README, "Layout"): each module imports only from its own layer or those below, and no two
-modules import each other, directly or around a circle (function-level imports included)."""
+modules import each other, directly or around a circle (function-level imports included). The converters
+(`kdtree_converters`) sit on top: the library never imports them."""
 
 import ast
 import pathlib
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "kdtree_jax"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "kdtree_jax"
 
 # lowest first; a module may import from its own layer and every layer below
 LAYERS = [
@@ -16,9 +18,9 @@ LAYERS = [
     {"drafter"},
     {"decoding"},
     {"ddtree"},
-    {"generate", "builtin", "hf"},
+    {"generate", "builtin"},
     {"checkpoint", "engine"},
-    {"plan", "train", "convert", "cli", "serve", "bench_serve"},
+    {"plan", "train", "cli", "serve", "bench_serve"},
     {"__init__"},
 ]
 LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}
@@ -56,6 +58,23 @@ def _imports(path: pathlib.Path) -> set[str]:
 GRAPH = {_module(p): _imports(p) for p in PACKAGE.rglob("*.py")}
 
 
+def _imported_packages(path: pathlib.Path) -> set[str]:
+    """The top-level names of the absolute imports of `path` (function-level ones included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+    return out
+
+
+def test_the_library_never_imports_the_converters():
+    users = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "kdtree_converters" in
+                   _imported_packages(p))
+    assert not users, users
+
+
 def test_every_module_has_a_layer():
     assert set(GRAPH) <= set(LAYER), sorted(set(GRAPH) - set(LAYER))
 
@@ -85,3 +104,17 @@ def test_no_import_cycles():
     for m in sorted(GRAPH):
         visit(m)
     assert not cycles, cycles
+
+
+def test_the_api_imports_the_kernels_itself():
+    """`import kdtree_jax as kj; kj.kernels.tree_build(...)` works because the package imports `kernels` itself, not
+    as a side effect of another module's import."""
+    import jax
+    import numpy as np
+
+    import kdtree_jax as kj
+
+    assert "kernels" in GRAPH["__init__"] and "kernels" in kj.__all__
+    logits = jax.random.normal(jax.random.key(0), (2, 3, 16))
+    tree = kj.kernels.tree_build(logits, 5, impl="xla")
+    np.testing.assert_array_equal(tree.tokens, kj.kernels.tree_build_ref(logits, 5).tokens)

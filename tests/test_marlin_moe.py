@@ -13,10 +13,10 @@ import pytest
 
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
-from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_L2_256, FLAG_SYNC, TILE_128_MIN_M, TILE_MIN_M, _cuda_call, block_size,
-                                           choose_block_m, marlin_moe, marlin_moe_ref, max_blocks, moe_align,
-                                           tile_eligible)
-from kdtree_jax.model import forward, moe_experts_ref
+from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_L2_256, FLAG_SYNC, TILE_128_MIN_M, TILE_MIN_M, _cuda_call,
+                                           block_size, choose_block_m, marlin_moe, marlin_moe_ref, max_blocks,
+                                           moe_align, moe_experts_ref, tile_eligible)
+from kdtree_jax.model import forward
 from kdtree_jax.quant import Int4Array, quantize_int4, unpack_int4
 from kdtree_jax.sharding import moe_expert_parallel
 
@@ -209,6 +209,8 @@ def test_impl_xla_float_experts_and_vmap():
     out = jax.vmap(lambda a, i, w: marlin_moe(a, i, w, *experts))(jnp.stack([x, -x]), jnp.stack([ids, ids]),
                                                                   jnp.stack([weights, weights]))
     assert rel_err(out[0], ref) <= 1e-5 and rel_err(out[1], _ref(-x, ids, weights, *experts)) <= 1e-5
+    for w in (experts, dense):  # impl="dense": every expert on every token, INT4 or float, the same function
+        assert rel_err(jax.jit(lambda *a: marlin_moe(*a, impl="dense"))(x, ids, weights, *w), ref) <= 1e-5
 
 
 def test_expert_parallel_in_shard_map():

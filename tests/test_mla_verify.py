@@ -13,7 +13,8 @@ import kdtree_jax as kj
 from kdtree_jax import kernels
 from kdtree_jax.kernels.mla_verify import (combine_lse, mla_prefix, mla_verify, mla_verify_ref, plan_splits,
                                           prefix_attention_ref, tree_attention_lse)
-from kdtree_jax.model import init_cache, moe_experts_ref, prefill, step
+from kdtree_jax.kernels.marlin_moe import moe_experts_ref
+from kdtree_jax.model import init_cache, prefill, step
 
 from conftest import TOL, needs_gpu, rel_err
 

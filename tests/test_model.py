@@ -118,6 +118,8 @@ def test_sampling_is_seeded_and_varies(tiny):
     b = kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=16, temperature=1.0, seed=1).tokens
     c = kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=16, temperature=1.0, seed=2).tokens
     assert a == b and a != c
+    greedy = kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=16).tokens
+    assert kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=16, temperature=1.0, top_k=1, seed=2).tokens == greedy
 
 
 def test_eos_stops_a_row(tiny):
@@ -140,6 +142,8 @@ def test_eos_stops_a_row(tiny):
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_new_tokens=3000), "exceeds the context"),
     (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=1.0, top_k=0), "top_k"),
+    (dict(temperature=1.0, top_p=1.5), "top_p"),
     (dict(method="beam"), "method"),
     (dict(eos_id=10**6), "eos_id"),
 ])
@@ -174,6 +178,18 @@ def test_config_errors_name_the_key():
     wrapped = kj.ModelConfig.from_hf({"model_type": "kimi_k25", "text_config": {**good, "rope_theta": 5e4}})
     assert wrapped.rope_theta == 5e4
     assert kj.configs.k2_6().kv_cache_dim == 576
+
+
+def test_one_switch_picks_every_kernel():
+    """cfg.impl(op) is the `impl=` the model and the speculative step pass to each kernel."""
+    ops = ("tree_build", "tree_accept", "mla_verify", "marlin_moe")
+    assert [kj.configs.tiny().impl(op) for op in ops] == ["xla"] * 4
+    assert [kj.configs.tiny(kernels="ffi").impl(op) for op in ops] == ["ffi"] * 4
+    assert [kj.configs.tiny(kernels="ffi", ffi_ops=("tree_build", "mla_verify")).impl(op) for op in ops] == [
+        "ffi", "xla", "ffi", "xla"]
+    assert [kj.configs.tiny(kernels="dense").impl(op) for op in ops] == ["xla", "xla", "xla", "dense"]
+    with pytest.raises(ValueError, match="unknown kernel"):
+        kj.configs.tiny().impl("flash_attention")
 
 
 def test_dense_experts_equal_routed_experts(tiny):

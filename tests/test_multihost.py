@@ -44,7 +44,7 @@ def test_two_processes_equal_one(tmp_path):
     pytest.importorskip("transformers")
     from hf_models import build_hf_model, save_hf_model
 
-    from kdtree_jax.convert import convert
+    from kdtree_converters.convert import convert
 
     src = save_hf_model(build_hf_model("yarn"), str(tmp_path / "hf"))
     ckpt = str(tmp_path / "ckpt")

@@ -1,6 +1,6 @@
 """kdtree-convert and kdtree_jax.load under concurrency, kills and faults: nothing lost, nothing half-written.
 
-Two real processes for the lock; a SIGKILL at every stage of the finish (kdtree_jax.convert.FAULT_ENV) followed by
+Two real processes for the lock; a SIGKILL at every stage of the finish (kdtree_converters.convert.FAULT_ENV) followed by
 a rerun; an OSError injected into the final rename.
 """
 
@@ -15,9 +15,8 @@ import time
 import pytest
 
 import kdtree_jax as kj
-from kdtree_jax import convert as conv
-from kdtree_jax.checkpoint import sibling
-from kdtree_jax.hf import CheckpointError
+from kdtree_converters import convert as conv
+from kdtree_jax.checkpoint import CheckpointError, sibling
 
 from hf_models import build_hf_model, save_hf_model
 
@@ -31,7 +30,7 @@ def quiet_convert(src, out, **kw):
 
 
 def run_cli(*args, env=None, wait=True):
-    cmd = [sys.executable, "-m", "kdtree_jax.convert", *args]
+    cmd = [sys.executable, "-m", "kdtree_converters.convert", *args]
     kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": {**os.environ, **(env or {})}}
     if not wait:
         return subprocess.Popen(cmd, **kw)
@@ -345,11 +344,9 @@ def test_verify_takes_no_other_arguments(capsys):
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-39, 1e39])
 def test_temperatures_outside_float32_are_refused(temperature):
-    from kdtree_jax.decoding import prepare
-
     with pytest.raises(ValueError, match="outside float32's normal range"):
-        prepare(kj.configs.tiny(), [[1, 2]], 4, temperature)
-    prepare(kj.configs.tiny(), [[1, 2]], 4, 1e-30)  # small but normal: accepted
+        kj.Sampler(temperature)
+    assert kj.Sampler(1e-30).temperature == 1e-30  # small but normal: accepted
 
 
 def test_cli_refuses_without_echoing_or_tracebacks(capsys):

@@ -7,10 +7,11 @@ and adds nothing, which is how expert parallelism passes each shard the slots of
     h        = silu(x[m] @ gate_e.T) * (x[m] @ up_e.T)        [F]
     out[m]  += weights[m, j] * (h @ down_e.T)                  [D]
 
-This is `moe_experts_ref` below. The experts stay in the model's (and the checkpoint's) layout: the
-compressed-tensors `Int4Array` of `kdtree_jax.quant` (packed int32 [E, out, in/8], nibble q + 8 least significant
-first, bf16 scales [E, out, in/group]); the CUDA kernel streams those words directly with 16-byte loads along `in`,
-so there is no repack and no inverse to keep in step with the converter.
+This is `moe_experts_ref` below; `moe_experts_dense` (`impl="dense"`) computes the same function with plain dense
+matmuls over every expert (for training small models). The experts stay in the model's (and the checkpoint's)
+layout: the compressed-tensors `Int4Array` of `kdtree_jax.quant` (packed int32 [E, out, in/8], nibble q + 8 least
+significant first, bf16 scales [E, out, in/group]); the CUDA kernel streams those words directly with 16-byte loads
+along `in`, so there is no repack and no inverse to keep in step with the converter.
 
 CUDA fast paths (bf16 activations, D and F multiples of 128, groups multiples of 32 with an even count per row, as
 Kimi K2 has): the M k slots are sorted by expert on the device into blocks of `block_m` slots of one expert (the
@@ -45,6 +46,7 @@ BLOCK_SIZES = STREAM_BLOCKS + TILE_BLOCKS
 TILE_MIN_M = 512  # tokens from which the tile path runs (where it is eligible); H200: the stream path is faster at 256
 TILE_128_MIN_M = 2048  # tokens from which its tiles hold 128 slots rather than 64
 TARGET = "kdtree_marlin_moe"
+IMPLS = ("ffi", "xla", "dense")
 
 # Bits of the custom call's `flags` attribute (benchmarks and tests; the default is 0).
 FLAG_SYNC = 1  # tile path: mma.sync + ldmatrix instead of wgmma
@@ -181,11 +183,16 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
     -> [M, D] in x's dtype. Float (not INT4) experts have no W4A16 kernel to run: they go to `marlin_moe_ref`.
 
     impl="ffi" runs the custom call (C++ on CPU, CUDA on GPU, the reference on other platforms); impl="xla" runs
-    `marlin_moe_ref`. block_m overrides `choose_block_m` on CUDA (benchmarks, tests): 8, 16 or 32 run the stream
-    path, 64 or 128 the tile path (bf16, D % 256 == 0, F % 128 == 0, group 32 only). flags: FLAG_* bits for
-    benchmarks and tests (None: TILE_FLAGS or STREAM_FLAGS). No host sync: usable under jit, vmap, shard_map and
+    `marlin_moe_ref`, impl="dense" `moe_experts_dense` (`ModelConfig.impl` picks one). block_m overrides
+    `choose_block_m` on CUDA (benchmarks, tests): 8, 16 or 32 run the stream path, 64 or 128 the tile path (bf16,
+    D % 256 == 0, F % 128 == 0, group 32 only). flags: FLAG_* bits for benchmarks and tests (None: TILE_FLAGS or
+    STREAM_FLAGS). No host sync: usable under jit, vmap, shard_map and
     inside loops.
     """
+    if impl not in IMPLS:
+        raise ValueError(f"marlin_moe: impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "dense":
+        return moe_experts_dense(x, ids, weights, we_gate, we_up, we_down)
     quantized = [isinstance(w, Int4Array) for w in (we_gate, we_up, we_down)]
     if not all(quantized):
         if any(quantized):
@@ -194,8 +201,6 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
     m, d, k, e, f = _check(x, ids, weights, we_gate, we_up, we_down)
     if impl == "xla":
         return marlin_moe_ref(x, ids, weights, we_gate, we_up, we_down)
-    if impl != "ffi":
-        raise ValueError(f"marlin_moe: impl must be 'ffi' or 'xla', got {impl!r}")
     if block_m is not None and block_m not in BLOCK_SIZES:
         raise ValueError(f"marlin_moe: block_m must be one of {BLOCK_SIZES}, got {block_m!r}")
     tile_ok = tile_eligible(d, f, we_gate.group_size, we_down.group_size, x.dtype)
@@ -256,3 +261,17 @@ def moe_experts_ref(x, ids, weights, we_gate, we_up, we_down):
     kept = (flat[order] < n_exp)[:, None]  # slots sent to no local expert (expert parallelism) add nothing
     y = jnp.where(kept, y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
     return jnp.zeros((m, x.shape[1]), jnp.float32).at[rows].add(y).astype(dt)
+
+
+def moe_experts_dense(x, ids, weights, we_gate, we_up, we_down):
+    """The same function as `moe_experts_ref`, computed by running every expert on every token and combining
+    with a [M, E] weight matrix that is zero off the top-k: E / k times the work, but plain dense matmuls
+    (used for training the embedded model, and as a second reference)."""
+    dt = x.dtype
+    deq = lambda w: (w.dequantize(dt) if isinstance(w, Int4Array) else w)
+    g, u, dn = deq(we_gate), deq(we_up), deq(we_down)
+    rows = jnp.arange(x.shape[0])[:, None]
+    combine = jnp.zeros((x.shape[0], g.shape[0]), jnp.float32).at[rows, ids].add(weights, mode="drop")  # [M, E]
+    h = jax.nn.silu(jnp.einsum("md,efd->mef", x, g)) * jnp.einsum("md,efd->mef", x, u)  # [M, E, F]
+    y = jnp.einsum("mef,edf->med", h, dn)  # [M, E, D]
+    return jnp.einsum("med,me->md", y.astype(jnp.float32), combine).astype(dt)

@@ -10,7 +10,7 @@ Sources (docs/convert.md):
     and listed in the manifest.
 One `model.safetensors.index.json` with its shards, or the `*.safetensors` files of the directory, are read with
 a small header parser and positioned reads (no mmap, no torch): resident memory stays about one layer of the
-source. The tensor-name mapping is `kdtree_jax.hf`; the output layout is `kdtree_jax.checkpoint`.
+source. The tensor-name mapping is `kdtree_converters.hf`; the output layout is `kdtree_jax.checkpoint`.
 
 Work goes to a hidden sibling directory `.OUT_DIR.partial` that is renamed to OUT_DIR only when complete. Each
 item (the embedding/head, then one item per decoder layer) is recorded when written: a killed conversion resumes
@@ -41,12 +41,14 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from . import checkpoint as ckpt
-from .cli import report_errors
-from .config import ConfigError, ModelConfig
-from .hf import CheckpointError, drafter_config_from_hf, drafter_from_hf, layer_from_hf, top_from_hf
-from .model import abstract_params
-from .tokenizer import TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE, load_tokenizer
+from kdtree_jax import checkpoint as ckpt
+from kdtree_jax.checkpoint import CheckpointError
+from kdtree_jax.cli import report_errors
+from kdtree_jax.config import ConfigError, ModelConfig
+from kdtree_jax.model import abstract_params
+from kdtree_jax.tokenizer import TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE, load_tokenizer
+
+from .hf import drafter_config_from_hf, drafter_from_hf, layer_from_hf, top_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = (TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "chat_template.jinja")
@@ -368,7 +370,7 @@ def _ids(ids: list[int]) -> str:
 
 
 class _Reader:
-    """`get` / `has` over a Source for kdtree_jax.hf: reads on demand, dequantizes FP8, counts what it read."""
+    """`get` / `has` over a Source for kdtree_converters.hf: reads on demand, dequantizes FP8, counts what it read."""
 
     def __init__(self, src: Source, bar, tally: Counter):
         self.src, self.bar, self.tally = src, bar, tally

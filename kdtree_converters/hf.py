@@ -15,17 +15,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .config import ConfigError, ModelConfig
-from .drafter import DrafterConfig, DraftLayer, DrafterParams
-from .model import MLP, Attention, Layer, MoE, Params
-from .quant import Int4Array, quantize_int4
+from kdtree_jax.checkpoint import CheckpointError
+from kdtree_jax.config import ConfigError, ModelConfig
+from kdtree_jax.drafter import DrafterConfig, DraftLayer, DrafterParams
+from kdtree_jax.model import MLP, Attention, Layer, MoE, Params
+from kdtree_jax.quant import Int4Array, quantize_int4
 
 Getter = Callable[[str], np.ndarray]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint (a source or a converted one) cannot be read or written as asked: a tensor is missing, has the
-    wrong shape or bad values, a file is corrupt, or another conversion holds the output."""
 
 
 def _np_dtype(cfg: ModelConfig):
