@@ -237,7 +237,7 @@ class DecodeState:
     done: jax.Array  # bool [B]         row finished (EOS or N tokens)
     last: jax.Array  # int32 [B]        the bonus: the newest token, emitted, not yet in the cache
     key: jax.Array  # PRNG key
-    eos_id: jax.Array  # int32 []       a row stops after this token (-1: none)
+    eos_id: jax.Array  # int32 []       a row stops after this token (-1: none); [B, 1]: one per row (the serve engine)
     steps: jax.Array  # int32 []        steps run (target forwards after the prefill)
     accepted: jax.Array  # int32 [B, K + 1]  histogram: steps of row b that committed i tokens (K: most per step)
     nonfinite: jax.Array  # bool [B]    the target gave this row a NaN or inf logit (an error, not token 0)

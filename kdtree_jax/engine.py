@@ -1,22 +1,23 @@
 """Continuous batching: requests join and leave the fixed slots of one decoding batch (rows of the KV cache) while the
 other rows keep decoding.
 
-A background thread owns the device state: the loop carry of `generate`'s methods (`DecodeState` for ar,
-`SpecState` for chain and ddtree, whose drafter cache has a row per slot too) over `max_batch` rows of `max_context`
-cache slots. Each iteration it
+A background thread owns the device state: the decoding driver's loop carry (`decoding.DecodeState`, the drafter's
+state included) over `max_batch` rows of `max_context` cache slots, for one `decoding.Method` (`AR` or
+`ddtree.speculative`'s chain or ddtree). Each iteration it
   1. frees the slots of cancelled requests (finished ones are freed as soon as their last tokens are read),
-  2. prefills each waiting request into a free slot (`_admit`: one row through the same prefill as `generate`,
-     written into the batch at the slot, a traced index: one compilation per padded prompt length),
-  3. runs `chunk_steps` decoding steps of every live row inside one jitted call (`_advance`: the methods' own step in
-     a while loop; the rows of free slots are marked done and stay frozen), and
+  2. prefills each waiting request into a free slot (`_admit`: the driver's `_start` for one row, every field written
+     into the batch at the slot, a traced index: one compilation per padded prompt length),
+  3. runs `chunk_steps` decoding steps of every live row inside one jitted call (`_advance`: the driver's while loop
+     of `loop_step`; the rows of free slots are marked done and stay frozen), and
   4. hands each request the tokens it committed (its `on_event` callback, called on the engine thread).
 Calls are dispatched asynchronously: the first token of a new request is read while the chunk after its prefill runs.
 
 A row's arithmetic never mixes with the other rows', so at temperature 0 a request gets exactly the tokens of
 `generate` on its prompt alone. Per-row limits need no per-row shapes: row b writes its tokens to
 out[b, M - max_new[b]:], so `commit`'s cut at M = out.shape[1] stops it after exactly max_new[b] tokens. Each row has
-its own temperature (0: greedy) and end-of-sequence id (-1: none); the rows share one random stream, so a request's
-`seed` fixes only its first token.
+its own end-of-sequence id (-1: none; the batch's `eos_id` is int32 [B, 1], which `commit` compares with the row's
+new tokens) and its own temperature (0: greedy), through `RowSampler`, or the static greedy `Sampler` while every
+live row is greedy. The rows share one random stream, so a request's `seed` fixes only its first token.
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .ddtree import SpecState, _spec_start, check_spec_args, spec_step
-from .decoding import commit, prepare
-from .drafter import OracleDrafter, init_draft_cache
-from .generate import METHODS, DecodeState, _ar_advance, _ar_start
-from .model import KVCache, init_cache
+from .ddtree import Speculative
+from .decoding import DecodeState, Method, Sampler, _loop, _start, commit, prepare
+from .generate import make_method
+from .model import init_cache
 from .sharding import trace_context
 
 log = logging.getLogger("kdtree_jax.engine")
@@ -92,58 +92,79 @@ def _put(batch: jax.Array, row: jax.Array, slot: jax.Array, axis: int = 0) -> ja
     return jax.lax.dynamic_update_slice_in_dim(batch, row.astype(batch.dtype), slot, axis)
 
 
-def _empty_state(cfg: ModelConfig, drafter, key, *, method: str, batch: int, cache_len: int, width: int):
-    """The batch's loop carry with every slot free (done): the layout `generate`'s start makes, `batch` rows wide, out
-    `width` tokens wide; `key` starts the random stream that the rows share."""
-    common = dict(cache=init_cache(cfg, batch, cache_len), out=jnp.full((batch, width), -1, jnp.int32),
-                  num_out=jnp.zeros((batch,), jnp.int32), done=jnp.ones((batch,), bool),
-                  last=jnp.zeros((batch,), jnp.int32), key=key, steps=jnp.zeros((), jnp.int32),
-                  nonfinite=jnp.zeros((batch,), bool))
-    if method == "ar":
-        return DecodeState(accepted=jnp.zeros((batch, width + 1), jnp.int32), **common)
-    oracle = isinstance(drafter, OracleDrafter)
-    block = drafter.block_size if oracle else drafter.cfg.block_size
-    dcache = None if oracle else init_draft_cache(drafter.cfg, batch, cache_len)
-    return SpecState(dcache=dcache, accepted=jnp.zeros((batch, block + 1), jnp.int32), **common)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSampler:
+    """The Sampler members the methods use (`greedy`, `logits`, `choose`), with a temperature per row: f32 [B], 0 for a
+    greedy row, whose token is the argmax, exactly the static greedy `Sampler`'s. A pytree with the temperatures as
+    data: one compilation serves every mix of temperatures (no top-k or top-p)."""
+
+    temperature: jax.Array  # f32 [B]
+
+    greedy = False  # per row, not for the whole batch
+
+    def _rows(self, x: jax.Array) -> jax.Array:
+        """The temperatures shaped to broadcast against x [B, ..., V]; 1 for the greedy rows."""
+        t = self.temperature.reshape(self.temperature.shape + (1,) * (x.ndim - 1))
+        return jnp.where(t > 0, t, 1.0)
+
+    def logits(self, logits: jax.Array) -> jax.Array:
+        """logits [B, ..., V] (f32) divided by the row's temperature (a greedy row's as they are)."""
+        return logits.astype(jnp.float32) / self._rows(logits)
+
+    def choose(self, logits: jax.Array, key: jax.Array) -> jax.Array:
+        """int32 [B, ...]: a draw from softmax(logits / temperature) for sampled rows, the argmax for greedy ones."""
+        drawn = jax.random.categorical(key, self.logits(logits), axis=-1)
+        sampled = (self.temperature > 0).reshape(self.temperature.shape + (1,) * (logits.ndim - 2))
+        return jnp.where(sampled, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
-_empty_state_jit = jax.jit(_empty_state, static_argnames=("cfg", "method", "batch", "cache_len", "width"))
+def _empty_state(method: Method, cfg: ModelConfig, key, *, batch: int, cache_len: int) -> DecodeState:
+    """The batch's loop carry with every slot free (done): `batch` rows of `cache_len` cache slots, out as wide,
+    eos_id per row [batch, 1]; `key` starts the random stream that the rows share."""
+    draft = method.drafter.start(batch, cache_len) if isinstance(method, Speculative) else None
+    return DecodeState(cache=init_cache(cfg, batch, cache_len), draft=draft,
+                       out=jnp.full((batch, cache_len), -1, jnp.int32), num_out=jnp.zeros((batch,), jnp.int32),
+                       done=jnp.ones((batch,), bool), last=jnp.zeros((batch,), jnp.int32), key=key,
+                       eos_id=jnp.full((batch, 1), -1, jnp.int32), steps=jnp.zeros((), jnp.int32),
+                       accepted=jnp.zeros((batch, method.tokens_per_step + 1), jnp.int32),
+                       nonfinite=jnp.zeros((batch,), bool))
 
 
-@partial(jax.jit, static_argnames=("cfg", "method", "chunk"), donate_argnames=("state",))
-def _admit(params, cfg: ModelConfig, drafter, state, slot, tokens, lengths, key, temperature, max_new, eos, *,
-           method: str, chunk: int | None):
+_empty_state_jit = jax.jit(_empty_state, static_argnames=("cfg", "batch", "cache_len"))
+
+
+@partial(jax.jit, static_argnames=("cfg", "chunk"), donate_argnames=("state",))
+def _admit(method: Method, params, cfg: ModelConfig, state: DecodeState, slot, tokens, lengths, key,
+           sampler: RowSampler, max_new, eos, *, chunk: int | None):
     """Prefill one prompt tokens [1, T] into row `slot` of the batch (slot traced: one compilation per T).
 
-    The row is made by the start of `generate` (the same prefill, drafter context and first token), its cache as long
-    as the batch's, and replaces the slot's whole row (nothing of the previous request remains). temperature f32 [1],
-    max_new and eos int32 []. Returns (state, first token [1], done [1], nonfinite [1]).
+    The row is the driver's `_start` (the same prefill, drafter state and first token as `generate`), its cache as
+    long as the batch's; its first token is committed again at out[0, M - max_new] (M = out.shape[1]). Every field but
+    the shared key and step count replaces the slot's row (nothing of the previous request remains); the drafter's
+    state (a DraftCache, [Ld, B, S, ...]) has its rows on axis 1. sampler: the row's temperature [1]; max_new and eos
+    int32 [] (eos -1: none). Returns (state, first token [1], done [1], nonfinite [1]).
     """
-    cache_len, width = state.cache.max_len, state.out.shape[1]
-    if method == "ar":
-        row = _ar_start(params, cfg, tokens, lengths, key, cache_len, 1, temperature, eos, False, chunk)
-    else:
-        row = _spec_start(params, cfg, drafter, tokens, lengths, key, temperature, eos, cache_len=cache_len, max_new=1,
-                          greedy=False, chunk=chunk)
+    width = state.out.shape[1]
+    row = _start(method, params, cfg, tokens, lengths, key, eos, sampler=sampler, cache_len=state.cache.max_len,
+                 max_new=1, chunk=chunk)
     out, num_out, done, _ = commit(jnp.full((1, width), -1, jnp.int32), (width - max_new)[None], jnp.zeros((1,), bool),
                                    row.last[:, None], jnp.ones((1,), jnp.int32), eos, width)
-    put = lambda b, r: _put(b, r, slot)
-    cache = KVCache(latent=tuple(map(put, state.cache.latent, row.cache.latent)),
-                    k_pe=tuple(map(put, state.cache.k_pe, row.cache.k_pe)), lengths=put(state.cache.lengths,
-                                                                                       row.cache.lengths))
-    new = dict(cache=cache, out=put(state.out, out), num_out=put(state.num_out, num_out), done=put(state.done, done),
-               last=put(state.last, row.last), accepted=state.accepted.at[slot].set(0),
-               nonfinite=put(state.nonfinite, row.nonfinite))
-    if method != "ar" and state.dcache is not None:  # DraftCache fields are [Ld, B, S, ...]: the batch is axis 1
-        new["dcache"] = jax.tree.map(lambda b, r: _put(b, r, slot, axis=1), state.dcache, row.dcache)
+    row = dataclasses.replace(row, out=out, num_out=num_out, done=done, eos_id=jnp.reshape(eos, (1, 1)))
+
+    def put(name: str):
+        axis = 1 if name == "draft" else 0
+        return jax.tree.map(lambda b, r: _put(b, r, slot, axis), getattr(state, name), getattr(row, name))
+
+    new = {f.name: put(f.name) for f in dataclasses.fields(DecodeState) if f.name not in ("key", "steps")}
     return dataclasses.replace(state, **new), row.last, done, row.nonfinite
 
 
-@partial(jax.jit, static_argnames=("cfg", "method", "budget", "greedy", "steps", "width"), donate_argnames=("state",))
-def _advance(params, cfg: ModelConfig, drafter, state, stop, since, temperature, eos, *, method: str, budget: int,
-             greedy: bool, steps: int, width: int):
+@partial(jax.jit, static_argnames=("cfg", "steps", "width"), donate_argnames=("state",))
+def _advance(method: Method, params, cfg: ModelConfig, state: DecodeState, stop, since, sampler, *, steps: int,
+             width: int):
     """Up to `steps` decoding steps of every live row (fewer when every row is done); rows in `stop` bool [B] (free
-    slots) are marked done first. temperature f32 [B] (0: greedy), eos int32 [B] (-1: none).
+    slots) are marked done first. sampler: a `RowSampler` (traced) or the greedy `Sampler` (static).
 
     Returns (state, window int32 [B, width]: out[b, start[b]:start[b] + width], start [B] (= since[b], the first
     token not yet read, moved back where it would overrun out), steps run, row-steps run, tokens those row-steps
@@ -151,13 +172,7 @@ def _advance(params, cfg: ModelConfig, drafter, state, stop, since, temperature,
     """
     state = dataclasses.replace(state, done=state.done | stop, steps=jnp.zeros((), jnp.int32))
     accepted_before = state.accepted
-    eos = eos[:, None]  # [B, 1]: commit compares it with [B, K] new tokens
-    if method == "ar":
-        state = _ar_advance(params, cfg, state, jnp.int32(steps), temperature, eos, greedy)
-    else:
-        state = jax.lax.while_loop(
-            lambda s: (s.steps < steps) & ~jnp.all(s.done),
-            lambda s: spec_step(params, cfg, drafter, s, method, budget, temperature, eos, greedy), state)
+    state = _loop(method, params, cfg, state, jnp.int32(steps), sampler)
     hist = state.accepted - accepted_before  # [B, K + 1] (row, step) pairs that committed k tokens
     start = jnp.minimum(since, state.out.shape[1] - width)
     window = jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, width))(state.out, start)
@@ -192,8 +207,6 @@ class Engine:
     def __init__(self, params, cfg: ModelConfig, *, method: str = "ar", drafter=None, budget: int = 64,
                  max_batch: int = 8, max_context: int | None = None, max_queue: int = 64, chunk_steps: int = 4,
                  eos_id: int | None = None, seed: int = 0):
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("chunk_steps", chunk_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -205,21 +218,17 @@ class Engine:
             raise ValueError(f"max_context {context} exceeds the model's context of {cfg.max_position_embeddings}")
         if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
             raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
-        if method == "ar":
-            self.extra_slots, per_step, budget = 0, 1, None
-        else:
-            n_nodes = check_spec_args(cfg, drafter, method, budget)
-            block = drafter.block_size if isinstance(drafter, OracleDrafter) else drafter.cfg.block_size
-            self.extra_slots, per_step, budget = n_nodes, min(n_nodes, block), n_nodes - 1
-        self.params, self.cfg, self.drafter, self.method, self.budget = params, cfg, drafter, method, budget
+        self._method = make_method(cfg, method, drafter, budget)
+        self.method, self.budget, self.extra_slots = self._method.name, self._method.budget, self._method.extra_slots
+        self.params, self.cfg = params, cfg
         self.max_batch, self.max_context, self.max_queue, self.chunk_steps = max_batch, context, max_queue, chunk_steps
         self.eos_id = -1 if eos_id is None else int(eos_id)
-        self._width = min(1 + chunk_steps * per_step, context)  # tokens a row can commit in a chunk, plus one
+        # tokens a row can commit in a chunk, plus one
+        self._width = min(1 + chunk_steps * self._method.tokens_per_step, context)
         self._key = jax.random.key(seed)
         self._state = self._empty()
         self._active: dict[int, _Request] = {}  # by slot (engine thread only)
         self._temps = np.zeros((max_batch,), np.float32)
-        self._eos = np.full((max_batch,), -1, np.int32)
         self._pending: list[_Request] = []
         self._cancelled: set[int] = set()
         self._closing = False
@@ -251,7 +260,7 @@ class Engine:
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
         eos = None if ignore_eos or self.eos_id < 0 else self.eos_id
-        req = prepare(self.cfg, [prompt], int(max_tokens), temperature, eos, extra_slots=self.extra_slots)
+        req = prepare(self.cfg, [prompt], int(max_tokens), Sampler(temperature), eos, extra_slots=self.extra_slots)
         with self._cond:
             if self._closing or not self._thread.is_alive():
                 raise EngineClosed("the engine is shut down")
@@ -259,7 +268,7 @@ class Engine:
             if waiting >= self.max_queue:
                 raise QueueFull(f"{waiting} requests are already waiting for a slot (the limit)")
             r = _Request(id=next(self._ids), tokens=req.tokens, lengths=req.lengths, chunk=req.chunk,
-                         max_new=req.max_new, temperature=req.temperature, seed=int(seed), eos=req.eos_id,
+                         max_new=req.max_new, temperature=req.sampler.temperature, seed=int(seed), eos=req.eos_id,
                          on_event=on_event)
             self._pending.append(r)
             self._idle.clear()
@@ -301,8 +310,7 @@ class Engine:
 
     def describe(self) -> dict:
         """The engine's setup: method, budget, slots, context, chunk and device (for /health and benchmarks)."""
-        return dict(method=self.method, budget=self.budget if self.method == "ddtree" else None,
-                    max_batch=self.max_batch, max_context=self.max_context,
+        return dict(method=self.method, budget=self.budget, max_batch=self.max_batch, max_context=self.max_context,
                     max_queue=self.max_queue, chunk_steps=self.chunk_steps, device=_device_name())
 
     @property
@@ -334,8 +342,7 @@ class Engine:
 
     def _empty(self):
         with trace_context(self.params, self.cfg):
-            return _empty_state_jit(self.cfg, self.drafter, self._key, method=self.method, batch=self.max_batch,
-                                    cache_len=self.max_context, width=self.max_context)
+            return _empty_state_jit(self._method, self.cfg, self._key, batch=self.max_batch, cache_len=self.max_context)
 
     def _deliver(self, r: _Request, event: Event) -> bool:
         """on_event(event); False (and the request is to be dropped) when the callback raised."""
@@ -387,13 +394,14 @@ class Engine:
         firsts = []
         with trace_context(self.params, self.cfg):
             for r, slot in admit:
+                sampler = RowSampler(jnp.full((1,), r.temperature, jnp.float32))
                 self._state, *first = _admit(
-                    self.params, self.cfg, self.drafter, self._state, jnp.int32(slot), jnp.asarray(r.tokens),
-                    jnp.asarray(r.lengths), jax.random.key(r.seed), jnp.full((1,), r.temperature, jnp.float32),
-                    jnp.int32(r.max_new), jnp.int32(r.eos), method=self.method, chunk=r.chunk)
+                    self._method, self.params, self.cfg, self._state, jnp.int32(slot), jnp.asarray(r.tokens),
+                    jnp.asarray(r.lengths), jax.random.key(r.seed), sampler, jnp.int32(r.max_new), jnp.int32(r.eos),
+                    chunk=r.chunk)
                 r.slot, r.shown = slot, 1  # the first token is read below, while the chunk runs
                 self._active[slot] = r
-                self._temps[slot], self._eos[slot] = r.temperature, r.eos
+                self._temps[slot] = r.temperature
                 firsts.append((r, first))
             with self._cond:
                 self.counters["prefills"] += len(admit)
@@ -405,11 +413,11 @@ class Engine:
                 live[list(self._active)] = True
                 since = np.array([self._row_start(self._active[s]) + self._active[s].shown if live[s] else 0
                                   for s in range(self.max_batch)], np.int32)
-                greedy = not self._temps[live].any()
+                # every live row greedy: the static greedy Sampler (no draws to throw away), else one per row
+                sampler = RowSampler(jnp.asarray(self._temps)) if self._temps[live].any() else Sampler()
                 self._state, *chunk = _advance(
-                    self.params, self.cfg, self.drafter, self._state, jnp.asarray(~live), jnp.asarray(since),
-                    jnp.asarray(self._temps), jnp.asarray(self._eos), method=self.method, budget=self.budget,
-                    greedy=greedy, steps=self.chunk_steps, width=self._width)
+                    self._method, self.params, self.cfg, self._state, jnp.asarray(~live), jnp.asarray(since),
+                    sampler, steps=self.chunk_steps, width=self._width)
         for r, first in firsts:
             token, done, nonfinite = (int(np.asarray(x)[0]) for x in first)
             self._hand_out(r, [token], bool(done), bool(nonfinite))
