@@ -297,11 +297,12 @@ class AR:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _start(method: Method, params, cfg: ModelConfig, tokens, lengths, key, eos_id, *, sampler: Sampler,
-           cache_len: int, max_new: int, chunk: int | None = None) -> DecodeState:
+def initial_state(method: Method, params, cfg: ModelConfig, tokens, lengths, key, eos_id, *, sampler: Sampler,
+                  cache_len: int, max_new: int, chunk: int | None = None) -> DecodeState:
     """The loop state after the prefill: the prompts tokens [B, T] (right-padded; lengths [B]) in a cache of
     `cache_len` slots (prefilled in pieces of `chunk` tokens, or in one pass), the first token chosen and committed,
-    room for `max_new` tokens per row, eos_id (int32 []; -1: none) kept in the state."""
+    room for `max_new` tokens per row, eos_id (int32 []; -1: none) kept in the state. Traceable; `start` is its
+    compiled form."""
     b = tokens.shape[0]
     last_logits, cache, draft = method.start(params, cfg, tokens, lengths, init_cache(cfg, b, cache_len), chunk)
     key, sub = jax.random.split(key)
@@ -331,28 +332,31 @@ def loop_step(method: Method, params, cfg: ModelConfig, s: DecodeState, sampler:
                        nonfinite=s.nonfinite | (active & c.nonfinite))
 
 
-def _loop(method: Method, params, cfg: ModelConfig, state: DecodeState, until, sampler: Sampler) -> DecodeState:
+def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, until, sampler) -> DecodeState:
+    """The loop from `state` until `until` steps (int32, counted from the start) have run or every row is done
+    (traceable; `advance` is its compiled form, with the state donated). `sampler`: a `Sampler`, or any object with
+    its `logits` and `choose` (the server's per-row sampler)."""
     return jax.lax.while_loop(lambda s: (s.steps < until) & ~jnp.all(s.done),
                               lambda s: loop_step(method, params, cfg, s, sampler), state)
 
 
-start = jax.jit(_start, static_argnames=("cfg", "sampler", "cache_len", "max_new", "chunk"))
+start = jax.jit(initial_state, static_argnames=("cfg", "sampler", "cache_len", "max_new", "chunk"))
 
 
 @partial(jax.jit, static_argnames=("cfg", "sampler"), donate_argnames=("state",))
 def advance(method: Method, params, cfg: ModelConfig, state: DecodeState, until, *, sampler: Sampler) -> DecodeState:
     """Run the loop from `state` (donated) until `until` steps (int32, counted from the start) have run or every
     row is done, and return the new state: resumable, a few steps at a time."""
-    return _loop(method, params, cfg, state, until, sampler)
+    return run_steps(method, params, cfg, state, until, sampler)
 
 
 @partial(jax.jit, static_argnames=("cfg", "sampler", "cache_len", "max_new", "chunk"))
 def run(method: Method, params, cfg: ModelConfig, tokens, lengths, key, eos_id, *, sampler: Sampler, cache_len: int,
         max_new: int, chunk: int | None = None) -> DecodeState:
     """`start`, then the loop until every row is done, compiled as one function (no host round trip)."""
-    state = _start(method, params, cfg, tokens, lengths, key, eos_id, sampler=sampler, cache_len=cache_len,
+    state = initial_state(method, params, cfg, tokens, lengths, key, eos_id, sampler=sampler, cache_len=cache_len,
                    max_new=max_new, chunk=chunk)
-    return _loop(method, params, cfg, state, jnp.int32(max_new), sampler)  # every step commits >= 1 token per row
+    return run_steps(method, params, cfg, state, jnp.int32(max_new), sampler)  # every step commits >= 1 token per row
 
 
 def stream_tokens(state: DecodeState, resume: Callable[[DecodeState, jax.Array], DecodeState],

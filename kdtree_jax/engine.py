@@ -5,10 +5,10 @@ A background thread owns the device state: the decoding driver's loop carry (`de
 state included) over `max_batch` rows of `max_context` cache slots, for one `decoding.Method` (`AR` or
 `ddtree.speculative`'s chain or ddtree). Each iteration it
   1. frees the slots of cancelled requests (finished ones are freed as soon as their last tokens are read),
-  2. prefills each waiting request into a free slot (`_admit`: the driver's `_start` for one row, every field written
-     into the batch at the slot, a traced index: one compilation per padded prompt length),
-  3. runs `chunk_steps` decoding steps of every live row inside one jitted call (`_advance`: the driver's while loop
-     of `loop_step`; the rows of free slots are marked done and stay frozen), and
+  2. prefills each waiting request into a free slot (`_admit`: the driver's `initial_state` for one row, every
+     field written into the batch at the slot, a traced index: one compilation per padded prompt length),
+  3. runs `chunk_steps` decoding steps of every live row inside one jitted call (`_advance`: the driver's
+     `run_steps`; the rows of free slots are marked done and stay frozen), and
   4. hands each request the tokens it committed (its `on_event` callback, called on the engine thread).
 Calls are dispatched asynchronously: the first token of a new request is read while the chunk after its prefill runs.
 
@@ -38,7 +38,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .ddtree import Speculative
-from .decoding import DecodeState, Method, Sampler, _loop, _start, commit, prepare
+from .decoding import DecodeState, Method, Sampler, commit, initial_state, prepare, run_steps
 from .generate import make_method
 from .model import init_cache
 from .sharding import trace_context
@@ -139,15 +139,15 @@ def _admit(method: Method, params, cfg: ModelConfig, state: DecodeState, slot, t
            sampler: RowSampler, max_new, eos, *, chunk: int | None):
     """Prefill one prompt tokens [1, T] into row `slot` of the batch (slot traced: one compilation per T).
 
-    The row is the driver's `_start` (the same prefill, drafter state and first token as `generate`), its cache as
-    long as the batch's; its first token is committed again at out[0, M - max_new] (M = out.shape[1]). Every field but
-    the shared key and step count replaces the slot's row (nothing of the previous request remains); the drafter's
-    state (a DraftCache, [Ld, B, S, ...]) has its rows on axis 1. sampler: the row's temperature [1]; max_new and eos
+    The row is the driver's `initial_state` (the same prefill, drafter state and first token as `generate`), its
+    cache as long as the batch's; its first token is committed again at out[0, M - max_new] (M = out.shape[1]).
+    Every field but the shared key and step count replaces the slot's row (nothing of the previous request
+    remains); the drafter's state (a DraftCache, [Ld, B, S, ...]) has its rows on axis 1. sampler: the row's temperature [1]; max_new and eos
     int32 [] (eos -1: none). Returns (state, first token [1], done [1], nonfinite [1]).
     """
     width = state.out.shape[1]
-    row = _start(method, params, cfg, tokens, lengths, key, eos, sampler=sampler, cache_len=state.cache.max_len,
-                 max_new=1, chunk=chunk)
+    row = initial_state(method, params, cfg, tokens, lengths, key, eos, sampler=sampler,
+                        cache_len=state.cache.max_len, max_new=1, chunk=chunk)
     out, num_out, done, _ = commit(jnp.full((1, width), -1, jnp.int32), (width - max_new)[None], jnp.zeros((1,), bool),
                                    row.last[:, None], jnp.ones((1,), jnp.int32), eos, width)
     row = dataclasses.replace(row, out=out, num_out=num_out, done=done, eos_id=jnp.reshape(eos, (1, 1)))
@@ -172,7 +172,7 @@ def _advance(method: Method, params, cfg: ModelConfig, state: DecodeState, stop,
     """
     state = dataclasses.replace(state, done=state.done | stop, steps=jnp.zeros((), jnp.int32))
     accepted_before = state.accepted
-    state = _loop(method, params, cfg, state, jnp.int32(steps), sampler)
+    state = run_steps(method, params, cfg, state, jnp.int32(steps), sampler)
     hist = state.accepted - accepted_before  # [B, K + 1] (row, step) pairs that committed k tokens
     start = jnp.minimum(since, state.out.shape[1] - width)
     window = jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, width))(state.out, start)
