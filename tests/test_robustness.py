@@ -1,7 +1,7 @@
 """kdtree-convert and kdtree_jax.load under concurrency, kills and faults: nothing lost, nothing half-written.
 
-Two real processes for the lock; a SIGKILL at every stage of the finish (kdtree_converters.convert.FAULT_ENV) followed by
-a rerun; an OSError injected into the final rename.
+Two real processes for the lock; a SIGKILL at every stage of the finish (kdtree_converters.convert.FAULT_ENV)
+followed by a rerun; an OSError injected into the final rename.
 """
 
 import errno
