@@ -211,38 +211,33 @@ def mla_sequence_parallel(attend_prefix, attend_tree, combine, q_lat, q_pe, late
                                                             tree_mask)
 
 
+def _owned_rows(idx: jax.Array, block: int, take) -> jax.Array:
+    """Inside shard_map over the model axes, for a table split into blocks of `block` rows: the rows at global
+    indices idx (take(local index) reads them from this device's block), summed over the devices, each contributing
+    the rows it holds and zeros for the rest: the same full result on every device, the table never gathered."""
+    loc = idx - jax.lax.axis_index(MODEL_AXES) * block
+    rows = take(jnp.clip(loc, 0, block - 1))  # [..., C]
+    mine = ((loc >= 0) & (loc < block))[..., None]
+    return jax.lax.psum(jnp.where(mine, rows, jnp.zeros_like(rows)), MODEL_AXES)
+
+
 def vocab_parallel_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """Rows of a table [V, D] split by rows over the model axes (the "vocab" rule) at ids int [B, T] -> [B, T, D]:
-    each device looks up the ids that fall into its block (zeros for the others) and one sum joins them. Left to
-    the partitioner, a lookup of a single id becomes a dynamic slice, for which XLA gathers the whole table (2.3 GB
-    for K2's embedding, 8.4 ms per decode step on 2 H200s at batch 1)."""
+    """Rows of a table [V, D] split by rows over the model axes (the "vocab" rule) at ids int [B, T] -> [B, T, D].
+    Left to the partitioner, a lookup of a single id becomes a dynamic slice, for which XLA gathers the whole
+    table (2.3 GB for K2's embedding, 8.4 ms per decode step on 2 H200s at batch 1)."""
     mesh = current_mesh()
     bt = _batch_axis(mesh, ids.shape[0])
-
-    def local(tab, i):
-        v_loc = tab.shape[0]
-        loc = i - jax.lax.axis_index(MODEL_AXES) * v_loc  # [B, T]
-        mine = (loc >= 0) & (loc < v_loc)
-        rows = jnp.take(tab, jnp.clip(loc, 0, v_loc - 1), axis=0)  # [B, T, D]
-        return jax.lax.psum(jnp.where(mine[..., None], rows, jnp.zeros_like(rows)), MODEL_AXES)
-
+    local = lambda tab, i: _owned_rows(i, tab.shape[0], lambda loc: jnp.take(tab, loc, axis=0))
     return jax.shard_map(local, mesh=mesh, in_specs=(P(MODEL_AXES, None), P(bt, None)), out_specs=P(bt, None, None),
                          check_vma=False)(table, ids)
 
 
 def take_rows_sequence(cache: jax.Array, slots: jax.Array) -> jax.Array:
     """Rows at global slots [B, P] of a sequence-sharded cache [B, S, C] -> [B, P, C], the same on every device of
-    the model axes: each device contributes the rows it holds (the others are zeros) and one sum joins them."""
+    the model axes."""
     mesh = current_mesh()
     bt = _batch_axis(mesh, cache.shape[0])
-
-    def local(c, sl):
-        s_loc = c.shape[1]
-        loc = sl - jax.lax.axis_index(MODEL_AXES) * s_loc  # [B, P]
-        mine = (loc >= 0) & (loc < s_loc)
-        rows = jnp.take_along_axis(c, jnp.clip(loc, 0, s_loc - 1)[:, :, None], axis=1)  # [B, P, C]
-        return jax.lax.psum(jnp.where(mine[..., None], rows, jnp.zeros_like(rows)), MODEL_AXES)
-
+    local = lambda c, sl: _owned_rows(sl, c.shape[1], lambda loc: jnp.take_along_axis(c, loc[:, :, None], axis=1))
     return jax.shard_map(local, mesh=mesh, in_specs=(cache_spec(mesh, cache.shape[0]), P(bt)), out_specs=P(bt),
                          check_vma=False)(cache, slots)
 
