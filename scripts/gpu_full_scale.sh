@@ -9,12 +9,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/results"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/env.txt"
-if ! python3 -c "import ctypes, os; d = os.environ.get('KDTREE_JAX_FFI_DIR', '');
-[ctypes.CDLL(os.path.join(d, f)) for f in ('libkdtree_jax_cpu.so', 'libkdtree_jax_cuda.so')]" 2>/dev/null; then
-  (cmake -S . -B /tmp/kd_build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python3)" &&
-    cmake --build /tmp/kd_build -j "$(nproc)") > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-  export KDTREE_JAX_FFI_DIR=/tmp/kd_build/ffi
-fi
+. "$(dirname "$0")/ffi_env.sh"
 JAX_PLATFORMS=cuda XLA_FLAGS=--xla_gpu_autotune_level=0 timeout -k 5 "${TEST_LIMIT:-150}" python3 -m pytest -q -rA \
   tests/test_sharding.py "tests/test_layout.py::test_sharded_init_equals_unsharded" > "$OUT/gpu_tests.log" 2>&1
 echo "tests rc=$?"; grep -E "^(PASSED|FAILED|ERROR)| passed| failed" "$OUT/gpu_tests.log" | tail -14

@@ -12,12 +12,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/env_$MODE.txt"
-if ! python3 -c "import ctypes, os; d = os.environ.get('KDTREE_JAX_FFI_DIR', '');
-[ctypes.CDLL(os.path.join(d, f)) for f in ('libkdtree_jax_cpu.so', 'libkdtree_jax_cuda.so')]" 2>/dev/null; then
-  (cmake -S . -B /tmp/kd_build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python3)" &&
-    cmake --build /tmp/kd_build -j "$(nproc)") > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-  export KDTREE_JAX_FFI_DIR=/tmp/kd_build/ffi
-fi
+. "$(dirname "$0")/ffi_env.sh"
 BENCH=(python3 benchmarks/long_context.py --out "$OUT" --commit "${KDTREE_COMMIT:-unknown}")
 run_part() {  # part, time limit in seconds
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout -k 5 "$2" "${BENCH[@]}" "$1" "${@:3}" 2>&1 | grep -v -i "warn\|donat" |
