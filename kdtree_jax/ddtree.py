@@ -112,6 +112,10 @@ class Speculative:
     def extra_slots(self) -> int:
         return self.tree_nodes + 1
 
+    @property
+    def max_nodes(self) -> int:
+        return self.tree_nodes
+
     def start(self, params, cfg, tokens, lengths, cache, chunk):
         """The prefill, the drafter taking its context from every prefilled piece."""
         state = self.drafter.start(tokens.shape[0], cache.max_len)

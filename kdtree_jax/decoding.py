@@ -241,6 +241,7 @@ class DecodeState:
     steps: jax.Array  # int32 []        steps run (target forwards after the prefill)
     accepted: jax.Array  # int32 [B, K + 1]  histogram: steps of row b that committed i tokens (K: most per step)
     nonfinite: jax.Array  # bool [B]    the target gave this row a NaN or inf logit (an error, not token 0)
+    nodes: jax.Array  # int32 [B, N + 1]   histogram: steps of row b that verified i draft nodes (N: the method's most)
 
 
 class Committed(NamedTuple):
@@ -251,6 +252,7 @@ class Committed(NamedTuple):
     cache: KVCache  # the target's cache holding the committed tokens' latents after the prefix (lengths unchanged)
     draft: Any  # the method's new state
     nonfinite: jax.Array  # bool [B]   the target's logits of the row held a NaN or an inf
+    nodes: jax.Array | None = None  # int32 [B]  draft nodes the target verified for the row (None: all of them)
 
 
 class Method(Protocol):
@@ -261,6 +263,7 @@ class Method(Protocol):
     budget: int | None  # the stats' budget (ddtree's node budget; None for ar and chain)
     tokens_per_step: int  # the most tokens one step commits
     extra_slots: int  # cache slots needed beyond the prompt and max_new tokens (the speculative tree's nodes)
+    max_nodes: int  # the most draft nodes one step verifies per row (0 for ar)
 
     def start(self, params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
               chunk: int | None) -> tuple[jax.Array, KVCache, Any]:
@@ -281,6 +284,7 @@ class AR:
     budget = None
     tokens_per_step = 1
     extra_slots = 0
+    max_nodes = 0
 
     def start(self, params, cfg, tokens, lengths, cache, chunk):
         return prefill_last(params, cfg, tokens, lengths, cache, chunk)
@@ -313,7 +317,7 @@ def initial_state(method: Method, params, cfg: ModelConfig, tokens, lengths, key
     return DecodeState(cache=cache, draft=draft, out=out, num_out=num_out, done=done, last=first, key=key,
                        eos_id=jnp.asarray(eos_id, jnp.int32), steps=jnp.zeros((), jnp.int32),
                        accepted=jnp.zeros((b, method.tokens_per_step + 1), jnp.int32),
-                       nonfinite=nonfinite_rows(last_logits))
+                       nonfinite=nonfinite_rows(last_logits), nodes=jnp.zeros((b, method.max_nodes + 1), jnp.int32))
 
 
 def loop_step(method: Method, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler) -> DecodeState:
@@ -325,11 +329,13 @@ def loop_step(method: Method, params, cfg: ModelConfig, s: DecodeState, sampler:
     out, num_out, done, _ = commit(s.out, s.num_out, s.done, c.tokens, c.count, s.eos_id, s.out.shape[1])
     bonus = jnp.take_along_axis(c.tokens, (c.count - 1)[:, None], axis=1)[:, 0]
     rows = jnp.arange(s.last.shape[0])
+    nodes = jnp.full_like(c.count, method.max_nodes) if c.nodes is None else c.nodes
     return DecodeState(cache=dataclasses.replace(c.cache, lengths=s.cache.lengths + jnp.where(active, c.count, 0)),
                        draft=c.draft, out=out, num_out=num_out, done=done, last=jnp.where(active, bonus, s.last),
                        key=key, eos_id=s.eos_id, steps=s.steps + 1,
                        accepted=s.accepted.at[rows, c.count].add(active.astype(jnp.int32)),
-                       nonfinite=s.nonfinite | (active & c.nonfinite))
+                       nonfinite=s.nonfinite | (active & c.nonfinite),
+                       nodes=s.nodes.at[rows, nodes].add(active.astype(jnp.int32)))
 
 
 def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, until, sampler) -> DecodeState:
@@ -410,13 +416,23 @@ def check_finite(state: DecodeState) -> None:
                                  "weights or an overflow in the activations); no tokens are returned")
 
 
-def step_stats(state: DecodeState) -> dict:
-    """steps, tau (tokens committed per row and step, the bonus included) and tau_histogram of a loop state."""
-    hist = to_host(state.accepted).sum(axis=0)  # [K + 1]: count of (row, step) pairs that committed i tokens
-    total_steps = int(hist.sum())
-    tau = float((hist * np.arange(len(hist))).sum() / total_steps) if total_steps else 0.0
+def _histogram(counts: np.ndarray) -> tuple[float, list[int]]:
+    """(mean, the histogram cut after its last non-zero bin) of counts [B, K] summed over rows."""
+    hist = counts.sum(axis=0)
+    total = int(hist.sum())
+    mean = float((hist * np.arange(len(hist))).sum() / total) if total else 0.0
     last = int(np.nonzero(hist)[0].max()) + 1 if hist.any() else 1
-    return {"steps": int(to_host(state.steps)), "tau": tau, "tau_histogram": hist[:last].tolist()}
+    return mean, hist[:last].tolist()
+
+
+def step_stats(state: DecodeState) -> dict:
+    """steps, tau (tokens committed per row and step, the bonus included) and tau_histogram of a loop state; nodes
+    (draft nodes verified per row and step) and nodes_histogram (for budget="auto": how often each budget was
+    chosen)."""
+    tau, tau_hist = _histogram(to_host(state.accepted))
+    nodes, nodes_hist = _histogram(to_host(state.nodes))
+    return {"steps": int(to_host(state.steps)), "tau": tau, "tau_histogram": tau_hist, "nodes": nodes,
+            "nodes_histogram": nodes_hist}
 
 
 def finish(state: DecodeState, timing: dict, method: str, budget: int | None) -> GenerateOutput:

@@ -128,7 +128,7 @@ def _empty_state(method: Method, cfg: ModelConfig, key, *, batch: int, cache_len
                        done=jnp.ones((batch,), bool), last=jnp.zeros((batch,), jnp.int32), key=key,
                        eos_id=jnp.full((batch, 1), -1, jnp.int32), steps=jnp.zeros((), jnp.int32),
                        accepted=jnp.zeros((batch, method.tokens_per_step + 1), jnp.int32),
-                       nonfinite=jnp.zeros((batch,), bool))
+                       nonfinite=jnp.zeros((batch,), bool), nodes=jnp.zeros((batch, method.max_nodes + 1), jnp.int32))
 
 
 _empty_state_jit = jax.jit(_empty_state, static_argnames=("cfg", "batch", "cache_len"))
