@@ -39,7 +39,10 @@ def _parser() -> argparse.ArgumentParser:
                         "the Python standard library, continues well)")
     g.add_argument("--method", choices=("ar", "chain", "ddtree"), default="ar",
                    help="ar: one token per step; chain: DFlash linear draft; ddtree: DDTree draft tree (default: ar)")
-    g.add_argument("--budget", type=int, default=64, help="ddtree: draft tree nodes per step (default: 64)")
+    g.add_argument("--budget", type=_budget, default=64,
+                   help="ddtree: draft tree nodes per step, or 'auto': chosen every step from a cost model measured "
+                        "once for this setup (kept in ~/.cache/kdtree-jax/costs) (default: 64)")
+    _auto_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--top-k", type=int, default=None, help="sample from the K most likely tokens only (default: all)")
@@ -58,7 +61,12 @@ def _parser() -> argparse.ArgumentParser:
                                    "must: decoding is lossless).")
     b.add_argument("--methods", default="ar,chain,ddtree", help="comma-separated, from ar, chain, ddtree "
                                                                  "(default: all three; ar is always run)")
-    b.add_argument("--budgets", default="16,64", help="ddtree node budgets, comma-separated (default: 16,64)")
+    b.add_argument("--budgets", default="16,64",
+                   help="ddtree node budgets, comma-separated; 'auto' for budget='auto' (default: 16,64)")
+    _auto_args(b)
+    b.add_argument("--calibrate", action="store_true",
+                   help="measure budget='auto''s cost model for --batch and --max-budget now (replacing a saved one), "
+                        "save it where auto runs look for it, and print it; then run the benchmark")
     b.add_argument("--batch", type=int, default=1, help="prompts decoded together (default: 1)")
     b.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt (default: 128)")
     b.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default: 128)")
@@ -147,6 +155,24 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--out", default="bench_serve", metavar="DIR", help="output directory (default: bench_serve/)")
     bs.add_argument("--name", default="bench_serve", help="file name of the outputs, without extension")
     return p
+
+
+def _budget(text: str):
+    """--budget: a node count, or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
+def _auto_args(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--max-budget", type=int, default=64,
+                   help="budget auto: the largest tree; tiers of max/8, max/4, max/2 and max nodes are compiled "
+                        "(default: 64)")
+    g.add_argument("--cost-model", default=None, metavar="PATH",
+                   help="budget auto: use this saved cost model (JSON) instead of the one kept for this setup")
 
 
 def _common(g: argparse.ArgumentParser, hosts: bool = True) -> None:
@@ -294,7 +320,8 @@ def _stream(params, cfg, tok, drafter, ids: list[int], args) -> dict:
 
     def chunks():
         return stream(params, cfg, ids, max_new_tokens=args.max_new_tokens, method=args.method, drafter=drafter,
-                      budget=args.budget, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                      budget=args.budget, max_budget=args.max_budget, cost_model=args.cost_model,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed, eos_id=tok.eos_id)
 
     _log(f"compiling {args.method} ...")
@@ -331,6 +358,8 @@ def stats_line(stats: dict) -> str:
             f"tokens_per_s={stats['tokens_per_s']:.1f}")
     if stats["method"] != "ar":
         line += f" tau_histogram={','.join(map(str, stats['tau_histogram']))}"
+    if stats["method"] == "ddtree":
+        line += f" budget={stats['budget']} nodes={stats['nodes']:.1f}"
     return line
 
 
@@ -364,10 +393,10 @@ def bench_command(args) -> int:
     if bad:
         raise ValueError(f"--methods: unknown method(s) {bad}; choose from ar, chain, ddtree")
     try:
-        budgets = [int(b) for b in args.budgets.split(",")] if "ddtree" in methods else []
-    except ValueError:
-        raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated integers") from None
-    if any(b < 1 for b in budgets):
+        budgets = [_budget(b.strip()) for b in args.budgets.split(",")] if "ddtree" in methods else []
+    except argparse.ArgumentTypeError:
+        raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated integers or 'auto'") from None
+    if any(b != "auto" and b < 1 for b in budgets):
         raise ValueError(f"--budgets {args.budgets!r}: every budget must be at least 1")
     for name in ("batch", "prompt_len", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
@@ -376,12 +405,15 @@ def bench_command(args) -> int:
     if methods != ["ar"] and drafter is None:
         raise ValueError("chain and ddtree need a drafter; this model has none (convert one with --drafter)")
     prompts = _bench_prompts(tok, args.batch, args.prompt_len, args.seed)
+    if args.calibrate:
+        _calibrate(params, cfg, drafter, args)
     configs = [("ar", 1)] + [("chain", 1)] * ("chain" in methods) + [("ddtree", b) for b in budgets]
     rows, ar_tokens = [], None
     print(f"{'method':8s} {'budget':>6s} {'tokens/s':>10s} {'vs ar':>6s} {'tau':>5s} {'= ar':>5s} {'compile':>8s}")
     for method, budget in configs:
         run = lambda: kj.generate(params, cfg, prompts, max_new_tokens=args.max_new_tokens, method=method,
-                                  drafter=drafter, budget=budget)
+                                  drafter=drafter, budget=budget, max_budget=args.max_budget,
+                                  cost_model=args.cost_model)
         first = run()
         outs = [run() for _ in range(args.repeats)]
         wall = statistics.median(o.stats["wall_s"] for o in outs)
@@ -389,7 +421,7 @@ def bench_command(args) -> int:
         ar_tokens = tokens if method == "ar" else ar_tokens
         row = dict(method=method, budget=budget if method == "ddtree" else None,
                    tokens_per_s=sum(len(t) for t in tokens) / wall, wall_s=wall, tau=outs[0].stats["tau"],
-                   steps=outs[0].stats["steps"], equal_ar=tokens == ar_tokens,
+                   steps=outs[0].stats["steps"], nodes=outs[0].stats["nodes"], equal_ar=tokens == ar_tokens,
                    compile_s=first.stats.get("compile_s"))
         row["speedup_vs_ar"] = row["tokens_per_s"] / rows[0]["tokens_per_s"] if rows else 1.0
         rows.append(row)
@@ -405,6 +437,24 @@ def bench_command(args) -> int:
     if not all(r["equal_ar"] for r in rows):
         print("kdtree-jax: warning: some speculative tokens differ from ar's (see the '= ar' column)", file=sys.stderr)
     return 0
+
+
+def _calibrate(params, cfg, drafter, args) -> None:
+    """bench --calibrate: measure budget='auto''s cost model for this setup, save it (--cost-model, else where auto
+    runs look for it) and print it."""
+    from kdtree_jax import budget
+    from kdtree_jax.sharding import trace_context
+
+    if drafter is None:
+        raise ValueError("--calibrate measures ddtree's steps and needs a drafter; this model has none")
+    tiers = budget.default_tiers(args.max_budget)
+    with trace_context(params, cfg):
+        path = args.cost_model or budget.cost_path(budget.setup_key(cfg, drafter, args.batch, tiers))
+    cost, meta = budget.calibrate(params, cfg, drafter, batch=args.batch, max_budget=args.max_budget, log=_log)
+    budget.save(cost, path, meta)
+    _log(f"cost model saved to {path}")
+    for size, pts in zip(cost.tiers, cost.points()):
+        print(f"tier {size:4d}: " + "  ".join(f"{m:.0f} tok {1e3 * t:.2f} ms" for m, t in pts), flush=True)
 
 
 def plan_command(args) -> int:

@@ -24,11 +24,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .budget import BudgetPolicy, node_scores
 from .config import ModelConfig
 from .decoding import Committed, DecodeState, Sampler, nonfinite_rows
 from .drafter import DrafterProtocol
 from .kernels import tree_accept, tree_build
-from .model import KVCache, Params, StepOutput, move_accepted, prefill_last, step
+from .model import KVCache, Params, StepOutput, move_accepted, prefill_last, step, tree_step, write_rows
 from .sharding import replicated_call
 
 TREES = ("chain", "ddtree")
@@ -63,11 +64,17 @@ def ddtree_tree(draft_logits: jax.Array, bonus: jax.Array, budget: int, impl: st
 
 
 def verify(params: Params, cfg: ModelConfig, tree: DraftTree, cache: KVCache, key: jax.Array,
-           sampler: Sampler) -> tuple[jax.Array, StepOutput]:
+           sampler: Sampler, active: jax.Array | None = None) -> tuple[jax.Array, StepOutput]:
     """The target over every node of the tree in one forward after the committed prefix: (its token at every node
-    int32 [B, N], chosen by the sampler; the forward's output, the nodes' latents written after the prefix)."""
-    res = step(params, cfg, tree.tokens, cache, depths=tree.depths, tree_mask=tree.visibility)
+    int32 [B, N], chosen by the sampler; the forward's output, the nodes' latents written after the prefix).
+    active bool [B, N] (budget="auto"): the nodes verified; the others are routed to no expert (`model.step`)."""
+    res = step(params, cfg, tree.tokens, cache, depths=tree.depths, tree_mask=tree.visibility, active=active)
     return sampler.choose(res.logits, key), res
+
+
+def subtree(tree: DraftTree, n: int) -> DraftTree:
+    """The first n nodes (root included) of a tree stored in build order: itself a tree (parents come first)."""
+    return DraftTree(tree.tokens[:, :n], tree.parents[:, :n], tree.depths[:, :n], tree.visibility[:, :n, :n])
 
 
 class Path(NamedTuple):
@@ -98,11 +105,17 @@ class Speculative:
 
     drafter: DrafterProtocol
     name: str = dataclasses.field(metadata=dict(static=True))
-    tree_nodes: int = dataclasses.field(metadata=dict(static=True))  # nodes below the root
+    tree_nodes: int = dataclasses.field(metadata=dict(static=True))  # nodes below the root (auto: the most)
+    policy: BudgetPolicy | None = None  # budget="auto": how many of the tree's nodes each step verifies
 
     @property
-    def budget(self) -> int | None:
-        return self.tree_nodes if self.name == "ddtree" else None
+    def budget(self) -> int | str | None:
+        if self.name != "ddtree":
+            return None
+        return "auto" if self.policy is not None else self.tree_nodes
+
+    def with_policy(self, policy: BudgetPolicy | None) -> "Speculative":
+        return dataclasses.replace(self, policy=policy)
 
     @property
     def tokens_per_step(self) -> int:
@@ -140,11 +153,14 @@ class Speculative:
         return cache, self.drafter.add_context(draft, hidden, starts)
 
     def step(self, params, cfg, s: DecodeState, key, sampler: Sampler) -> Committed:
-        """draft -> build -> verify -> accept -> keep, for every row."""
+        """draft -> build -> verify -> accept -> keep, for every row; with a budget policy (auto), the nodes to verify
+        are chosen after build and verify -> accept run in the chosen tier's program (`_verify_auto`)."""
         with jax.named_scope("draft"):
             draft_logits = self.propose(params, cfg, s, sampler)  # [B, L, V]
         with jax.named_scope("tree_build"):
             tree = self.build(cfg, draft_logits, s.last)
+        if self.policy is not None:
+            return self._step_auto(params, cfg, s, tree, draft_logits, key, sampler)
         with jax.named_scope("verify"):
             target, res = verify(params, cfg, tree, s.cache, key, sampler)  # [B, N]
         with jax.named_scope("accept"):
@@ -154,9 +170,60 @@ class Speculative:
         return Committed(tokens=path.tokens, count=path.length, cache=cache, draft=draft,
                          nonfinite=nonfinite_rows(res.logits))
 
+    def _step_auto(self, params, cfg: ModelConfig, s: DecodeState, tree: DraftTree, draft_logits, key,
+                   sampler: Sampler) -> Committed:
+        """Choose the tier and the nodes (`BudgetPolicy.choose`), verify and accept them in that tier's program
+        (one `lax.switch` branch per tier; the cache is only read there), then write the accepted path's latents
+        after the prefix and hand its hidden states to the drafter."""
+        with jax.named_scope("choose_budget"):
+            scores = node_scores(draft_logits, tree.tokens, tree.depths, tree.visibility)
+            tier, active = self.policy.choose(scores, tree.visibility, ~s.done, s.cache.lengths)
+        branches = [lambda params, cache, tree, active, key, n=n: self._verify_auto(
+            params, cfg, cache, subtree(tree, n + 1), active[:, :n + 1], key, sampler) for n in self.policy.tiers]
+        operands = (params, s.cache, tree, active, key)
+        v = branches[0](*operands) if len(branches) == 1 else jax.lax.switch(tier, branches, *operands)
+        with jax.named_scope("compact"):
+            cache = write_rows(s.cache, cfg, s.cache.lengths, v.latent, v.k_pe)
+            draft = self.drafter.add_context(s.draft, v.hidden, s.cache.lengths)
+        return Committed(tokens=v.path.tokens, count=v.path.length, cache=cache, draft=draft, nonfinite=v.nonfinite,
+                         nodes=v.nodes)
 
-def speculative(cfg: ModelConfig, method: str, drafter, budget) -> Speculative:
-    """The method "chain" or "ddtree" (with `budget` tree nodes) for target cfg, its arguments checked."""
+    def _verify_auto(self, params, cfg: ModelConfig, cache: KVCache, tree: DraftTree, active: jax.Array, key,
+                     sampler: Sampler) -> "_Verified":
+        """verify -> accept for the `active` nodes bool [B, N] of a tree (prefix-closed per row; the others are
+        routed to no expert and never accepted); returns what `_step_auto` keeps, padded to tokens_per_step."""
+        n, width = tree.tokens.shape[1], self.tokens_per_step
+        with jax.named_scope("verify"):
+            res = tree_step(params, cfg, tree.tokens, cache, tree.depths, tree.visibility, active)
+            target = sampler.choose(res.logits, key)  # [B, N]
+        root = jnp.arange(n)[None, :] == 0
+        with jax.named_scope("accept"):
+            path = accept(cfg, tree._replace(tokens=jnp.where(active | root, tree.tokens, -1)), target, min(n, width))
+        pad = width - path.nodes.shape[1]
+        path = Path(nodes=jnp.pad(path.nodes, ((0, 0), (0, pad)), constant_values=-1), length=path.length,
+                    tokens=jnp.pad(path.tokens, ((0, 0), (0, pad))))
+        idx = jnp.clip(path.nodes, 0, n - 1)  # [B, P]
+        rows = lambda x: jnp.take_along_axis(x, idx[:, :, None], axis=1)
+        return _Verified(path=path, hidden=jnp.take_along_axis(res.hidden, idx[None, :, :, None], axis=2),
+                         latent=tuple(map(rows, res.cache.latent)), k_pe=tuple(map(rows, res.cache.k_pe)),
+                         nonfinite=nonfinite_rows(res.logits, active),
+                         nodes=jnp.sum(active[:, 1:], axis=1, dtype=jnp.int32))
+
+
+class _Verified(NamedTuple):
+    """One auto step's verify and accept, as every tier returns it (the accepted path padded to the block)."""
+
+    path: Path
+    hidden: jax.Array  # [L, B, P, D]  the path's hidden states (the drafter's new context)
+    latent: tuple  # per layer [B, P, R]: the path's latents, to write after the prefix
+    k_pe: tuple  # per layer [B, P, dr]
+    nonfinite: jax.Array  # bool [B]
+    nodes: jax.Array  # int32 [B]  nodes verified below the root
+
+
+def speculative(cfg: ModelConfig, method: str, drafter, budget, policy: BudgetPolicy | None = None) -> Speculative:
+    """The method "chain" or "ddtree" (with `budget` tree nodes) for target cfg, its arguments checked. With a
+    `policy` (budget="auto", `kdtree_jax.budget`), `budget` is the largest tree and each step verifies a part."""
     if method not in TREES:
         raise ValueError(f"a speculative method is one of {TREES}, got {method!r}")
     if not isinstance(drafter, DrafterProtocol):
@@ -167,7 +234,9 @@ def speculative(cfg: ModelConfig, method: str, drafter, budget) -> Speculative:
     if method == "chain":
         return Speculative(drafter, method, depth)
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+        raise ValueError(f"budget must be an integer >= 1 (or 'auto' in generate), got {budget!r}")
     if budget > depth * cfg.vocab_size:
         raise ValueError(f"budget {budget} exceeds the {depth} x {cfg.vocab_size} distinct (depth, token) choices")
-    return Speculative(drafter, method, budget)
+    if policy is not None and policy.tiers[-1] != budget:
+        raise ValueError(f"the budget policy's largest tier {policy.tiers[-1]} must be the budget {budget}")
+    return Speculative(drafter, method, budget, policy)

@@ -41,9 +41,13 @@ class GenerateOutput:
     stats: dict[str, Any]
 
 
-def nonfinite_rows(logits: jax.Array) -> jax.Array:
-    """bool [B]: rows of logits [B, ...] holding a NaN or an inf (one cheap reduction next to the vocab matmul)."""
-    return ~jnp.all(jnp.isfinite(logits.reshape(logits.shape[0], -1)), axis=-1)
+def nonfinite_rows(logits: jax.Array, where: jax.Array | None = None) -> jax.Array:
+    """bool [B]: rows of logits [B, ..., V] holding a NaN or an inf (one cheap reduction next to the vocab matmul);
+    with `where` bool [B, ...], only the positions it marks count."""
+    bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
+    if where is not None:
+        bad &= where
+    return jnp.any(bad.reshape(bad.shape[0], -1), axis=-1)
 
 
 # --------------------------------------------------------------------------------------------------------------

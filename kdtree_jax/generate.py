@@ -13,6 +13,7 @@ from typing import Any, Generator
 import jax
 import jax.numpy as jnp
 
+from .budget import BudgetPolicy, resolve
 from .config import ModelConfig
 from .ddtree import speculative
 from .decoding import (AR, DecodeState, GenerateOutput, Method, Request, Sampler, advance, finish, prepare, run,
@@ -23,11 +24,15 @@ from .sharding import trace_context
 METHODS = ("ar", "chain", "ddtree")
 
 
-def make_method(cfg: ModelConfig, method: str, drafter=None, budget: int = 64) -> Method:
-    """The decoding method named `method` ("ar", "chain" or "ddtree"), its arguments checked."""
+def make_method(cfg: ModelConfig, method: str, drafter=None, budget: int = 64,
+                policy: BudgetPolicy | None = None) -> Method:
+    """The decoding method named `method` ("ar", "chain" or "ddtree"), its arguments checked; with a budget
+    `policy` (ddtree only), the budget is the largest tree and each step verifies the part the policy picks."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return AR() if method == "ar" else speculative(cfg, method, drafter, budget)
+    if policy is not None and method != "ddtree":
+        raise ValueError(f"budget='auto' chooses ddtree's tree size; method={method!r} has no budget")
+    return AR() if method == "ar" else speculative(cfg, method, drafter, budget, policy)
 
 
 def _unpack(params, cfg, prompts, drafter):
@@ -44,11 +49,20 @@ def _unpack(params, cfg, prompts, drafter):
     return params, cfg, prompts, drafter
 
 
-def _request(cfg, prompts, drafter, *, max_new_tokens, method, budget, temperature, top_k, top_p, eos_id,
-             prefill_chunk) -> tuple[Method, Request]:
-    m = make_method(cfg, method, drafter, budget)
+def _request(params, cfg, prompts, drafter, *, max_new_tokens, method, budget, temperature, top_k, top_p, eos_id,
+             prefill_chunk, max_budget=64, tiers=None, cost_model=None) -> tuple[Method, Request]:
+    auto = isinstance(budget, str) and budget == "auto"
+    if auto and method != "ddtree":
+        raise ValueError(f"budget='auto' chooses ddtree's tree size; method={method!r} has no budget")
+    if auto and (isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < 1):
+        raise ValueError(f"max_budget must be an integer >= 1, got {max_budget!r}")
+    m = make_method(cfg, method, drafter, max_budget if auto else budget)
     req = prepare(cfg, prompts, max_new_tokens, Sampler(temperature, top_k, top_p), eos_id,
                   extra_slots=m.extra_slots, prefill_chunk=prefill_chunk)
+    if auto:
+        cost = resolve(params, cfg, drafter, batch=req.tokens.shape[0], max_budget=max_budget, tiers=tiers,
+                       cost_model=cost_model)
+        m = m.with_policy(BudgetPolicy.choosing(cost))
     return m, req
 
 
@@ -59,37 +73,43 @@ def _start_args(m: Method, params, cfg: ModelConfig, req: Request, seed: int) ->
 
 
 def generate(params: Params | Any, cfg: ModelConfig | None = None, prompts=None, *, max_new_tokens: int = 64,
-             method: str = "ar", drafter=None, budget: int = 64, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, eos_id: int | None = None,
-             prefill_chunk: int | None = None) -> GenerateOutput:
+             method: str = "ar", drafter=None, budget: int | str = 64, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0, eos_id: int | None = None,
+             prefill_chunk: int | None = None, max_budget: int = 64, tiers=None, cost_model=None) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens for each prompt (a list of token-id lists of any lengths).
 
     `generate(params, cfg, prompts, ...)` or `generate(model, prompts, ...)` with a loaded model. Greedy at
     temperature 0, else sampling at that temperature with `seed`, from the `top_k` most likely tokens and then the
     nucleus of mass `top_p` (`kdtree_jax.decoding.Sampler`). A row stops after `eos_id` (kept in its output).
-    `method`: "ar", or "chain" / "ddtree" with a `drafter` and, for ddtree, a node `budget`.
+    `method`: "ar", or "chain" / "ddtree" with a `drafter` and, for ddtree, a node `budget`: a number, or "auto":
+    each step verifies the part of a `max_budget`-node tree that maximizes expected tokens per second under a cost
+    model measured once for this setup (`kdtree_jax.budget`; `cost_model`: a CostModel or a saved file to use
+    instead; `tiers`: the tree sizes compiled, default max/8, max/4, max/2, max).
     `prefill_chunk`: prompts go into the cache in chunks of this many tokens (bounded memory for long prompts);
     None chooses (chunks of 1,024 past 2,048 tokens), 0 forces one pass.
     """
     params, cfg, prompts, drafter = _unpack(params, cfg, prompts, drafter)
-    m, req = _request(cfg, prompts, drafter, max_new_tokens=max_new_tokens, method=method, budget=budget,
-                      temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, prefill_chunk=prefill_chunk)
+    m, req = _request(params, cfg, prompts, drafter, max_new_tokens=max_new_tokens, method=method, budget=budget,
+                      temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, prefill_chunk=prefill_chunk,
+                      max_budget=max_budget, tiers=tiers, cost_model=cost_model)
     args, static = _start_args(m, params, cfg, req, seed)
     state, timing = run_compiled(run, args, static)
     return finish(state, timing, method=m.name, budget=m.budget)
 
 
 def stream(params: Params | Any, cfg: ModelConfig | None = None, prompt=None, *, max_new_tokens: int = 64,
-           method: str = "ar", drafter=None, budget: int = 64, temperature: float = 0.0, top_k: int | None = None,
-           top_p: float | None = None, seed: int = 0, eos_id: int | None = None, prefill_chunk: int | None = None,
-           every: int | None = None) -> Generator[list[int], None, DecodeState]:
+           method: str = "ar", drafter=None, budget: int | str = 64, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None, seed: int = 0, eos_id: int | None = None,
+           prefill_chunk: int | None = None, every: int | None = None, max_budget: int = 64, tiers=None,
+           cost_model=None) -> Generator[list[int], None, DecodeState]:
     """Yield the new tokens of one prompt (a token-id list) as `method` decodes them, lists of ids `every` steps
     (default: about 16 tokens' worth) at a time; the arguments are `generate`'s. The same compiled loop as
     `generate`, resumed from its donated state (`decoding.advance`); the same tokens. Returns the final loop state
     (the generator's return value; `decoding.step_stats` reads steps and tau from it)."""
     params, cfg, prompt, drafter = _unpack(params, cfg, prompt, drafter)
-    m, req = _request(cfg, [prompt], drafter, max_new_tokens=max_new_tokens, method=method, budget=budget,
-                      temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, prefill_chunk=prefill_chunk)
+    m, req = _request(params, cfg, [prompt], drafter, max_new_tokens=max_new_tokens, method=method, budget=budget,
+                      temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, prefill_chunk=prefill_chunk,
+                      max_budget=max_budget, tiers=tiers, cost_model=cost_model)
     if every is None:
         every = max(1, 16 // m.tokens_per_step)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:

@@ -90,8 +90,33 @@ def test_bench_rows_are_lossless_and_written(tmp_path, capsys):
     assert rows[0]["tau"] == 1.0 and all(r["tau"] >= 1.0 for r in rows[1:])
 
 
+def test_bench_calibrates_and_runs_auto(tmp_path, capsys, monkeypatch):
+    """bench --calibrate measures budget='auto''s cost model once and saves it; the auto row finds it, is lossless,
+    and generate --budget auto reuses it without measuring again."""
+    import json
+
+    from kdtree_jax import budget
+
+    monkeypatch.setenv("KDTREE_JAX_COSTS", str(tmp_path / "costs"))
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--methods", "ddtree", "--budgets", "8,auto", "--max-budget", "8", "--batch", "1",
+                 "--prompt-len", "32", "--max-new-tokens", "12", "--repeats", "1", "--calibrate", "--json",
+                 str(path)]) == 0
+    out = capsys.readouterr()
+    assert "cost model saved to" in out.err and "tier    8:" in out.out
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("ddtree", 8), ("ddtree", "auto")]
+    assert all(r["equal_ar"] for r in rows) and 0 <= rows[2]["nodes"] <= 8
+    monkeypatch.setattr(budget, "calibrate", lambda *a, **k: pytest.fail("measured again"))
+    assert main(["generate", "--method", "ddtree", "--budget", "auto", "--max-budget", "8",
+                 "--max-new-tokens", "8"]) == 0
+    assert "budget=auto nodes=" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--methods", "ar,beam"], "unknown method"),
+    (["--budgets", "8,big"], "integers or 'auto'"),
     (["--budgets", "8,0"], "at least 1"),
     (["--budgets", "eight"], "comma-separated integers"),
     (["--batch", "0"], "--batch must be at least 1"),

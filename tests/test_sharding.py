@@ -152,3 +152,20 @@ def test_sequence_sharded_cache_equals_single_device(model, axes):
     gathers = [line for line in hlo.splitlines() if "all-gather(" in line or "all-gather-start(" in line]
     assert gathers, "the queries are gathered over the heads"
     assert not [g for g in gathers if f",{s}," in g.split("=")[1].split("all-gather")[0]], gathers
+
+
+@pytest.mark.parametrize("layout, kernels", [("replicated", "ffi"), ("sequence", "xla")])
+def test_sharded_auto_budget_equals_single_device(model, layout, kernels):
+    """budget="auto" on a model-parallel mesh: each tier's cache-reading verify runs per head shard (the custom
+    calls, in shard_map) or over a sequence-sharded cache; the greedy tokens are the AR tokens."""
+    import dataclasses
+
+    from kdtree_jax.budget import CostModel
+
+    cfg, params, drafter, _, ref = model
+    c = dataclasses.replace(cfg, kernels=kernels, cache_sharding=layout)
+    sharded = kj.shard_params(params, c, kj.make_mesh(**(FFI_MESH if layout == "replicated" else GEN_MESHES[0])))
+    cost = CostModel.from_points((4, 8), len(PROMPTS), [[(1, 1.0), (100, 1.5)], [(1, 1.2), (100, 1.6)]])
+    out = kj.generate(sharded, c, PROMPTS, max_new_tokens=8, method="ddtree", drafter=drafter, budget="auto",
+                      max_budget=8, cost_model=cost)
+    assert out.tokens == ref["ar"]

@@ -1,0 +1,305 @@
+"""budget="auto" against fixed budgets (issue 19), in three parts run side by side on one machine:
+
+  embedded    The embedded model: tokens/s, tau and nodes verified per step of ddtree with budgets 8, 16, 32, 64, 128
+              and "auto" (max 128, its cost model measured first in the same run by `kdtree_jax.budget.calibrate`),
+              at concurrency 1 and 10 (held-out prompts of 128 tokens, 128 new tokens, greedy; median of 3 timed
+              runs after a warm-up). Every row's tokens are checked equal to ar's.
+  fullscale   Full-scale K2.6 as one GPU of an ep=8 mesh runs it (61 layers, `full_scale.per_device_cfg`, the
+              K2.5-DFlash-shaped drafter, random weights), context 4,096: the step time of the same decoding loop
+              for fixed budgets 16, 32, 64, 128 (`budget.time_loop`), and auto's cost model (`calibrate`), at C=1 and
+              C=10. Collectives are not in these per-device times (the same caveat for every budget).
+  project     A projection, every term measured: the embedded model's acceptance, step by step, with the step
+              costs of `fullscale`. Fixed budget b: the embedded model's steps at b x the full-scale step of b.
+              Auto: the embedded model decoding with the full-scale cost model (its choices are the ones auto
+              makes for that cost), each step costed by that model at the nodes it verified.
+
+    python benchmarks/auto_budget.py embedded --out DIR      # then fullscale (one H200, ~80 GB), then:
+    python benchmarks/auto_budget.py report --out DIR --commit HASH   # runs `project`, writes auto_budget.{md,json,png}
+    python benchmarks/auto_budget.py fullscale --small --out /tmp/x  # CPU smoke run of the full-scale part
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import kdtree_jax as kj  # noqa: E402
+from kdtree_jax import budget as bud  # noqa: E402
+from kdtree_jax.ddtree import speculative  # noqa: E402
+
+FIXED = (8, 16, 32, 64, 128)
+FULL_FIXED = (16, 32, 64, 128)
+MAX = 128
+CONCURRENCY = (1, 10)
+
+
+def _meta(args) -> dict:
+    dev = jax.devices()[0]
+    return dict(date=datetime.date.today().isoformat(), device=getattr(dev, "device_kind", dev.platform),
+                commit=args.commit, jax=jax.__version__)
+
+
+def _save(out: str, name: str, data: dict) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"auto_budget_{name}.json"), "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def _prompts(tok, batch: int, length: int) -> list[list[int]]:
+    from kdtree_jax.cli import _bench_prompts
+
+    return _bench_prompts(tok, batch, length, 0)
+
+
+def part_embedded(args) -> dict:
+    model = kj.load("builtin")
+    params, cfg, drafter = model.params, model.cfg, model.drafter
+    out = dict(meta=_meta(args), rows=[], costs={})
+    for c in CONCURRENCY:
+        prompts = _prompts(model.tokenizer, c, 128)
+        cost, meta = bud.calibrate(params, cfg, drafter, batch=c, max_budget=MAX, log=print)
+        out["costs"][str(c)] = dict(tiers=list(cost.tiers), points=cost.points(), per_context=float(cost.per_context),
+                                    context=float(cost.context), meta=meta)
+        runs = [("ar", None)] + [("ddtree", b) for b in FIXED] + [("ddtree", "auto")]
+        ar = None
+        for method, b in runs:
+            go = lambda: kj.generate(params, cfg, prompts, max_new_tokens=args.new_tokens, method=method,
+                                     drafter=drafter, budget=b or 64, max_budget=MAX, cost_model=cost)
+            first = go()
+            outs = [go() for _ in range(args.repeats)]
+            wall = statistics.median(o.stats["wall_s"] for o in outs)
+            ar = outs[0].tokens if method == "ar" else ar
+            st = outs[0].stats
+            row = dict(concurrency=c, method=method, budget=b, tokens=sum(map(len, outs[0].tokens)), wall_s=wall,
+                       tokens_per_s=sum(map(len, outs[0].tokens)) / wall, tau=st["tau"], steps=st["steps"],
+                       nodes=st["nodes"], nodes_histogram=st["nodes_histogram"], equal_ar=outs[0].tokens == ar,
+                       compile_s=first.stats["compile_s"])
+            out["rows"].append(row)
+            print(f"C={c} {method} {b}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}, nodes "
+                  f"{row['nodes']:.1f}, = ar {row['equal_ar']}", flush=True)
+            _save(args.out, "embedded", out)
+    return out
+
+
+def _full_scale_model(small: bool):
+    from full_scale import narrow_shared, per_device_cfg
+
+    cfg = per_device_cfg(8, 3 if small else 61, small, "xla" if small else "ffi")
+    params = kj.init_params(cfg, jax.random.key(0))
+    if not small:
+        params = narrow_shared(params, cfg.moe_intermediate_size * cfg.n_shared_experts // 8)
+        drafter = kj.init_drafter(cfg, jax.random.key(1), num_layers=6, block_size=8, num_heads=64, num_kv_heads=8,
+                                  intermediate_size=kj.configs.k2_6().intermediate_size)
+        drafter = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, drafter)
+    else:
+        drafter = kj.init_drafter(cfg, jax.random.key(1), num_layers=1, block_size=8)
+    return cfg, params, drafter
+
+
+def part_fullscale(args) -> dict:
+    small = args.small
+    cfg, params, drafter = _full_scale_model(small)
+    context = 256 if small else 4096
+    out = dict(meta=_meta(args), layers=cfg.num_hidden_layers, context=context, fixed=[], costs={})
+    t_end = time.perf_counter() + args.budget_s
+    steps, repeats = (2, 1) if small else (3, 2)
+    for c in CONCURRENCY:
+        if time.perf_counter() > t_end:
+            print(f"fullscale: time budget spent before C={c}", flush=True)
+            break
+        cost, meta = bud.calibrate(params, cfg, drafter, batch=c, max_budget=MAX, context=context, steps=steps,
+                                   repeats=repeats, log=print)
+        out["costs"][str(c)] = dict(tiers=list(cost.tiers), points=cost.points(), per_context=float(cost.per_context),
+                                    context=float(cost.context), meta=meta)
+        _save(args.out, "fullscale", out)
+        room = steps * 8 + 1
+        for b in FULL_FIXED:
+            if time.perf_counter() > t_end:
+                print(f"fullscale: time budget spent before C={c} budget {b}", flush=True)
+                break
+            m = speculative(cfg, "ddtree", drafter, b)
+            t_pad = 1 << (context - 1).bit_length()
+            cache_len = -(-(context + room + MAX + 1) // 64) * 64
+            s0 = bud.prefilled(m, params, cfg, c, context, t_pad=t_pad, cache_len=cache_len, room=room)
+            sec = bud.time_loop(m, params, cfg, s0, steps, repeats)
+            out["fixed"].append(dict(concurrency=c, budget=b, step_s=sec))
+            print(f"fullscale C={c} fixed budget {b}: {1e3 * sec:.2f} ms per step", flush=True)
+            _save(args.out, "fullscale", out)
+    return out
+
+
+def _cost_of(entry: dict, batch: int) -> bud.CostModel:
+    """A measured cost model, the per-context term dropped (the projection holds the context at the calibration's)."""
+    return bud.CostModel.from_points(entry["tiers"], batch, entry["points"], 0.0, entry["context"])
+
+
+def part_project(args, emb: dict, full: dict) -> dict:
+    """The embedded model's decoding, step by step, costed with the full-scale step times."""
+    from kdtree_jax.decoding import advance, start
+    from kdtree_jax.generate import _request, _start_args
+
+    model = kj.load("builtin")
+    params, cfg, drafter = model.params, model.cfg, model.drafter
+    out = dict(meta=_meta(args), rows=[])
+    for c in CONCURRENCY:
+        if str(c) not in full["costs"]:
+            continue
+        prompts = _prompts(model.tokenizer, c, 128)
+        cost = _cost_of(full["costs"][str(c)], c)
+        fixed = {f["budget"]: f["step_s"] for f in full["fixed"] if f["concurrency"] == c}
+        for b in [b for b in FIXED if b in fixed] + ["auto"]:
+            m, req = _request(params, cfg, prompts, drafter, max_new_tokens=args.new_tokens, method="ddtree",
+                              budget=b, temperature=0.0, top_k=None, top_p=None, eos_id=None, prefill_chunk=None,
+                              max_budget=MAX, cost_model=cost)
+            a, static = _start_args(m, params, cfg, req, 0)
+            state = start(*a, **static)
+            seconds, hist = 0.0, np.zeros_like(np.asarray(state.nodes))
+            while not bool(np.all(np.asarray(state.done))):
+                live = ~np.asarray(state.done)
+                state = advance(m, params, cfg, state, state.steps + 1, sampler=req.sampler)
+                now = np.asarray(state.nodes)
+                nodes = np.argmax(now - hist, axis=1)  # the bin each live row's step landed in
+                hist = now
+                if b == "auto":
+                    m_tok = float(np.sum(1 + nodes[live]))
+                    tier = next(i for i, t in enumerate(cost.tiers) if t >= nodes[live].max())
+                    seconds += float(np.interp(m_tok, np.asarray(cost.tokens[tier]), np.asarray(cost.seconds[tier])))
+                else:
+                    seconds += fixed[b]
+            total = int(np.asarray(state.num_out).sum())
+            steps = int(state.steps)
+            out["rows"].append(dict(concurrency=c, budget=b, steps=steps, tokens=total, seconds=seconds,
+                                    tokens_per_s=total / seconds, tau=total / max(steps, 1) / c,
+                                    nodes=float((hist * np.arange(hist.shape[1])).sum() / max(hist.sum(), 1))))
+            print(f"projection C={c} budget {b}: {total / seconds:.1f} tok/s ({steps} steps)", flush=True)
+    return out
+
+
+def report(args) -> None:
+    def load(name):
+        path = os.path.join(args.out, f"auto_budget_{name}.json")
+        return json.load(open(path)) if os.path.exists(path) else None
+
+    emb, full = load("embedded"), load("fullscale")
+    proj = part_project(args, emb, full) if full else None
+    data = dict(commit=args.commit, embedded=emb, fullscale=full, projection=proj)
+    lines = ["# budget=\"auto\" vs fixed DDTree budgets", "",
+             "`python benchmarks/auto_budget.py embedded|fullscale --out DIR`, then `report`. Every ratio below is "
+             "between numbers of one run.", ""]
+    if emb:
+        m = emb["meta"]
+        lines += [f"## The embedded model ({m['date']}, {m['device']}, commit {m['commit']})", "",
+                  "Greedy, held-out prompts of 128 tokens, 128 new tokens each; auto: max 128 nodes, tiers 16/32/64/128, "
+                  "its cost model measured first in the same run.", "",
+                  "| C | budget | tokens/s | vs best fixed | tau | nodes / step | = ar |", "|---|---|---|---|---|---|---|"]
+        for c in CONCURRENCY:
+            rows = [r for r in emb["rows"] if r["concurrency"] == c and r["method"] == "ddtree"]
+            if not rows:
+                continue
+            best = max(r["tokens_per_s"] for r in rows if r["budget"] != "auto")
+            for r in [x for x in emb["rows"] if x["concurrency"] == c]:
+                b = r["budget"] if r["method"] == "ddtree" else "ar"
+                lines.append(f"| {c} | {b} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / best:.2f}x | "
+                             f"{r['tau']:.2f} | {r['nodes']:.1f} | {r['equal_ar']} |")
+        lines.append("")
+    if full:
+        m = full["meta"]
+        lines += [f"## Full-scale K2.6, one GPU of an ep=8 mesh ({m['date']}, {m['device']}, commit {m['commit']}, "
+                  f"{full['layers']} layers, context {full['context']})", "",
+                  "Step = draft + tree build + verify + accept + keep, the loop compiled as `generate` runs it; "
+                  "collectives not included.", "", "| C | fixed budget | step ms |", "|---|---|---|"]
+        lines += [f"| {f['concurrency']} | {f['budget']} | {1e3 * f['step_s']:.2f} |" for f in full["fixed"]]
+        for c, e in full["costs"].items():
+            lines += ["", f"Auto's cost model at C={c} (step ms by verified tokens, per tier):", ""]
+            lines += [f"- tier {t}: " + ", ".join(f"{m:.0f} tok {1e3 * s:.2f}" for m, s in pts)
+                      for t, pts in zip(e["tiers"], e["points"])]
+        lines.append("")
+    if proj:
+        lines += ["## Projection: the embedded model's acceptance at the full-scale step times", "",
+                  "Fixed b: the embedded model's steps at budget b x the full-scale step of b. Auto: the embedded "
+                  "model decoding with the full-scale cost model, each step costed at the nodes it verified. A "
+                  "projection: collectives excluded, the context held at 4,096.", "",
+                  "| C | budget | steps | tau | nodes / step | projected tok/s | vs best fixed |", "|---|---|---|---|---|---|---|"]
+        for c in CONCURRENCY:
+            rows = [r for r in proj["rows"] if r["concurrency"] == c]
+            if not rows:
+                continue
+            fixed_best = max((r["tokens_per_s"] for r in rows if r["budget"] != "auto"), default=float("nan"))
+            b64 = next((r["tokens_per_s"] for r in rows if r["budget"] == 64), float("nan"))
+            for r in rows:
+                lines.append(f"| {c} | {r['budget']} | {r['steps']} | {r['tau']:.2f} | {r['nodes']:.1f} | "
+                             f"{r['tokens_per_s']:.1f} | {r['tokens_per_s'] / fixed_best:.2f}x |")
+            auto = next(r for r in rows if r["budget"] == "auto")
+            lines.append(f"| {c} | auto vs 64 | | | | | {auto['tokens_per_s'] / b64:.2f}x |")
+        lines.append("")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "auto_budget.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "auto_budget.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    _plot(args.out, emb, proj)
+    print("\n".join(lines))
+
+
+def _plot(out: str, emb, proj) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(n, d) for n, d in (("embedded model, measured", emb), ("full scale, projected", proj)) if d]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (name, d) in zip(axes[0], panels):
+        for c in CONCURRENCY:
+            rows = [r for r in d["rows"] if r["concurrency"] == c and r.get("method", "ddtree") == "ddtree"]
+            fixed = [r for r in rows if r["budget"] != "auto"]
+            auto = [r for r in rows if r["budget"] == "auto"]
+            if fixed:
+                line, = ax.plot([r["budget"] for r in fixed], [r["tokens_per_s"] for r in fixed], "o-",
+                                label=f"fixed, C={c}")
+                for r in auto:
+                    ax.axhline(r["tokens_per_s"], color=line.get_color(), ls="--", label=f"auto, C={c}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (nodes)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(name)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "auto_budget.png"), dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part", choices=("embedded", "fullscale", "report"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
+    ap.add_argument("--small", action="store_true", help="fullscale: a tiny config (CPU smoke run)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="fullscale: start no new cell after this many s")
+    args = ap.parse_args()
+    if args.part == "embedded":
+        part_embedded(args)
+    elif args.part == "fullscale":
+        part_fullscale(args)
+    else:
+        report(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""budget="auto": the per-step choice against a brute force, lossless decoding (greedy and sampled), the masked
+nodes' isolation, the cache-reading verify, calibration files, no cache copy in the compiled loop, clear errors."""
+
+import dataclasses
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdtree_jax as kj
+from conftest import filtered_probs, rel_err
+from kdtree_jax import budget as bud
+from kdtree_jax.budget import BudgetPolicy, CostModel, node_scores
+from kdtree_jax.ddtree import ddtree_tree, speculative
+from kdtree_jax.decoding import Sampler, advance, start
+from kdtree_jax.drafter import OracleDrafter
+from kdtree_jax.model import init_cache, moe, prefill, step, swiglu, tree_step, write_rows
+from test_ddtree import _chi2_pvalue
+
+PROMPTS = [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7], list(range(60, 74))]
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = kj.configs.tiny()
+    params = kj.init_params(cfg, jax.random.key(0))
+    drafter = kj.init_drafter(cfg, jax.random.key(1), num_layers=1, block_size=8)
+    ar = kj.generate(params, cfg, PROMPTS, max_new_tokens=24).tokens
+    return cfg, params, drafter, ar
+
+
+def _cost(tiers, batch, slope, step=0.1):
+    """A cost model rising by `slope` seconds per verified token from 1 s, each tier `step` s dearer than the last."""
+    return CostModel.from_points(tiers, batch, [[(1, 1.0 + step * i), (1e5, 1.0 + step * i + slope * 1e5)]
+                                                for i in range(len(tiers))])
+
+
+def _random_tree(b, n, depth, v, seed):
+    logits = jax.random.normal(jax.random.key(seed), (b, depth, v)) * 3
+    tree = ddtree_tree(logits, jnp.zeros((b,), jnp.int32), n, "xla")
+    return logits, tree
+
+
+def test_choose_is_the_best_ratio_and_prefix_closed():
+    b, n, depth, v = 3, 12, 4, 9
+    logits, tree = _random_tree(b, n, depth, v, 0)
+    scores = node_scores(logits, tree.tokens, tree.depths, tree.visibility)
+    # a node's score is its parent's plus its own log-probability: never above its parent's
+    par = np.asarray(tree.parents)
+    s = np.asarray(scores)
+    assert all(s[r, i] <= s[r, par[r, i]] + 1e-6 for r in range(b) for i in range(1, n + 1))
+    live = jnp.array([True, False, True])
+    ctx = jnp.array([10, 20, 30])
+    rng = np.random.default_rng(1)
+    for trial in range(6):
+        tiers = (4, n)
+        pts = [sorted((float(m), float(t)) for m, t in zip(rng.uniform(1, 40, 4), rng.uniform(0.5, 3, 4)))
+               for _ in tiers]
+        cost = CostModel.from_points(tiers, b, pts, per_context=rng.uniform(0, 0.01), context=12.0)
+        tier, active = jax.jit(BudgetPolicy.choosing(cost).choose)(scores, tree.visibility, live, ctx)
+        tier, active = int(tier), np.asarray(active)
+        # brute force in numpy, float64
+        p = np.where(np.asarray(live)[:, None], np.exp(s[:, 1:].astype(np.float64)), 0.0)
+        n_live, ctx_sum = int(np.asarray(live).sum()), float(np.asarray(ctx)[np.asarray(live)].sum())
+        best = []
+        for t, size in enumerate(tiers):
+            srt = np.sort(np.where(np.arange(n) < size, p, 0).ravel())[::-1]
+            gain = np.concatenate([[0.0], np.cumsum(srt)])
+            m = np.arange(len(gain))
+            tok, sec = np.asarray(cost.tokens[t], np.float64), np.asarray(cost.seconds[t], np.float64)
+            base = np.interp(n_live + m, tok, sec)
+            c = np.maximum(base + float(cost.per_context) * (ctx_sum - n_live * 12.0), 0.01 * base)
+            ratio = np.where(m <= n_live * size, (n_live + gain) / c, -np.inf)
+            best.append((ratio.max(), int(ratio.argmax())))
+        want_tier = int(np.argmax([r for r, _ in best]))
+        assert tier == want_tier, trial
+        chosen = active[:, 1:]
+        assert chosen.sum() == best[want_tier][1], trial  # the m most probable nodes (no closure loss here)
+        assert not active[1].any() and active[[0, 2], 0].all()  # dead rows verify nothing; live roots always
+        assert not chosen[:, tiers[tier]:].any()
+        for r in range(b):  # prefix-closed: every chosen node's parent is chosen (or the root)
+            for i in np.flatnonzero(chosen[r]) + 1:
+                assert active[r, par[r, i]]
+        if chosen.sum():  # the chosen nodes are the most probable ones
+            assert p[chosen].min() >= p[~chosen & (np.arange(n) < tiers[tier])].max(initial=0) - 1e-6
+
+
+def test_forced_policy_verifies_the_first_nodes():
+    b, n = 2, 8
+    logits, tree = _random_tree(b, n, 3, 7, 2)
+    scores = node_scores(logits, tree.tokens, tree.depths, tree.visibility)
+    policy = BudgetPolicy.choosing(_cost((4, 8), b, 0.0))
+    for t, r in ((0, 0), (0, 3), (0, 8), (1, 5), (1, 8)):
+        tier, active = policy.forced(t, r).choose(scores, tree.visibility, jnp.array([True, True]), jnp.zeros(2))
+        want = min(r, (4, 8)[t])
+        assert int(tier) == t and np.asarray(active).sum(axis=1).tolist() == [1 + want] * b
+
+
+@pytest.mark.parametrize("slope, tiers", [(0.0, None), (0.02, None), (1.0, (16,)), (0.02, (3, 16))])
+def test_auto_is_lossless(model, slope, tiers):
+    """Greedy: exactly the AR tokens, whatever the cost model makes it verify (all, few, a mix per step)."""
+    cfg, params, drafter, ar = model
+    t = bud.check_tiers(bud.default_tiers(16) if tiers is None else tiers, 16)
+    out = kj.generate(params, cfg, PROMPTS, max_new_tokens=24, method="ddtree", drafter=drafter, budget="auto",
+                      max_budget=16, tiers=tiers, cost_model=_cost(t, len(PROMPTS), slope, 0.0 if slope == 0 else 0.1))
+    assert out.tokens == ar
+    assert out.stats["budget"] == "auto" and out.stats["steps"] >= 1
+    hist = out.stats["nodes_histogram"]
+    assert sum(hist) == sum(out.stats["tau_histogram"]) and len(hist) <= 17
+    if slope == 0.0:
+        assert out.stats["nodes"] > 8  # every node costs nothing: most of the tree is verified
+    if slope == 1.0:
+        assert hist[0] > 0  # so costly that some steps verify the root alone
+
+
+def test_auto_with_partial_acceptance_is_lossless(model):
+    """A noisy oracle drafter (1..8 tokens accepted) and a cost making the choice vary per step and row."""
+    cfg, params, _, ar = model
+    out = kj.generate(params, cfg, PROMPTS, max_new_tokens=24, method="ddtree", drafter=OracleDrafter(8, 4.0, 4.0),
+                      budget="auto", max_budget=32, cost_model=_cost(bud.default_tiers(32), len(PROMPTS), 0.004))
+    assert out.tokens == ar
+    assert sum(h > 0 for h in out.stats["nodes_histogram"]) >= 3 and out.stats["tau_histogram"][1] > 0
+
+
+def test_auto_sampling_matches_target_distribution(model):
+    """At temperature > 0 with filters, auto's second token follows the target's marginal (as for fixed budgets,
+    tests/test_ddtree.py), while the cost model has part of every tree masked."""
+    cfg, params, _, _ = model
+    prompt, n = [9, 8, 7, 6], 2000
+    sampling = dict(temperature=0.8, top_k=40, top_p=0.9)
+    out = kj.generate(params, cfg, [prompt] * n, max_new_tokens=2, method="ddtree", drafter=OracleDrafter(8),
+                      budget="auto", max_budget=16, tiers=(4, 16), cost_model=_cost((4, 16), n, 2e-5), seed=7,
+                      **sampling)
+    toks = np.array(out.tokens)
+    v = cfg.vocab_size
+    p1 = filtered_probs(kj.forward(params, cfg, jnp.array([prompt]))[0, -1], **sampling)
+    p2 = p1 @ filtered_probs(kj.forward(params, cfg, jnp.array([prompt + [t] for t in range(v)]))[:, -1], **sampling)
+    assert _chi2_pvalue(np.bincount(toks[:, 0], minlength=v), n * p1) > 1e-3
+    assert _chi2_pvalue(np.bincount(toks[:, 1], minlength=v), n * p2) > 1e-3
+    assert 1 <= out.stats["nodes"] < 16  # part of the tree verified, the rest masked
+    assert out.stats["tau_histogram"][2] > n // 10
+
+
+def test_tree_step_equals_step_and_masked_nodes_are_isolated(model):
+    """tree_step (the cache only read) = step (the cache written first), logits and new latents; masking nodes
+    changes nothing for the nodes that do not see them, and a masked token gets no routed expert."""
+    cfg, params, _, _ = model
+    b, t = 2, 6
+    cache = init_cache(cfg, b, 64)
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (b, 16)), jnp.int32)
+    cache = prefill(params, cfg, toks, jnp.array([9, 16], jnp.int32), cache).cache
+    parents = np.array([-1, 0, 0, 1, 2, 3])
+    vis = np.eye(t, dtype=bool)
+    for i in range(1, t):
+        vis[i] |= vis[parents[i]]
+    depths = jnp.asarray(np.broadcast_to(vis.sum(axis=1) - 1, (b, t)), jnp.int32)
+    mask = jnp.asarray(np.broadcast_to(vis, (b, t, t)))
+    new = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+    full = step(params, cfg, new, cache, depths=depths, tree_mask=mask)
+    read = tree_step(params, cfg, new, cache, depths, mask)
+    assert rel_err(read.logits, full.logits) <= 1e-5
+    starts = cache.lengths
+    written = write_rows(cache, cfg, starts, read.cache.latent, read.cache.k_pe)
+    for a, w in zip(written.latent + written.k_pe, full.cache.latent + full.cache.k_pe):
+        assert rel_err(a, w) <= 1e-5
+    active = jnp.asarray(np.broadcast_to([True, True, False, True, False, True], (b, t)))  # 2 and its child 4 off
+    masked = tree_step(params, cfg, new, cache, depths, mask, active)
+    on = np.asarray(active[0])
+    assert rel_err(masked.logits[:, on], read.logits[:, on]) <= 1e-5
+    assert rel_err(masked.logits[:, ~on], read.logits[:, ~on]) > 1e-3  # the masked ones really changed
+    lp = params.moe_layers[0].mlp
+    x = jax.random.normal(jax.random.key(3), (1, 3, cfg.hidden_size))
+    y, want = moe(lp, x, cfg, jnp.array([[True, False, True]])), moe(lp, x, cfg)
+    assert rel_err(y[0, ::2], want[0, ::2]) <= 1e-6
+    assert rel_err(y[0, 1], swiglu(lp.shared, x[0, 1])) <= 1e-6  # the shared expert alone
+    assert rel_err(want[0, 1], swiglu(lp.shared, x[0, 1])) > 1e-3
+
+
+def test_auto_loop_never_copies_the_cache(model):
+    """The tiers' verify programs sit in a lax.switch inside the loop: the cache is only read there and written
+    after, in place; a cache-sized copy (XLA copies a buffer a conditional branch updates) would cost a full cache
+    read and write per step at long context."""
+    cfg, params, drafter, _ = model
+    b, s = 2, 2048
+    m = speculative(cfg, "ddtree", drafter, 16, BudgetPolicy.choosing(_cost((4, 16), b, 0.01)))
+    st = start(m, params, cfg, jnp.ones((b, 16), jnp.int32), jnp.array([5, 9], jnp.int32), jax.random.key(0),
+               jnp.int32(-1), sampler=Sampler(), cache_len=s, max_new=32, chunk=None)
+    hlo = advance.lower(m, params, cfg, st, jnp.int32(4), sampler=Sampler()).compile().as_text()
+    assert "conditional(" in hlo
+    shapes = {f"[{b},{s},{cfg.kv_lora_rank}]", f"[{b},{s},{cfg.qk_rope_head_dim}]"}
+    for line in hlo.splitlines():
+        mm = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = \w+(\[[\d,]*\])\S* ([\w\-]+)\(", line)
+        if mm and mm.group(1) in shapes:
+            assert mm.group(2) not in ("copy", "concatenate", "slice", "dynamic-slice"), line
+
+
+def test_calibration_is_measured_once_and_reused(model, tmp_path, monkeypatch):
+    cfg, params, drafter, ar = model
+    monkeypatch.setenv("KDTREE_JAX_COSTS", str(tmp_path))
+    small = dataclasses.replace(cfg, max_position_embeddings=256)
+    logs = []
+    cost = bud.resolve(params, small, drafter, batch=2, max_budget=8, log=logs.append)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and any("calibrating" in line for line in logs)
+    data = json.loads(files[0].read_text())
+    assert data["tiers"] == [4, 8] and data["batch"] == 2 and len(data["points"]) == 2
+    for pts in cost.points():  # non-decreasing in tokens and seconds, positive
+        assert all(a[0] <= b[0] and 0 < a[1] <= b[1] for a, b in zip(pts, pts[1:]))
+    monkeypatch.setattr(bud, "calibrate", lambda *a, **k: pytest.fail("measured again"))
+    again = bud.resolve(params, small, drafter, batch=2, max_budget=8)
+    np.testing.assert_array_equal(np.asarray(again.seconds), np.asarray(cost.seconds))
+    out = kj.generate(params, small, PROMPTS[:2], max_new_tokens=24, method="ddtree", drafter=drafter,
+                      budget="auto", max_budget=8)  # finds the saved file
+    assert out.tokens == ar[:2]
+    files[0].write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable.*calibrate"):
+        bud.resolve(params, small, drafter, batch=2, max_budget=8)
+    with pytest.raises(ValueError, match="measured for batch 2"):
+        bud.resolve(params, small, drafter, batch=3, max_budget=8, cost_model=cost)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(method="chain", budget="auto"), "ddtree's tree size"),
+    (dict(method="ddtree", budget="auto", max_budget=0), "max_budget must be"),
+    (dict(method="ddtree", budget="big"), "budget must be an integer"),
+    (dict(method="ddtree", budget="auto", max_budget=8, tiers=(2, 4)), "largest tier must be"),
+    (dict(method="ddtree", budget="auto", max_budget=8, cost_model=3), "cost_model must be"),
+])
+def test_bad_auto_arguments_are_clear_errors(model, kwargs, match):
+    cfg, params, drafter, _ = model
+    with pytest.raises((ValueError, TypeError), match=match):
+        kj.generate(params, cfg, PROMPTS[:1], max_new_tokens=4, drafter=drafter, **kwargs)
+
+
+def test_bad_cost_points_are_clear_errors():
+    with pytest.raises(ValueError, match="non-finite, negative or zero"):
+        CostModel.from_points((4,), 1, [[(1, 0.0)]])
+    with pytest.raises(ValueError, match="need as many"):
+        CostModel.from_points((4, 8), 1, [[(1, 1.0)]])
+    dips = CostModel.from_points((4,), 1, [[(1, 2.0), (5, 1.0), (9, 3.0)]])  # noise: never cheaper with more
+    np.testing.assert_allclose(np.asarray(dips.seconds)[0], [1.5, 1.5, 3.0])  # the closest non-decreasing curve
