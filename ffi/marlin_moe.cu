@@ -604,7 +604,7 @@ constexpr int kStreamSmem = kStreamStages * kStreamStageBytes;
 constexpr uint32_t kMinus136 = 0xC308C308u;  // the bf16 pair (-136, -136)
 
 template <int NT, bool kGated, bool kL2>
-__global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : (NT == 2 ? 3 : 2)) GemmKernel(const GemmParams p) {
+__global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const GemmParams p) {
   constexpr int kBm = 8 * NT;
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   __shared__ int s_src[kBm];  // B row of each token column (-1: padding)
@@ -619,41 +619,22 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : (NT == 2 ? 3 : 2)) Gem
   }
   LaunchDependents();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  if (tid < kBm) {
-    const int slot = __ldcg(p.sorted + static_cast<int64_t>(block) * kBm + tid);
-    const bool ok = slot >= 0 && slot < p.slots;
-    s_dst[tid] = ok ? slot : -1;
-    s_src[tid] = ok ? slot / p.src_div : -1;
-  }
-  __syncthreads();
 
   // Row set s = 2 tile + rh: rows g + 8 rh of tile `tile` (gate / up, or the two 16-row halves of down). This thread
-  // copies group t of its row of every set, and the scales of its row of set t.
+  // copies group t of its row of every set, and the scales of its row of set t. Running pointers at this warp's
+  // next chunk to copy.
   const int row0 = blockIdx.y * (kGated ? 16 : 32);
   const int64_t words = p.k / 8;
+  const int chunks = p.k / kChunk;
+  const int mine = (chunks - warp + kWarps - 1) / kWarps;  // chunks warp, warp + 4, ...
   const uint32_t* a_ptr[4];
   const __nv_bfloat16* sc_ptr = nullptr;
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const int tile = s >> 1, rh = s & 1;
     const int64_t row = static_cast<int64_t>(e) * p.rows + row0 + (kGated ? 0 : 16 * tile) + g + 8 * rh;
-    a_ptr[s] = ((kGated && tile) ? p.w1 : p.w0) + row * words + 4 * t;
-    if (s == t) sc_ptr = ((kGated && tile) ? p.s1 : p.s0) + row * p.groups;
-  }
-  const int chunks = p.k / kChunk;
-  const int mine = (chunks - warp + kWarps - 1) / kWarps;  // chunks warp, warp + 4, ...
-  // Running pointers at this warp's next chunk to copy (weights, scales) and to load (tokens: inputs 8 t .. 8 t + 7
-  // of each group of token column 8 j + g).
-#pragma unroll
-  for (int s = 0; s < 4; ++s) a_ptr[s] += warp * 16;
-  sc_ptr += warp * 4;
-  const __nv_bfloat16* x_ptr[NT];
-  bool x_ok[NT];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const int src = s_src[8 * j + g];
-    x_ok[j] = src >= 0 && mine > 0;
-    x_ptr[j] = p.src + static_cast<int64_t>(x_ok[j] ? src : 0) * p.k + warp * kChunk + 8 * t;
+    a_ptr[s] = ((kGated && tile) ? p.w1 : p.w0) + row * words + 4 * t + warp * 16;
+    if (s == t) sc_ptr = ((kGated && tile) ? p.s1 : p.s0) + row * p.groups + warp * 4;
   }
 
   // Shared-memory offsets in a stage: this warp's 2 KB of weights (set s at + 512 s; row g at + 64 g, group G in
@@ -678,15 +659,31 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : (NT == 2 ? 3 : 2)) Gem
     sc_ptr += kWarps * 4;
     next_stage(copy_stage, ring);
   };
-  auto load_x = [&](int j, int grp) {
-    return kGated ? LoadGlobal16Nc(x_ptr[j] + 32 * grp) : LoadGlobal16Cg(x_ptr[j] + 32 * grp);
-  };
-
 #pragma unroll
-  for (int s = 0; s < kStreamStages - 1; ++s) {
+  for (int s = 0; s < kStreamStages - 1; ++s) {  // the weights need only the expert: copy before the slots arrive
     if (s < mine) issue();
     CopyCommit();
   }
+
+  int real = 0;
+  if (tid < kBm) {
+    const int slot = __ldcg(p.sorted + static_cast<int64_t>(block) * kBm + tid);
+    real = slot >= 0 && slot < p.slots;
+    s_dst[tid] = real ? slot : -1;
+    s_src[tid] = real ? slot / p.src_div : -1;
+  }
+  const int tiles = (__syncthreads_count(real) + 7) / 8;  // token tiles with a slot (the real slots come first)
+  const __nv_bfloat16* x_ptr[NT];  // inputs 8 t .. 8 t + 7 of each group of token column 8 j + g, next chunk
+  bool x_ok[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int src = s_src[8 * j + g];
+    x_ok[j] = src >= 0 && mine > 0;
+    x_ptr[j] = p.src + static_cast<int64_t>(x_ok[j] ? src : 0) * p.k + warp * kChunk + 8 * t;
+  }
+  auto load_x = [&](int j, int grp) {
+    return kGated ? LoadGlobal16Nc(x_ptr[j] + 32 * grp) : LoadGlobal16Cg(x_ptr[j] + 32 * grp);
+  };
   if (!kGated) GridDependencyWait();  // h is gemm1's output
   uint4 xv[NT][4];  // this chunk's token values: [token tile][group]
 #pragma unroll
@@ -732,6 +729,7 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 4 : (NT == 2 ? 3 : 2)) Gem
       }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
+        if (NT > 1 && j >= tiles) break;  // uniform over the block
         const uint4 xg = xv[j][grp];
         const uint32_t b[4] = {__byte_perm(xg.x, xg.z, 0x5410), __byte_perm(xg.x, xg.z, 0x7632),
                                __byte_perm(xg.y, xg.w, 0x5410), __byte_perm(xg.y, xg.w, 0x7632)};
@@ -1172,18 +1170,31 @@ __global__ void CombineKernel8(const __nv_bfloat16* __restrict__ ys, const int32
     float sum[8];
 #pragma unroll
     for (int q = 0; q < 8; ++q) sum[q] = 0.0f;
-    for (int j = 0; j < topk; ++j) {
-      const int64_t slot = row * topk + j;
-      const int e = ids[slot];
-      if (e < 0 || e >= experts) continue;
-      const float w = weights[slot];
-      const uint4 v = LoadGlobal16Cg(ys + slot * d + col);
-      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+    for (int j0 = 0; j0 < topk; j0 += 4) {  // 4 slots' loads in flight at a time, summed in slot order
+      bool ok[4];
+      float w[4];
+      uint4 v[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(BitsBf2(u[q]));
-        sum[2 * q] += w * f.x;
-        sum[2 * q + 1] += w * f.y;
+      for (int r = 0; r < 4; ++r) {
+        const int e = j0 + r < topk ? ids[row * topk + j0 + r] : -1;
+        ok[r] = e >= 0 && e < experts;
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int64_t slot = row * topk + j0 + r;
+        w[r] = ok[r] ? weights[slot] : 0.0f;
+        v[r] = ok[r] ? LoadGlobal16Cg(ys + slot * d + col) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        if (!ok[r]) continue;
+        const uint32_t u[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(BitsBf2(u[q]));
+          sum[2 * q] += w[r] * f.x;
+          sum[2 * q + 1] += w[r] * f.y;
+        }
       }
     }
     uint32_t o[4];
