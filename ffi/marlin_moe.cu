@@ -38,8 +38,10 @@
 // chunks (cp.async, L1 bypassed for the weights): each lane copies one 16-byte group of each of its 4 weight rows
 // and the 4 scales of one of the warp's rows. Group G of row g sits in 16-byte slot G ^ (g / 2 % 4) of the row's
 // 64 bytes, so the lanes' 4-byte reads of word t of group G hit 32 different banks. cp.async.wait_group and a warp
-// barrier order the copies before the reads, a second warp barrier the reads before the slot is refilled. Token
-// rows go straight to registers, loaded a chunk ahead (through L1 for x; from L2 for h, which gemm1 writes).
+// barrier order the copies before the reads, a second warp barrier the reads before the slot is refilled. A block
+// copies its first weight stages before it reads its slots (the weights need only the expert). Token rows go
+// straight to registers, loaded a chunk ahead (through L1 for x; from L2 for h, which gemm1 writes); token tiles
+// without a slot (the real slots come first in a block) are skipped.
 //
 // Launches. gemm1, gemm2 and the combine are launched as programmatic dependents (PDL) of the kernel before them:
 // gemm1 waits for the align stage at its start, gemm2 copies its first weight stages while gemm1's last blocks run
