@@ -12,9 +12,9 @@ sit in L2 between calls; time = median per op.
 Variants (--variants, comma separated): `after` = marlin_moe as shipped (block_m and path by M); `before` = the
 kernel of an older build (--baseline-lib: a libkdtree_jax_cuda.so whose handler was compiled as KdMarlinMoeCudaOld,
 called as that version did: block_m = block_size(M), no flags); `stream` / `tile64` / `tile128` force a path
-(`+l2`, `+sync`, `+deep`, `+fake` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_FAKE: the last gives wrong results
-and measures the bandwidth of a tile-contiguous weight layout; `after+deep` = the defaults plus FLAG_DEEP). Each
-variant's output is compared with `after`'s (rel err).
+(`+l2`, `+sync`, `+deep`, `+serial` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL; `after+deep` = the defaults
+plus FLAG_DEEP, `after+serial` the defaults with the stream path's kernels launched plainly, one after the other).
+Each variant's output is compared with `after`'s (rel err).
 
 usage: python benchmarks/marlin_moe.py [--quick] [--shapes k2,device] [--variants after,before] [--ms 1,64,4096]
                                        [--baseline-lib PATH] [--xla] [--out DIR] [--commit SHA] [--budget SECONDS]
@@ -122,7 +122,7 @@ def variant_fn(name: str, m: int, e: int):
     if name == "before":
         return baseline_call, mm.block_size(m, TOPK, e)
     base, *mods = name.split("+")
-    flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "fake": mm.FLAG_FAKE, "deep": mm.FLAG_DEEP}[x]
+    flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "serial": mm.FLAG_SERIAL, "deep": mm.FLAG_DEEP}[x]
                 for x in mods)
     bm = {"after": None, "stream": mm.block_size(m, TOPK, e), "tile64": 64, "tile128": 128}[base]
     shown = bm or mm.choose_block_m(m, TOPK, e, True)
@@ -276,12 +276,13 @@ def main() -> None:
     ap.add_argument("--ms", help="comma-separated M values (overrides --quick)")
     ap.add_argument("--shapes", default="k2,device", help="k2, device or both (comma separated)")
     ap.add_argument("--variants", default="after,before", help="comma separated (see above)")
-    ap.add_argument("--variants-at", default="", help="more variants at some M: '1,16=stream+fake,tile64;4096=tile128'")
+    ap.add_argument("--variants-at", default="", help="more variants at some M: '1,16=stream,tile64;4096=tile128'")
     ap.add_argument("--variants-at-shapes", default="k2", help="the shapes --variants-at applies to")
     ap.add_argument("--baseline-lib", help="older libkdtree_jax_cuda.so with the handler KdMarlinMoeCudaOld")
     ap.add_argument("--before-label", default="the kernel before issue 18", help="what `before` is, for the table")
     ap.add_argument("--xla", action="store_true", help="also time the XLA reference (slow; fails at large M)")
-    ap.add_argument("--profile", metavar="SHAPE:M:VARIANT", help="run that op twice and exit (for ncu)")
+    ap.add_argument("--profile", metavar="SHAPE:M:VARIANT", help="run that op twice and exit (for ncu; several "
+                    "comma separated)")
     add_report_args(ap, "sizes")
     args = ap.parse_args()
     if replot(args, write_report):
@@ -290,13 +291,15 @@ def main() -> None:
     import jax
 
     if args.profile:
-        shape, m, name = args.profile.split(":")
-        local = E // EP if shape == "device" else None
-        weights = experts(local or E)
-        (x, ids, w), = routing_sets(int(m), 1, seed=1, local=local)[0]
-        fn = jax.jit(variant_fn(name, int(m), local or E)[0])
-        for _ in range(2):
-            jax.block_until_ready(fn(x, ids, w, *weights))
+        for spec in args.profile.split(","):
+            shape, m, name = spec.split(":")
+            local = E // EP if shape == "device" else None
+            weights = experts(local or E)
+            (x, ids, w), = routing_sets(int(m), 1, seed=1, local=local)[0]
+            fn = jax.jit(variant_fn(name, int(m), local or E)[0])
+            for _ in range(2):
+                jax.block_until_ready(fn(x, ids, w, *weights))
+            del weights
         return
     variants = [v for v in args.variants.split(",") if v]
     notes = []

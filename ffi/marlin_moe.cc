@@ -7,8 +7,9 @@
 //   h[slot]  = silu(x[m] . gate_e) * (x[m] . up_e)          [F]
 //   ys[slot] = h[slot] . down_e                             [D]
 //   out[m]   = sum_j weights[m, j] * ys[m k + j]            j ascending, fp32
-// Dot products are fp32. With bf16 activations, W, h and ys are rounded to bf16 like the CUDA kernel rounds them
-// (its mma inputs and its scratch are bf16); with float32 everything stays float32.
+// Dot products are fp32. With bf16 activations, W, h and ys are rounded to bf16 like the CUDA tile path rounds them
+// (its mma inputs and its scratch are bf16; the CUDA stream path keeps W exact, scaling fp32 sums); with float32
+// everything stays float32.
 
 #include <cmath>
 #include <cstdint>

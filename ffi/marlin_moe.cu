@@ -16,26 +16,37 @@
 //
 // Two fast paths (bf16), chosen by the block size BM of the align stage (the Python wrapper picks it from M):
 //
-// Stream path (BM = 8, 16, 32; small M; D and F multiples of 128, groups multiples of 32, an even number of groups
-// per row): gemm1 and gemm2 are one kernel (template: gated or not, NT token tiles of 8). A block of 4 warps owns
-// one token block of BM = 8 NT slots (one expert) and 16 output rows of gate and up (gemm1) or 32 rows of down
-// (gemm2); its 4 warps split K in 128-wide chunks (warp w takes chunks w, w + 4, ...) and sum their fp32 partials
-// in shared memory in warp order. The weights are the A operand of mma.m16n8k16 (16 output rows), the tokens the B
-// operand (8 columns), so one token per expert wastes 7/8 of the small side and none of the weight stream.
+// Stream path (BM = 8, 16, 32; small M; D and F multiples of 128, group 32): gemm1 and gemm2 are one kernel
+// (template: gated or not, NT token tiles of 8). A block of 4 warps owns one token block of BM = 8 NT slots (one
+// expert) and 16 output rows of gate and up (gemm1) or 32 rows of down (gemm2); its 4 warps split K in 128-wide
+// chunks (warp w takes chunks w, w + 4, ...) and sum their fp32 partials in shared memory in warp order. The
+// weights are the A operand of mma.m16n8k16 (16 output rows), the tokens the B operand (8 columns), so one token
+// per expert wastes 7/8 of the small side and none of the weight stream.
 //
-// K permutation. A dot product does not care in which order k is summed, as long as A and B agree. In one chunk,
-// lane (g, t) of a warp (g = lane / 4, t = lane % 4) owns the 32 inputs 32 t .. 32 t + 31: one 16-byte load of 4
-// packed words per weight row (rows g and g + 8 of each 16-row tile; one quantization group) and 64 contiguous
-// bytes of each of its token rows. mma step (w, h) (word w = 0..3, half h = 0..1) feeds it the pairs of nibbles
-// (s, s + 4) with s = 2 h (logical k 2t, 2t+1) and s = 2 h + 1 (logical k 2t+8, 2t+9) of word w; the token
-// values at the same positions are paired with one byte permute. Dequantization of a pair: (word >> 4 s) &
-// 0x000F000F | 0x43004300 is the bf16 pair (128 + n_s, 128 + n_{s+4}); minus 136 gives q exactly, times the
-// scale rounds once, the same bf16 value as the reference's fp32 q * s cast to bf16.
+// K order. A dot product does not care in which order k is summed, as long as A and B agree. A chunk holds 4
+// quantization groups G of 32 inputs (16 bytes, 4 packed words, per row). mma step (G, h) gives lane (g, t) of a
+// warp (g = lane / 4, t = lane % 4) word t of group G of rows g and g + 8 of a 16-row tile, its nibble pairs
+// (p, p + 4) with p = 2 h (logical k 2t, 2t+1) and p = 2 h + 1 (logical k 2t+8, 2t+9), and the token values at the
+// same inputs (32 G + 8 t .. + 7 of the chunk, paired with one byte permute). So each mma step lies in one group,
+// with one scale per row, and the scale is applied after the mma, in fp32: dequantization is one lop3 per pair,
+// (word >> 4 p) & 0x000F000F | 0x43004300 = the exact bf16 pair (128 + n_p, 128 + n_{p+4}) = q + 136, and the
+// step's mmas accumulate onto -136 (sum of the step's token values), an mma of the constant -136 with the same
+// tokens that both tiles share. That leaves sum q x (fp32), times the row's scale. The weights are never rounded
+// to bf16 (the reference rounds q * s to bf16): the two differ by less than bf16 rounding.
 //
-// Streaming. Each thread copies exactly the bytes it will read (its 4 weight vectors, 4 scale words, 4 NT token
-// vectors per chunk) with cp.async into its own slots of a shared-memory ring of kStages chunks, so the ring needs
-// no block barrier: cp.async.wait_group orders a thread's own copies. Weights bypass L1 (.cg); scales and token
-// rows go through it (.ca), where the other blocks of the same SM find them.
+// Streaming. Each warp streams its own chunks through its own slots of a shared-memory ring of kStreamStages
+// chunks (cp.async, L1 bypassed for the weights): each lane copies one 16-byte group of each of its 4 weight rows
+// and the 4 scales of one of the warp's rows. Group G of row g sits in 16-byte slot G ^ (g / 2 % 4) of the row's
+// 64 bytes, so the lanes' 4-byte reads of word t of group G hit 32 different banks. cp.async.wait_group and a warp
+// barrier order the copies before the reads, a second warp barrier the reads before the slot is refilled. A block
+// copies its first weight stages before it reads its slots (the weights need only the expert). Token rows go
+// straight to registers, loaded a chunk ahead (through L1 for x; from L2 for h, which gemm1 writes); token tiles
+// without a slot (the real slots come first in a block) are skipped.
+//
+// Launches. gemm1, gemm2 and the combine are launched as programmatic dependents (PDL) of the kernel before them:
+// gemm1 waits for the align stage at its start, gemm2 copies its first weight stages while gemm1's last blocks run
+// and waits for gemm1 before it reads h, the combine waits for gemm2. Every block waits before it ends, so each
+// kernel also ends after the one before it. Flag bit 4 launches them plainly.
 //
 // Tile path (BM = 64 or 128; large M; D a multiple of 256, F of 128, group 32): a block of two warpgroups owns one
 // tile of up to BM slots of one expert and 128 rows of gate and of up (gemm1) or 256 rows of down (gemm2), so each
@@ -75,9 +86,8 @@ constexpr int kMaxAlignSmem = 200 * 1024;
 // Bits of the "flags" attribute (benchmarks and tests; 0 is the default).
 constexpr int64_t kFlagSync = 1;        // tile path: mma.sync + ldmatrix instead of wgmma
 constexpr int64_t kFlagL2Prefetch = 2;  // weight copies ask L2 for 256-byte lines
-constexpr int64_t kFlagFake = 4;        // stream path: read each block's weight rows as if tile-contiguous (WRONG
-                                        // results: a bandwidth experiment for the benchmark only)
 constexpr int64_t kFlagDeep = 8;        // tile path (wgmma): 4 k-steps in flight instead of 2
+constexpr int64_t kFlagSerial = 16;     // stream path: plain launches instead of programmatic dependent ones
 
 // ------------------------------------------------------------------------------------------------------------------
 // Small helpers
@@ -209,6 +219,47 @@ __device__ __forceinline__ void MmaAt(float* d, const uint32_t (&a)[4], uint32_t
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// D = A B (zero accumulators), the same tile shape.
+__device__ __forceinline__ void MmaZero(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+// (word & 0x000F000F) | 0x43004300 in one lop3: the bf16 pair (128 + low nibble of each half-word).
+__device__ __forceinline__ uint32_t BiasedPair(uint32_t word) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(word), "n"(0x000F000F), "n"(0x43004300));
+  return d;
+}
+
+__device__ __forceinline__ uint2 LoadShared8(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
+// 16 bytes global -> registers: through L1 (data no kernel writes while this one runs), or from L2 only.
+__device__ __forceinline__ uint4 LoadGlobal16Nc(const void* ptr) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 LoadGlobal16Cg(const void* ptr) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr) : "memory");
+  return v;
+}
+
+// Programmatic dependent launch (sm_90): wait until the kernel before this one on the stream has ended and its
+// writes are visible; let the kernel after this one start launching. Both do nothing without a PDL launch.
+__device__ __forceinline__ void GridDependencyWait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void LaunchDependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 __device__ __forceinline__ float Silu(float v) { return v / (1.0f + __expf(-v)); }
 
@@ -428,6 +479,7 @@ struct Wgmma<128> {
 __global__ void AlignKernel(const int32_t* __restrict__ ids, int slots, int experts, int bm, int max_blocks,
                             int32_t* __restrict__ sorted, int32_t* __restrict__ block_expert) {
   extern __shared__ int align_smem[];
+  LaunchDependents();  // the stream path's gemm1 may start launching (it waits for this kernel to end)
   const int nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
   int* hist = align_smem;
   int* count = hist + nw * experts;
@@ -532,7 +584,7 @@ int AlignWarps(int64_t experts, int64_t slots) {
 struct GemmParams {
   const uint32_t* w0;          // packed [E, rows, K/8]: gate (gated) or down
   const uint32_t* w1;          // packed [E, rows, K/8]: up (gated only)
-  const __nv_bfloat16* s0;     // scales [E, rows, K/group] of w0
+  const __nv_bfloat16* s0;     // scales [E, rows, K/32] of w0
   const __nv_bfloat16* s1;     // scales of w1
   const __nv_bfloat16* src;    // B operand rows [*, K]: x [M, K] (gated, row = slot / k) or h [M k, K] (row = slot)
   __nv_bfloat16* dst;          // [M k, rows]: h (gated) or ys
@@ -540,93 +592,108 @@ struct GemmParams {
   const int32_t* block_expert; // [max_blocks] (-1: unused)
   int rows;                    // output rows per expert (F or D)
   int k;                       // inputs (D or F), a multiple of 128
-  int groups;                  // scales per row (K / group), even
-  int group;                   // group size, a multiple of 32
+  int groups;                  // scales per row (K / 32)
   int src_div;                 // slot -> B row divisor (top-k for gemm1, 1 for gemm2)
   int slots;                   // M k
-  int flags;                   // kFlag*
 };
 
-template <int NT>
-struct Ring {
-  static constexpr int kA = 4;                                   // uint4 per thread: (tile, row half)
-  static constexpr int kS = 4;                                   // scale words per thread
-  static constexpr int kX = 4 * NT;                              // uint4 per thread: (token tile, word)
-  static constexpr int kOffS = 16 * kA * kThreads;
-  static constexpr int kOffX = kOffS + 4 * kS * kThreads;
-  static constexpr int kStageBytes = kOffX + 16 * kX * kThreads;
-  static constexpr int kStages = NT == 1 ? 3 : (NT == 2 ? 4 : 2);  // 4, 2, 2 blocks per SM (shared memory)
-  static constexpr int kBytes = kStages * kStageBytes;
-};
+// The ring of the stream path, per stage: weights (4 rows x 16 B per thread), then scales (8 B per thread); 4 blocks
+// of 4 warps per SM.
+constexpr int kStreamStages = 6;
+constexpr int kStreamW = 16 * 4 * kThreads;
+constexpr int kStreamStageBytes = kStreamW + 8 * kThreads;
+constexpr int kStreamSmem = kStreamStages * kStreamStageBytes;
+constexpr uint32_t kMinus136 = 0xC308C308u;  // the bf16 pair (-136, -136)
 
-template <int NT, bool kGated>
-__global__ void __launch_bounds__(kThreads) GemmKernel(const GemmParams p) {
-  using R = Ring<NT>;
+template <int NT, bool kGated, bool kL2>
+__global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const GemmParams p) {
   constexpr int kBm = 8 * NT;
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   __shared__ int s_src[kBm];  // B row of each token column (-1: padding)
   __shared__ int s_dst[kBm];  // output row (slot) of each token column (-1: padding)
 
   const int block = blockIdx.x;
-  const int e = p.block_expert[block];
-  if (e < 0) return;  // uniform over the block
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  if (tid < kBm) {
-    const int slot = p.sorted[static_cast<int64_t>(block) * kBm + tid];
-    const bool ok = slot >= 0 && slot < p.slots;
-    s_dst[tid] = ok ? slot : -1;
-    s_src[tid] = ok ? slot / p.src_div : -1;
+  if (kGated) GridDependencyWait();  // the align stage's arrays
+  const int e = __ldcg(p.block_expert + block);  // (gemm2: gemm1 started after the align stage ended)
+  if (e < 0) {  // uniform over the block
+    if (!kGated) GridDependencyWait();
+    return;
   }
-  __syncthreads();
+  LaunchDependents();
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
+  // Row set s = 2 tile + rh: rows g + 8 rh of tile `tile` (gate / up, or the two 16-row halves of down). This thread
+  // copies group t of its row of every set, and the scales of its row of set t. Running pointers at this warp's
+  // next chunk to copy.
   const int row0 = blockIdx.y * (kGated ? 16 : 32);
   const int64_t words = p.k / 8;
-  const bool l2_256 = (p.flags & kFlagL2Prefetch) != 0, fake = (p.flags & kFlagFake) != 0;
-  const uint32_t* a_ptr[2][2];
-  const __nv_bfloat16* s_ptr[2][2];
+  const int chunks = p.k / kChunk;
+  const int mine = (chunks - warp + kWarps - 1) / kWarps;  // chunks warp, warp + 4, ...
+  const uint32_t* a_ptr[4];
+  const __nv_bfloat16* sc_ptr = nullptr;
 #pragma unroll
-  for (int tile = 0; tile < 2; ++tile) {
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      const int64_t row = static_cast<int64_t>(e) * p.rows + row0 + (kGated ? 0 : 16 * tile) + g + 8 * rh;
-      a_ptr[tile][rh] = ((kGated && tile) ? p.w1 : p.w0) + row * words + 4 * t;
-      s_ptr[tile][rh] = ((kGated && tile) ? p.s1 : p.s0) + row * p.groups;
-      if (fake) {  // the block's own rows, read as consecutive 2 KB (gated: 1 KB per matrix) runs per chunk
-        const uint32_t* region = ((kGated && tile) ? p.w1 : p.w0) + (static_cast<int64_t>(e) * p.rows + row0) *
-                                 words;
-        a_ptr[tile][rh] = region + (kGated ? (rh * 32 + lane) : ((2 * tile + rh) * 32 + lane)) * 4;
-      }
-    }
+  for (int s = 0; s < 4; ++s) {
+    const int tile = s >> 1, rh = s & 1;
+    const int64_t row = static_cast<int64_t>(e) * p.rows + row0 + (kGated ? 0 : 16 * tile) + g + 8 * rh;
+    a_ptr[s] = ((kGated && tile) ? p.w1 : p.w0) + row * words + 4 * t + warp * 16;
+    if (s == t) sc_ptr = ((kGated && tile) ? p.s1 : p.s0) + row * p.groups + warp * 4;
   }
-  const int fake_stride = kGated ? 256 : 512;  // words per chunk of the fake layout
-  const __nv_bfloat16* x_ptr[NT];
+
+  // Shared-memory offsets in a stage: this warp's 2 KB of weights (set s at + 512 s; row g at + 64 g, group G in
+  // slot G ^ sw), then its 256 bytes of scales (lane order).
+  const int sw = (g >> 1) & 3;
+  const uint32_t ring = SmemAddress(gemm_smem);
+  const uint32_t w_copy = warp * 2048 + 64 * g + 16 * (t ^ sw);
+  const uint32_t w_read = warp * 2048 + 64 * g + 4 * t;
+  const uint32_t s_copy = kStreamW + (warp * 32 + lane) * 8;
+  const uint32_t s_read = kStreamW + (warp * 32 + 4 * g) * 8;
+  uint32_t copy_stage = ring, read_stage = ring;  // the stages the next copy fills and the next chunk reads
+  auto next_stage = [](uint32_t& stage, uint32_t ring) {
+    stage = stage + kStreamStageBytes == ring + kStreamSmem ? ring : stage + kStreamStageBytes;
+  };
+  auto issue = [&]() {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      CopyAsync16Cg(copy_stage + w_copy + 512 * s, a_ptr[s], kL2);
+      a_ptr[s] += kWarps * 16;
+    }
+    CopyAsync8(copy_stage + s_copy, sc_ptr);
+    sc_ptr += kWarps * 4;
+    next_stage(copy_stage, ring);
+  };
+#pragma unroll
+  for (int s = 0; s < kStreamStages - 1; ++s) {  // the weights need only the expert: copy before the slots arrive
+    if (s < mine) issue();
+    CopyCommit();
+  }
+
+  int real = 0;
+  if (tid < kBm) {
+    const int slot = __ldcg(p.sorted + static_cast<int64_t>(block) * kBm + tid);
+    real = slot >= 0 && slot < p.slots;
+    s_dst[tid] = real ? slot : -1;
+    s_src[tid] = real ? slot / p.src_div : -1;
+  }
+  const int tiles = (__syncthreads_count(real) + 7) / 8;  // token tiles with a slot (the real slots come first)
+  const __nv_bfloat16* x_ptr[NT];  // inputs 8 t .. 8 t + 7 of each group of token column 8 j + g, next chunk
   bool x_ok[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const int src = s_src[8 * j + g];
-    x_ok[j] = src >= 0;
-    x_ptr[j] = p.src + static_cast<int64_t>(x_ok[j] ? src : 0) * p.k + 32 * t;
+    x_ok[j] = src >= 0 && mine > 0;
+    x_ptr[j] = p.src + static_cast<int64_t>(x_ok[j] ? src : 0) * p.k + warp * kChunk + 8 * t;
   }
-
-  const uint32_t ring = SmemAddress(gemm_smem);
-  auto issue = [&](int stage, int chunk) {
-    const uint32_t base = ring + stage * R::kStageBytes;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int tile = i >> 1, rh = i & 1;
-      CopyAsync16Cg(base + (i * kThreads + tid) * 16, a_ptr[tile][rh] + chunk * (fake ? fake_stride : 16), l2_256);
-      const int gi = (chunk * kChunk + 32 * t) / p.group;
-      CopyAsync4(base + R::kOffS + (i * kThreads + tid) * 4, s_ptr[tile][rh] + (gi & ~1));
-    }
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        CopyAsync16Ca(base + R::kOffX + ((j * 4 + w) * kThreads + tid) * 16, x_ptr[j] + chunk * kChunk + 8 * w,
-                      x_ok[j]);
-      }
-    }
+  auto load_x = [&](int j, int grp) {
+    return kGated ? LoadGlobal16Nc(x_ptr[j] + 32 * grp) : LoadGlobal16Cg(x_ptr[j] + 32 * grp);
   };
+  if (!kGated) GridDependencyWait();  // h is gemm1's output
+  uint4 xv[NT][4];  // this chunk's token values: [token tile][group]
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int grp = 0; grp < 4; ++grp) xv[j][grp] = x_ok[j] ? load_x(j, grp) : make_uint4(0, 0, 0, 0);
+    x_ptr[j] += kWarps * kChunk;
+  }
   float acc[2][NT][4];
 #pragma unroll
   for (int tile = 0; tile < 2; ++tile) {
@@ -637,59 +704,55 @@ __global__ void __launch_bounds__(kThreads) GemmKernel(const GemmParams p) {
     }
   }
 
-  const int chunks = p.k / kChunk;
-  const int mine = (chunks - warp + kWarps - 1) / kWarps;  // chunks warp, warp + 4, ...
+  uint32_t k136[4];  // the A operand of the base-sum mma, kept in registers
 #pragma unroll
-  for (int s = 0; s < R::kStages - 1; ++s) {
-    if (s < mine) issue(s, warp + kWarps * s);
-    CopyCommit();
-  }
+  for (int r = 0; r < 4; ++r) asm volatile("mov.b32 %0, %1;" : "=r"(k136[r]) : "n"(kMinus136));
   for (int i = 0; i < mine; ++i) {
-    const int ahead = i + R::kStages - 1;
-    if (ahead < mine) issue(ahead % R::kStages, warp + kWarps * ahead);
+    if (i + kStreamStages - 1 < mine) issue();
     CopyCommit();
-    CopyWait<R::kStages - 1>();  // this thread's copies of chunk i have landed
+    CopyWait<kStreamStages - 1>();  // this thread's copies of chunk i have landed
+    __syncwarp();                   // and the other lanes'
 
-    const int chunk = warp + kWarps * i;
-    const uint32_t base = ring + (i % R::kStages) * R::kStageBytes;
-    uint4 a[2][2];
-    __nv_bfloat162 scale[2][2];
-    const int parity = ((chunk * kChunk + 32 * t) / p.group) & 1;
+    const bool more = i + 1 < mine;
+    uint2 sc2[4];  // the scales of the chunk's 4 groups, for this thread's row of each set
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int tile = q >> 1, rh = q & 1;
-      a[tile][rh] = LoadShared16(base + (q * kThreads + tid) * 16);
-      const uint32_t sw = LoadShared4(base + R::kOffS + (q * kThreads + tid) * 4);
-      const uint32_t bits = parity ? (sw >> 16) : (sw & 0xffffu);
-      scale[tile][rh] = BitsBf2(bits | (bits << 16));
-    }
+    for (int s = 0; s < 4; ++s) sc2[s] = LoadShared8(read_stage + s_read + 8 * s);
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      uint32_t deq[2][2][4];  // [tile][row half][nibble pair s]
+    for (int grp = 0; grp < 4; ++grp) {
+      uint32_t v[4][4];  // [set][nibble pair p]: q + 136 of inputs (p, p + 4) of word t of group grp
+      float sc[4];
 #pragma unroll
-      for (int tile = 0; tile < 2; ++tile) {
+      for (int s = 0; s < 4; ++s) {
+        const uint32_t word = LoadShared4(read_stage + w_read + 16 * (grp ^ sw) + 512 * s);
 #pragma unroll
-        for (int rh = 0; rh < 2; ++rh) {
-          const uint32_t word = Word(a[tile][rh], w);
-#pragma unroll
-          for (int s = 0; s < 4; ++s) deq[tile][rh][s] = Dequant(word, s, scale[tile][rh]);
-        }
+        for (int q = 0; q < 4; ++q) v[s][q] = BiasedPair(word >> (4 * q));
+        const uint32_t pair = (grp >> 1) ? sc2[s].y : sc2[s].x;
+        sc[s] = __uint_as_float((grp & 1) ? (pair & 0xffff0000u) : (pair << 16));
       }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        const uint4 xv = LoadShared16(base + R::kOffX + ((j * 4 + w) * kThreads + tid) * 16);
-        const uint32_t pair[4] = {__byte_perm(xv.x, xv.z, 0x5410), __byte_perm(xv.x, xv.z, 0x7632),
-                                  __byte_perm(xv.y, xv.w, 0x5410), __byte_perm(xv.y, xv.w, 0x7632)};
+        if (NT > 1 && j >= tiles) break;  // uniform over the block
+        const uint4 xg = xv[j][grp];
+        const uint32_t b[4] = {__byte_perm(xg.x, xg.z, 0x5410), __byte_perm(xg.x, xg.z, 0x7632),
+                               __byte_perm(xg.y, xg.w, 0x5410), __byte_perm(xg.y, xg.w, 0x7632)};
+        if (more && x_ok[j]) xv[j][grp] = load_x(j, grp);  // the next chunk's
+        float base_sum[4];  // -136 x (sum of the group's token values), in every row
+        MmaZero(base_sum, k136[0], k136[1], k136[2], k136[3], b[0], b[1]);
+        Mma(base_sum, k136[0], k136[1], k136[2], k136[3], b[2], b[3]);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int tile = 0; tile < 2; ++tile) {
+          float d[4] = {base_sum[0], base_sum[1], base_sum[2], base_sum[3]};
+          Mma(d, v[2 * tile][0], v[2 * tile + 1][0], v[2 * tile][1], v[2 * tile + 1][1], b[0], b[1]);
+          Mma(d, v[2 * tile][2], v[2 * tile + 1][2], v[2 * tile][3], v[2 * tile + 1][3], b[2], b[3]);
 #pragma unroll
-          for (int tile = 0; tile < 2; ++tile) {
-            Mma(acc[tile][j], deq[tile][0][2 * h], deq[tile][1][2 * h], deq[tile][0][2 * h + 1],
-                deq[tile][1][2 * h + 1], pair[2 * h], pair[2 * h + 1]);
-          }
+          for (int c = 0; c < 4; ++c) acc[tile][j][c] = fmaf(sc[2 * tile + (c >> 1)], d[c], acc[tile][j][c]);
         }
       }
     }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) x_ptr[j] += kWarps * kChunk;
+    next_stage(read_stage, ring);
+    __syncwarp();  // every lane is done with the slot before it is copied into again
   }
   CopyWait<0>();
   __syncthreads();  // every warp is done with the ring: reuse it for the partial sums
@@ -736,7 +799,6 @@ __global__ void __launch_bounds__(kThreads) GemmKernel(const GemmParams p) {
     }
   }
 }
-
 
 // ------------------------------------------------------------------------------------------------------------------
 // 2./3. the tile-path gemm
@@ -1101,6 +1163,7 @@ __global__ void CombineKernel(const T* __restrict__ ys, const int32_t* __restric
 __global__ void CombineKernel8(const __nv_bfloat16* __restrict__ ys, const int32_t* __restrict__ ids,
                                const float* __restrict__ weights, int64_t m, int topk, int experts, int d,
                                __nv_bfloat16* __restrict__ out) {
+  GridDependencyWait();  // ys (a programmatic dependent of the stream path's gemm2)
   const int pieces = d / 8;
   const int64_t n = m * pieces;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -1109,18 +1172,31 @@ __global__ void CombineKernel8(const __nv_bfloat16* __restrict__ ys, const int32
     float sum[8];
 #pragma unroll
     for (int q = 0; q < 8; ++q) sum[q] = 0.0f;
-    for (int j = 0; j < topk; ++j) {
-      const int64_t slot = row * topk + j;
-      const int e = ids[slot];
-      if (e < 0 || e >= experts) continue;
-      const float w = weights[slot];
-      const uint4 v = *reinterpret_cast<const uint4*>(ys + slot * d + col);
-      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+    for (int j0 = 0; j0 < topk; j0 += 4) {  // 4 slots' loads in flight at a time, summed in slot order
+      bool ok[4];
+      float w[4];
+      uint4 v[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(BitsBf2(u[q]));
-        sum[2 * q] += w * f.x;
-        sum[2 * q + 1] += w * f.y;
+      for (int r = 0; r < 4; ++r) {
+        const int e = j0 + r < topk ? ids[row * topk + j0 + r] : -1;
+        ok[r] = e >= 0 && e < experts;
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int64_t slot = row * topk + j0 + r;
+        w[r] = ok[r] ? weights[slot] : 0.0f;
+        v[r] = ok[r] ? LoadGlobal16Cg(ys + slot * d + col) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        if (!ok[r]) continue;
+        const uint32_t u[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(BitsBf2(u[q]));
+          sum[2 * q] += w[r] * f.x;
+          sum[2 * q + 1] += w[r] * f.y;
+        }
       }
     }
     uint32_t o[4];
@@ -1141,22 +1217,47 @@ unsigned GridFor(int64_t work, int64_t per_block) {
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65536 ? 65536 : blocks));
 }
 
-template <int NT, bool kGated>
-ffi::Error LaunchGemm(cudaStream_t stream, const GemmParams& p, int max_blocks, const char* what) {
-  constexpr int kBytes = Ring<NT>::kBytes;
-  auto kernel = GemmKernel<NT, kGated>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes) != cudaSuccess) {
+// kernel<<<grid, threads, smem, stream>>>(args...), as a programmatic dependent of the kernel before it if pdl.
+template <typename... Params, typename... Args>
+ffi::Error Launch(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStream_t stream, bool pdl,
+                  const char* what, Args... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = pdl ? 1 : 0;
+  return kdtree::CudaStatus(cudaLaunchKernelEx(&config, kernel, args...), "marlin_moe", what);
+}
+
+template <int NT, bool kGated, bool kL2>
+ffi::Error LaunchGemm(cudaStream_t stream, const GemmParams& p, int max_blocks, bool pdl, const char* what) {
+  auto kernel = GemmKernel<NT, kGated, kL2>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStreamSmem) != cudaSuccess) {
     return LastError("raising the shared-memory limit");
   }
   const dim3 grid(static_cast<unsigned>(max_blocks), static_cast<unsigned>(p.rows / (kGated ? 16 : 32)));
-  kernel<<<grid, kThreads, kBytes, stream>>>(p);
-  return LastError(what);
+  return Launch(kernel, grid, kThreads, kStreamSmem, stream, pdl, what, p);
 }
 
-template <int NT>
-ffi::Error LaunchGemms(cudaStream_t stream, GemmParams g1, GemmParams g2, int max_blocks) {
-  if (ffi::Error e = LaunchGemm<NT, true>(stream, g1, max_blocks, "gate/up kernel launch"); e.failure()) return e;
-  return LaunchGemm<NT, false>(stream, g2, max_blocks, "down kernel launch");
+template <int NT, bool kL2>
+ffi::Error LaunchGemms(cudaStream_t stream, const GemmParams& g1, const GemmParams& g2, int max_blocks, bool pdl) {
+  if (ffi::Error e = LaunchGemm<NT, true, kL2>(stream, g1, max_blocks, pdl, "gate/up kernel launch"); e.failure()) {
+    return e;
+  }
+  return LaunchGemm<NT, false, kL2>(stream, g2, max_blocks, pdl, "down kernel launch");
+}
+
+template <bool kL2>
+ffi::Error LaunchStream(cudaStream_t stream, const GemmParams& g1, const GemmParams& g2, int bm, int max_blocks,
+                        bool pdl) {
+  return bm == 8    ? LaunchGemms<1, kL2>(stream, g1, g2, max_blocks, pdl)
+         : bm == 16 ? LaunchGemms<2, kL2>(stream, g1, g2, max_blocks, pdl)
+                    : LaunchGemms<4, kL2>(stream, g1, g2, max_blocks, pdl);
 }
 
 template <bool kGated, bool kSync, int kDepth>
@@ -1243,8 +1344,7 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
   const bool bf16 = t == ffi::DataType::BF16;
   const bool blocks_ok = align_warps > 0 && max_blocks * bm == static_cast<int64_t>(sorted->element_count()) &&
                          max_blocks <= INT32_MAX / 256;
-  const bool stream_ok = bf16 && D % kChunk == 0 && F % kChunk == 0 && gg % 32 == 0 && dg % 32 == 0 &&
-                         gate_scales % 2 == 0 && down_scales % 2 == 0 && blocks_ok &&
+  const bool stream_ok = bf16 && D % kChunk == 0 && F % kChunk == 0 && gg == 32 && dg == 32 && blocks_ok &&
                          (bm == 8 || bm == 16 || bm == 32);
   const bool tile_ok = bf16 && D % 256 == 0 && F % 128 == 0 && gg == 32 && dg == 32 && blocks_ok &&
                        (bm == 64 || bm == 128) && static_cast<int64_t>(S) * D < (int64_t{1} << 40);
@@ -1275,6 +1375,7 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
                                                        static_cast<int>(bm), static_cast<int>(max_blocks),
                                                        sorted->typed_data(), block_expert->typed_data());
     if (ffi::Error e = LastError("align launch"); e.failure()) return e;
+    const bool pdl = stream_ok && !(flags & kFlagSerial);  // gemm1, gemm2 and the combine (stream path)
     const auto* xp = static_cast<const __nv_bfloat16*>(x.untyped_data());
     auto* hp = static_cast<__nv_bfloat16*>(h->untyped_data());
     auto* yp = static_cast<__nv_bfloat16*>(ys->untyped_data());
@@ -1295,20 +1396,19 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
       if (err.failure()) return err;
     } else {
       GemmParams g1{xq, uqp, gsp, usp, xp, hp, sorted->typed_data(), block_expert->typed_data(),
-                    static_cast<int>(F), static_cast<int>(D), static_cast<int>(gate_scales), static_cast<int>(gg),
-                    static_cast<int>(topk), static_cast<int>(S), static_cast<int>(flags)};
+                    static_cast<int>(F), static_cast<int>(D), static_cast<int>(gate_scales), static_cast<int>(topk),
+                    static_cast<int>(S)};
       GemmParams g2{dqp, nullptr, dsp, nullptr, hp, yp, sorted->typed_data(), block_expert->typed_data(),
-                    static_cast<int>(D), static_cast<int>(F), static_cast<int>(down_scales), static_cast<int>(dg), 1,
-                    static_cast<int>(S), static_cast<int>(flags)};
-      ffi::Error err = bm == 8    ? LaunchGemms<1>(stream, g1, g2, static_cast<int>(max_blocks))
-                       : bm == 16 ? LaunchGemms<2>(stream, g1, g2, static_cast<int>(max_blocks))
-                                  : LaunchGemms<4>(stream, g1, g2, static_cast<int>(max_blocks));
+                    static_cast<int>(D), static_cast<int>(F), static_cast<int>(down_scales), 1, static_cast<int>(S)};
+      const int nb = static_cast<int>(max_blocks), bmi = static_cast<int>(bm);
+      ffi::Error err = (flags & kFlagL2Prefetch) ? LaunchStream<true>(stream, g1, g2, bmi, nb, pdl)
+                                                 : LaunchStream<false>(stream, g1, g2, bmi, nb, pdl);
       if (err.failure()) return err;
     }
-    CombineKernel8<<<GridFor(M * D / 8, 256), 256, 0, stream>>>(
-        yp, ids.typed_data(), weights.typed_data(), M, static_cast<int>(topk), static_cast<int>(E),
-        static_cast<int>(D), static_cast<__nv_bfloat16*>(out->untyped_data()));
-    return LastError("combine launch");
+    return Launch(CombineKernel8, dim3(GridFor(M * D / 8, 256)), 256, 0, stream, pdl, "combine launch",
+                  static_cast<const __nv_bfloat16*>(yp), ids.typed_data(), weights.typed_data(), M,
+                  static_cast<int>(topk), static_cast<int>(E), static_cast<int>(D),
+                  static_cast<__nv_bfloat16*>(out->untyped_data()));
   }
 
   if (D % 8 != 0 || F % 8 != 0) return ffi::Error::InvalidArgument("marlin_moe: D and F must be multiples of 8");

@@ -81,7 +81,7 @@ if [ "$MODE" != tests ]; then
   [ -n "${BASELINE_LIB:-}" ] && BENCH+=(--baseline-lib "$BASELINE_LIB")
   if [ "$MODE" = all ]; then
     BENCH+=(--shapes k2 --ms 1024,4096,64,256,16 \
-            --variants after,before,stream+fake,stream+l2,tile128,tile128+sync,tile64+l2)
+            --variants after,before,after+serial,stream+l2,tile128,tile128+sync,tile64+l2)
   fi
   # shellcheck disable=SC2206
   BENCH+=(${BENCH_ARGS:-})

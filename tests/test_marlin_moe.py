@@ -13,9 +13,9 @@ import pytest
 
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
-from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_L2_256, FLAG_SYNC, TILE_128_MIN_M, TILE_MIN_M, _cuda_call,
-                                           block_size, choose_block_m, marlin_moe, marlin_moe_ref, max_blocks,
-                                           moe_align, moe_experts_ref, tile_eligible)
+from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_L2_256, FLAG_SERIAL, FLAG_SYNC, TILE_128_MIN_M, TILE_MIN_M,
+                                           _cuda_call, block_size, choose_block_m, marlin_moe, marlin_moe_ref,
+                                           max_blocks, moe_align, moe_experts_ref, tile_eligible)
 from kdtree_jax.model import forward
 from kdtree_jax.quant import Int4Array, quantize_int4, unpack_int4
 from kdtree_jax.sharding import moe_expert_parallel
@@ -334,9 +334,10 @@ def test_gpu_align_stage_equals_moe_align(m, k, e, bm, kind):
 
 # (M, k, E, routing, block_m, flags): decode and tree-verify sizes up to 2048 tokens on K2-sized experts, both paths
 # (block_m None: the default for M; 8 / 16 / 32 the stream path, 64 / 128 the tile path), the tile path's mma.sync
-# variant and the L2 prefetch flag
+# variant, the L2 prefetch flag and the stream path's plain launches
 K2_CASES = [
     (1, 8, 16, "uniform", None, None), (7, 8, 16, "sentinel", None, None), (64, 8, 16, "uniform", None, None),
+    (3, 8, 16, "one_expert", None, FLAG_SERIAL), (96, 8, 16, "repeat", 16, FLAG_SERIAL | FLAG_L2_256),
     (64, 8, 16, "uniform", 32, 0), (256, 8, 16, "one_expert", None, None), (2048, 8, 16, "uniform", 32, 0),
     (512, 8, 16, "few", 16, FLAG_L2_256), (2048, 8, 16, "uniform", None, None), (512, 8, 16, "few", 64, 0),
     (1024, 8, 16, "sentinel", 128, 0), (128, 8, 16, "repeat", 64, FLAG_L2_256 | FLAG_DEEP),
@@ -429,13 +430,38 @@ def test_gpu_small_experts_match_float64_and_cpu_kernel(m, k, e, d, f, dtype, ki
 
 @gpu
 @needs_gpu
-def test_gpu_group_16_takes_the_generic_path():
-    rng = np.random.default_rng(9)
-    experts = make_experts(rng, 8, 256, 128, group=16)
+@pytest.mark.parametrize("group", [16, 64])
+def test_gpu_other_groups_take_the_generic_path(group):
+    rng = np.random.default_rng(9 + group)
+    experts = make_experts(rng, 8, 256, 128, group=group)
     x = jnp.asarray(rng.standard_normal((12, 256)), jnp.bfloat16)
     ids, weights = make_routing(rng, 12, 4, 8)
     out = run(x, ids, weights, experts, device=jax.devices("gpu")[0])
     assert rel_err(out, experts64(x, ids, weights, *experts)) <= 1e-2
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("m", [1, 64])
+def test_gpu_programmatic_launches_equal_plain_ones(k2_experts, m):
+    """Four calls in a chain (each output the next input) on K2-sized experts: the stream path's kernels launched as
+    programmatic dependents (each starting while the one before it ends) give the bits of plain launches, so no
+    kernel reads what the one before it has not written yet."""
+    gpu0 = jax.devices("gpu")[0]
+    rng = np.random.default_rng(11 + m)
+    routes = [make_routing(rng, m, 8, 16) for _ in range(4)]
+    x = jax.device_put(jax.random.normal(jax.random.key(m), (m, K2_D), jnp.bfloat16), gpu0)
+    args = jax.device_put(routes, gpu0)
+
+    def chain(x, routes, experts, flags):
+        for ids, weights in routes:
+            x = marlin_moe(x, ids, weights, *experts, flags=flags)
+        return x
+
+    chained = jax.jit(chain, static_argnums=3)
+    plain = np.asarray(chained(x, args, k2_experts, FLAG_SERIAL), np.float32)
+    assert np.all(np.isfinite(plain)) and np.any(plain != 0)
+    np.testing.assert_array_equal(np.asarray(chained(x, args, k2_experts, None), np.float32), plain)
 
 
 @gpu

@@ -13,14 +13,18 @@ layout: the compressed-tensors `Int4Array` of `kdtree_jax.quant` (packed int32 [
 significant first, bf16 scales [E, out, in/group]); the CUDA kernel streams those words directly with 16-byte loads
 along `in`, so there is no repack and no inverse to keep in step with the converter.
 
-CUDA fast paths (bf16 activations, D and F multiples of 128, groups multiples of 32 with an even count per row, as
-Kimi K2 has): the M k slots are sorted by expert on the device into blocks of `block_m` slots of one expert (the
-`moe_align` of this module, as a kernel), then gate+up with the SiLU-and-multiply fused, then down, each streaming
-every touched expert's INT4 weights once (bf16 tensor cores, fp32 accumulation), then a fixed-order sum over the
-top-k with the routing weights. `block_m` picks the path, by M at trace time (`choose_block_m`):
+CUDA fast paths (bf16 activations, D and F multiples of 128, group 32, as Kimi K2 has): the M k slots are sorted by
+expert on the device into blocks of `block_m` slots of one expert (the `moe_align` of this module, as a kernel),
+then gate+up with the SiLU-and-multiply fused, then down, each streaming every touched expert's INT4 weights once
+(bf16 tensor cores, fp32 accumulation), then a fixed-order sum over the top-k with the routing weights. `block_m`
+picks the path, by M at trace time (`choose_block_m`):
 
 - stream path (block_m 8, 16, 32; small M): mma.sync with the weights as the 16-row operand and 8 slots as the
-  other; a block owns 16 rows of gate and up (or 32 of down) and one block of slots;
+  other; a block owns 16 rows of gate and up (or 32 of down) and one block of slots; every mma step lies in one
+  quantization group, so the INT4 values go to the tensor cores exactly (one lop3 per pair, offset by 136 and
+  corrected with an mma of the tokens) and the group's scale multiplies the fp32 sums: the weights are not rounded
+  to bf16 as the reference rounds them (the difference is below bf16 rounding). Its kernels are launched as
+  programmatic dependents, so each starts while the one before it ends;
 - tile path (block_m 64, 128; M >= TILE_MIN_M; D a multiple of 256, F of 128, group 32): a block owns up to
   block_m slots of one expert and 128 rows of gate and up (256 of down), so every dequantized weight tile serves
   all of the expert's slots (up to block_m) at once; wgmma with the weights from registers and the slots from
@@ -51,8 +55,8 @@ IMPLS = ("ffi", "xla", "dense")
 # Bits of the custom call's `flags` attribute (benchmarks and tests; the default is 0).
 FLAG_SYNC = 1  # tile path: mma.sync + ldmatrix instead of wgmma
 FLAG_L2_256 = 2  # weight copies ask L2 for whole 256-byte lines
-FLAG_FAKE = 4  # stream path: read each block's weight rows as if tile-contiguous (WRONG results; timing only)
 FLAG_DEEP = 8  # tile path (wgmma): 4 k-steps in flight instead of 2
+FLAG_SERIAL = 16  # stream path: plain launches instead of programmatic dependent ones
 TILE_FLAGS = FLAG_L2_256  # the tile path's default flags (H200: the 256-byte L2 lines gain ~5% at M = 1,024)
 STREAM_FLAGS = 0  # the stream path's (the L2 hint changes nothing there)
 
