@@ -1,9 +1,10 @@
 """`kdtree-jax serve`: the continuous-batching engine and the OpenAI-compatible server, on the embedded model.
 
 One server (ddtree, 4 slots) is started once for the module on 127.0.0.1 and driven with the official `openai` client
-and raw HTTP: every greedy answer must be exactly `generate`'s tokens for that prompt alone, whatever else is in
-flight; a disconnect frees its slot; bad requests get 400s, a full queue 429; the last test shuts everything down and
-checks that no thread or task is left behind.
+and raw HTTP: every greedy answer (and one at top_k=1) must be exactly `generate`'s tokens for that prompt alone,
+whatever else is in flight, and a seeded sampled answer (top_k and top_p too) the same as alone; a burst of requests
+is prefilled in one call per padded prompt length (ar engine); a disconnect frees its slot; bad requests get 400s, a
+full queue 429; the last test shuts everything down and checks that no thread or task is left behind.
 """
 
 import concurrent.futures
