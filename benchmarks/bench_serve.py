@@ -1,11 +1,14 @@
 """Serving throughput and latency of the embedded model by concurrency: for each method, a local `kdtree-jax serve`
 (the same engine and app, on 127.0.0.1) measured by `kdtree-jax bench-serve`'s client; the runs side by side in
-results/<name>.{json,md,png}, stamped with the date, the device and the commit.
+results/<name>.{json,md,png}, stamped with the date, the device and the commit. Each engine compiles its prefills for
+the benchmark's prompt lengths before it serves (`Engine(warmup=...)`), so that no timed request waits for one.
 
     JAX_PLATFORMS=cpu python benchmarks/bench_serve.py --name bench_serve_cpu
+    python3 benchmarks/bench_serve.py --name bench_serve_h200 --ffi-ops tree_build,tree_accept   # scripts/gpu_serve.sh
 """
 
 import argparse
+import dataclasses
 import os
 
 import kdtree_jax as kj
@@ -26,20 +29,27 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: 64)")
     ap.add_argument("--prompt-chars", type=int, default=200,
                     help="characters per prompt (default: 200: byte prompts of at most 256 tokens)")
+    ap.add_argument("--ffi-ops", default="", metavar="OPS",
+                    help="custom calls to use, comma-separated, e.g. tree_build,tree_accept (default: none, pure JAX)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                     help="output directory (default: benchmarks/results)")
     ap.add_argument("--name", default="bench_serve", help="output file name without extension")
     args = ap.parse_args()
 
     model = kj.load("builtin")
+    cfg = model.cfg
+    if args.ffi_ops:
+        cfg = dataclasses.replace(cfg, kernels="ffi", ffi_ops=tuple(o.strip() for o in args.ffi_ops.split(",")))
     levels = [int(c) for c in args.concurrency.split(",")]
+    prompts = bench_serve.heldout_prompts(max(levels) * args.rounds, args.prompt_chars, 0)  # those `run` sends
+    warmup = tuple(sorted({len(model.tokenizer.encode(p)) for p in prompts}))
     runs, loads = [], []
     for method in args.methods.split(","):
         print(f"## {method}", flush=True)
         loads.append(f"{os.getloadavg()[0]:.1f} before {method}")
-        with Engine(model.params, model.cfg, method=method, drafter=model.drafter, budget=args.budget,
+        with Engine(model.params, cfg, method=method, drafter=model.drafter, budget=args.budget,
                     max_batch=args.max_batch, max_context=args.max_context, chunk_steps=args.chunk_steps,
-                    eos_id=model.tokenizer.eos_id) as engine:
+                    eos_id=model.tokenizer.eos_id, warmup=warmup) as engine:
             server = BackgroundServer(create_app(engine, model.tokenizer, "builtin"))
             try:
                 runs.append(bench_serve.run(server.url, levels, rounds=args.rounds, max_tokens=args.max_tokens,
@@ -50,6 +60,7 @@ def main() -> None:
     note = (f"Each decoding step computes all {args.max_batch} slots, free ones included (fixed shapes). Where the "
             "step is compute-bound (a CPU) a low concurrency pays for the empty slots and speculation pays for every "
             "tree node; on a GPU, where a step of a small batch is bound by reading the weights, both cost little. "
+            f"Kernels: {'custom calls ' + args.ffi_ops + ', the rest' if args.ffi_ops else 'all'} in pure JAX. "
             f"Other jobs may share the machine: 1-minute load average {', '.join(loads)} (on {os.cpu_count()} "
             "cores).")
     print("wrote", ", ".join(bench_serve.write(runs, args.out, args.name, title, note)))

@@ -5,8 +5,10 @@ A background thread owns the device state: the decoding driver's loop carry (`de
 state included) over `max_batch` rows of `max_context` cache slots, for one `decoding.Method` (`AR` or
 `ddtree.speculative`'s chain or ddtree). Each iteration it
   1. frees the slots of cancelled requests (finished ones are freed as soon as their last tokens are read),
-  2. prefills each waiting request into a free slot (`_admit`: the driver's `initial_state` for one row, every
-     field written into the batch at the slot, a traced index: one compilation per padded prompt length),
+  2. prefills the waiting requests into free slots, those of one padded prompt length together (`_admit`: the
+     driver's `initial_state` for their rows, every field written into the batch at the slots, traced indices; the
+     count of rows padded to a power of two, at most max_batch, with rows that are dropped: one compilation per
+     padded prompt length and power of two), so that a burst of requests costs about one prefill,
   3. runs `chunk_steps` decoding steps of every live row inside one jitted call (`_advance`: the driver's
      `run_steps`; the rows of free slots are marked done and stay frozen), and
   4. hands each request the tokens it committed (its `on_event` callback, called on the engine thread).
@@ -16,8 +18,11 @@ A row's arithmetic never mixes with the other rows', so at temperature 0 a reque
 `generate` on its prompt alone. Per-row limits need no per-row shapes: row b writes its tokens to
 out[b, M - max_new[b]:], so `commit`'s cut at M = out.shape[1] stops it after exactly max_new[b] tokens. Each row has
 its own end-of-sequence id (-1: none; the batch's `eos_id` is int32 [B, 1], which `commit` compares with the row's
-new tokens) and its own temperature (0: greedy), through `RowSampler`, or the static greedy `Sampler` while every
-live row is greedy. The rows share one random stream, so a request's `seed` fixes only its first token.
+new tokens) and its own sampling options, temperature (0: greedy), top_k and top_p, through `RowSampler` (the
+options as traced data: no compilation per request), or the static greedy `Sampler` while every live row is greedy.
+Each row also has its own random key, from its request's `seed`: split once per call that runs the row, folded with
+the step's key (every call starts from the same loop key), so a seeded request draws the same tokens whatever else
+is in flight, and in whichever slot.
 """
 
 from __future__ import annotations
@@ -78,7 +83,9 @@ class _Request:
     lengths: np.ndarray  # int32 [1]
     chunk: int | None  # prefill chunk (None: one pass)
     max_new: int
-    temperature: float
+    temperature: float  # 0: greedy
+    top_k: int  # 0: none
+    top_p: float  # 1: none
     seed: int
     eos: int  # -1: none
     on_event: Callable[[Event], None]
@@ -87,41 +94,87 @@ class _Request:
     last: int = -1  # the newest of them
 
 
-def _put(batch: jax.Array, row: jax.Array, slot: jax.Array, axis: int = 0) -> jax.Array:
-    """batch with its row `slot` (along `axis`) replaced by row (size 1 along that axis); in place when donated."""
-    return jax.lax.dynamic_update_slice_in_dim(batch, row.astype(batch.dtype), slot, axis)
+def _put(batch: jax.Array, rows: jax.Array, slots: jax.Array, axis: int = 0) -> jax.Array:
+    """batch with rows (n along `axis`) written at the indices slots int32 [n] along that axis, a slot out of range
+    (a padding row) dropped; in place when batch is donated."""
+    return batch.at[(slice(None),) * axis + (slots,)].set(rows.astype(batch.dtype), mode="drop")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RowSampler:
-    """The Sampler members the methods use (`greedy`, `logits`, `choose`), with a temperature per row: f32 [B], 0 for a
-    greedy row, whose token is the argmax, exactly the static greedy `Sampler`'s. A pytree with the temperatures as
-    data: one compilation serves every mix of temperatures (no top-k or top-p)."""
+    """The Sampler members the methods use (`greedy`, `logits`, `choose`), with every option per row and a random key
+    per row. The options are applied as `decoding.Sampler.logits` applies them: temperature f32 [B] (0: a greedy row,
+    whose logits are left as they are and whose token is the argmax, exactly the static greedy `Sampler`'s), then
+    top_k int32 [B] (0: none; ties with the k-th token kept), then the nucleus top_p f32 [B] (1: none; ties kept), by
+    one sort of the logits and thresholds read from it (`lax.top_k` needs a static k). A pytree with the options and
+    keys as data: one compilation serves every mix of them; `filtered` (static) is False when no row has a top_k or
+    top_p, which skips the sort.
 
-    temperature: jax.Array  # f32 [B]
+    A row's draws depend on its own key alone: `choose(logits, key)` folds the call's `key` (the same for every row)
+    into each row's key and draws each row with its own. The engine keeps each row's key, splits it once per call,
+    and starts every call from the same loop key, so a seeded request gets the same tokens whatever else runs."""
+
+    temperature: jax.Array  # f32 [B]    0: greedy
+    top_k: jax.Array  # int32 [B]        0: all tokens
+    top_p: jax.Array  # f32 [B]          1: all tokens
+    key: jax.Array  # key [B]            the row's key for this call
+    filtered: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     greedy = False  # per row, not for the whole batch
 
-    def _rows(self, x: jax.Array) -> jax.Array:
-        """The temperatures shaped to broadcast against x [B, ..., V]; 1 for the greedy rows."""
-        t = self.temperature.reshape(self.temperature.shape + (1,) * (x.ndim - 1))
-        return jnp.where(t > 0, t, 1.0)
+    @staticmethod
+    def _rows(v: jax.Array, x: jax.Array) -> jax.Array:
+        """v [B] shaped to broadcast against x [B, ..., V]."""
+        return v.reshape(v.shape + (1,) * (x.ndim - 1))
 
     def logits(self, logits: jax.Array) -> jax.Array:
-        """logits [B, ..., V] (f32) divided by the row's temperature (a greedy row's as they are)."""
-        return logits.astype(jnp.float32) / self._rows(logits)
+        """The log-probabilities (unnormalized, f32) that row b samples from, for logits [B, ..., V]: divided by the
+        row's temperature, then -inf outside its top_k tokens, then -inf past its nucleus (a greedy row's as they
+        are): `Sampler(temperature[b], top_k[b], top_p[b]).logits`, row by row."""
+        x = logits.astype(jnp.float32)
+        t = self._rows(self.temperature, x)
+        sampled = t > 0
+        x = x / jnp.where(sampled, t, 1.0)
+        if not self.filtered:
+            return x
+        desc = jnp.flip(jnp.sort(x, axis=-1), axis=-1)  # [B, ..., V]
+        k = self._rows(self.top_k, x)
+        kth = jnp.take_along_axis(desc, jnp.clip(k - 1, 0, x.shape[-1] - 1), axis=-1)  # [B, ..., 1]
+        kth = jnp.where(sampled & (k > 0), kth, -jnp.inf)
+        x, desc = jnp.where(x >= kth, x, -jnp.inf), jnp.where(desc >= kth, desc, -jnp.inf)
+        p = jax.nn.softmax(desc, axis=-1)
+        before = jnp.concatenate([jnp.zeros_like(p[..., :1]), jnp.cumsum(p, axis=-1)[..., :-1]], axis=-1)
+        top_p = self._rows(self.top_p, x)
+        keep = jnp.sum(before < top_p, axis=-1, keepdims=True)  # the nucleus' size (>= 1)
+        cut = jnp.where(sampled & (top_p < 1), jnp.take_along_axis(desc, keep - 1, axis=-1), -jnp.inf)
+        return jnp.where(x >= cut, x, -jnp.inf)
 
     def choose(self, logits: jax.Array, key: jax.Array) -> jax.Array:
-        """int32 [B, ...]: a draw from softmax(logits / temperature) for sampled rows, the argmax for greedy ones."""
-        drawn = jax.random.categorical(key, self.logits(logits), axis=-1)
-        sampled = (self.temperature > 0).reshape(self.temperature.shape + (1,) * (logits.ndim - 2))
+        """int32 [B, ...]: for a sampled row, a draw from its filtered distribution with its key (`key` folded in);
+        for a greedy row, the argmax."""
+        salt = jax.random.bits(key, dtype=jnp.uint32)
+        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(self.key, salt)
+        drawn = jax.vmap(partial(jax.random.categorical, axis=-1))(keys, self.logits(logits))
+        sampled = self._rows(self.temperature > 0, drawn)
         return jnp.where(sampled, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+
+
+def split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's key split in two: (the keys to keep for the next call, the keys for this one), key [B] each."""
+    pairs = jax.vmap(jax.random.split)(keys)  # [B, 2]
+    return pairs[:, 0], pairs[:, 1]
+
+
+def seed_keys(seeds: jax.Array) -> jax.Array:
+    """key [n] from seeds uint32 [n, 2] (the high and low words of seeds below 2**63): key(low) with the high word
+    folded in, so that every seed has its own key (jax.random.key would drop the high word without x64)."""
+    return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s[1]), s[0]))(seeds)
 
 
 def _empty_state(method: Method, cfg: ModelConfig, key, *, batch: int, cache_len: int) -> DecodeState:
     """The batch's loop carry with every slot free (done): `batch` rows of `cache_len` cache slots, out as wide,
-    eos_id per row [batch, 1]; `key` starts the random stream that the rows share."""
+    eos_id per row [batch, 1]; `key` is the loop key that every call starts from (the rows' keys are kept apart)."""
     draft = method.drafter.start(batch, cache_len) if isinstance(method, Speculative) else None
     return DecodeState(cache=init_cache(cfg, batch, cache_len), draft=draft,
                        out=jnp.full((batch, cache_len), -1, jnp.int32), num_out=jnp.zeros((batch,), jnp.int32),
@@ -134,49 +187,64 @@ def _empty_state(method: Method, cfg: ModelConfig, key, *, batch: int, cache_len
 _empty_state_jit = jax.jit(_empty_state, static_argnames=("cfg", "batch", "cache_len"))
 
 
-@partial(jax.jit, static_argnames=("cfg", "chunk"), donate_argnames=("state",))
-def _admit(method: Method, params, cfg: ModelConfig, state: DecodeState, slot, tokens, lengths, key,
-           sampler: RowSampler, max_new, eos, *, chunk: int | None):
-    """Prefill one prompt tokens [1, T] into row `slot` of the batch (slot traced: one compilation per T).
+@partial(jax.jit, static_argnames=("cfg", "chunk"), donate_argnames=("state", "keys"))
+def _admit(method: Method, params, cfg: ModelConfig, state: DecodeState, keys, slots, tokens, lengths, options,
+           seeds, max_new, eos, *, chunk: int | None):
+    """Prefill the prompts tokens [n, T] (right-padded; lengths [n]) into the rows slots int32 [n] of the batch in
+    one call (traced slots: one compilation per n and T; a slot of B is a padding row, dropped).
 
-    The row is the driver's `initial_state` (the same prefill, drafter state and first token as `generate`), its
-    cache as long as the batch's; its first token is committed again at out[0, M - max_new] (M = out.shape[1]).
-    Every field but the shared key and step count replaces the slot's row (nothing of the previous request
-    remains); the drafter's state (a DraftCache, [Ld, B, S, ...]) has its rows on axis 1. sampler: the row's temperature [1]; max_new and eos
-    int32 [] (eos -1: none). Returns (state, first token [1], done [1], nonfinite [1]).
+    Each row is the driver's `initial_state` (the same prefill, drafter state and first token as `generate`), its
+    cache as long as the batch's; its first token is committed again at out[b, M - max_new[b]] (M = out.shape[1]).
+    Every field but the loop key and step count replaces the slot's row (nothing of the previous request remains);
+    the drafter's state (a DraftCache, [Ld, B, S, ...]) has its rows on axis 1.
+    options: the rows' (temperature f32 [n], top_k int32 [n], top_p f32 [n]) for a `RowSampler` (always filtered:
+    one sort of [n, V]); seeds uint32 [n, 2] (`seed_keys`): half of each row's key draws its first token, the other
+    half goes to the row's slot of keys [B]; max_new and eos int32 [n] (eos -1: none).
+    Returns (state, keys, first tokens [n], done [n], nonfinite [n]).
     """
-    width = state.out.shape[1]
-    row = initial_state(method, params, cfg, tokens, lengths, key, eos, sampler=sampler,
-                        cache_len=state.cache.max_len, max_new=1, chunk=chunk)
-    out, num_out, done, _ = commit(jnp.full((1, width), -1, jnp.int32), (width - max_new)[None], jnp.zeros((1,), bool),
-                                   row.last[:, None], jnp.ones((1,), jnp.int32), eos, width)
-    row = dataclasses.replace(row, out=out, num_out=num_out, done=done, eos_id=jnp.reshape(eos, (1, 1)))
+    width, n = state.out.shape[1], tokens.shape[0]
+    keep, now = split_rows(seed_keys(seeds))
+    row = initial_state(method, params, cfg, tokens, lengths, state.key, eos[:, None],
+                        sampler=RowSampler(*options, key=now), cache_len=state.cache.max_len, max_new=1, chunk=chunk)
+    out, num_out, done, _ = commit(jnp.full((n, width), -1, jnp.int32), width - max_new, jnp.zeros((n,), bool),
+                                   row.last[:, None], jnp.ones((n,), jnp.int32), eos[:, None], width)
+    row = dataclasses.replace(row, out=out, num_out=num_out, done=done, eos_id=eos[:, None])
 
     def put(name: str):
         axis = 1 if name == "draft" else 0
-        return jax.tree.map(lambda b, r: _put(b, r, slot, axis), getattr(state, name), getattr(row, name))
+        return jax.tree.map(lambda b, r: _put(b, r, slots, axis), getattr(state, name), getattr(row, name))
 
     new = {f.name: put(f.name) for f in dataclasses.fields(DecodeState) if f.name not in ("key", "steps")}
-    return dataclasses.replace(state, **new), row.last, done, row.nonfinite
+    return dataclasses.replace(state, **new), _put(keys, keep, slots), row.last, done, row.nonfinite
 
 
-@partial(jax.jit, static_argnames=("cfg", "steps", "width"), donate_argnames=("state",))
-def _advance(method: Method, params, cfg: ModelConfig, state: DecodeState, stop, since, sampler, *, steps: int,
-             width: int):
+@partial(jax.jit, static_argnames=("cfg", "steps", "width", "filtered"), donate_argnames=("state", "keys"))
+def _advance(method: Method, params, cfg: ModelConfig, state: DecodeState, keys, stop, since, options, *, steps: int,
+             width: int, filtered: bool):
     """Up to `steps` decoding steps of every live row (fewer when every row is done); rows in `stop` bool [B] (free
-    slots) are marked done first. sampler: a `RowSampler` (traced) or the greedy `Sampler` (static).
+    slots) are marked done first. options: None when every live row is greedy (the static greedy `Sampler`: no
+    draws), else the rows' (temperature, top_k, top_p) for a `RowSampler` (`filtered` static) that draws with half of
+    each row's key of keys [B], the other half kept for the next call. Every call starts from the same loop key
+    (state.key, put back after the steps), so a row's draws depend on its own key and progress alone.
 
-    Returns (state, window int32 [B, width]: out[b, start[b]:start[b] + width], start [B] (= since[b], the first
-    token not yet read, moved back where it would overrun out), steps run, row-steps run, tokens those row-steps
-    accepted, bonus included: the tau of the chunk is their ratio).
+    Returns (state, keys, window int32 [B, width]: out[b, start[b]:start[b] + width], start [B] (= since[b], the
+    first token not yet read, moved back where it would overrun out), steps run, row-steps run, tokens those
+    row-steps accepted, bonus included: the tau of the chunk is their ratio).
     """
+    if options is None:
+        sampler = Sampler()
+    else:
+        keys, now = split_rows(keys)
+        sampler = RowSampler(*options, key=now, filtered=filtered)
+    loop_key = state.key
     state = dataclasses.replace(state, done=state.done | stop, steps=jnp.zeros((), jnp.int32))
     accepted_before = state.accepted
     state = run_steps(method, params, cfg, state, jnp.int32(steps), sampler)
+    state = dataclasses.replace(state, key=loop_key)
     hist = state.accepted - accepted_before  # [B, K + 1] (row, step) pairs that committed k tokens
     start = jnp.minimum(since, state.out.shape[1] - width)
     window = jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, width))(state.out, start)
-    return state, window, start, state.steps, jnp.sum(hist), jnp.sum(hist * jnp.arange(hist.shape[1]))
+    return state, keys, window, start, state.steps, jnp.sum(hist), jnp.sum(hist * jnp.arange(hist.shape[1]))
 
 
 def _device_name() -> str:
@@ -201,12 +269,15 @@ class Engine:
 
     max_context: cache slots per row, a power of two (prompt + max_tokens + the speculative tree must fit); default
     min(the model's context, 8192). max_queue: requests waiting for a slot before `submit` raises QueueFull.
-    chunk_steps: decoding steps per jitted call (new tokens reach the requests after each).
+    chunk_steps: decoding steps per jitted call (new tokens reach the requests after each). seed: the seeds of the
+    requests that give none are drawn from a generator seeded with it. warmup: prompt lengths (in tokens) for which
+    the prefill of every admission size is compiled before the engine starts (benchmarks: no request waits for a
+    compilation).
     """
 
     def __init__(self, params, cfg: ModelConfig, *, method: str = "ar", drafter=None, budget: int = 64,
                  max_batch: int = 8, max_context: int | None = None, max_queue: int = 64, chunk_steps: int = 4,
-                 eos_id: int | None = None, seed: int = 0):
+                 eos_id: int | None = None, seed: int = 0, warmup: tuple[int, ...] = ()):
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("chunk_steps", chunk_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -225,10 +296,13 @@ class Engine:
         self.eos_id = -1 if eos_id is None else int(eos_id)
         # tokens a row can commit in a chunk, plus one
         self._width = min(1 + chunk_steps * self._method.tokens_per_step, context)
-        self._key = jax.random.key(seed)
-        self._state = self._empty()
+        self._state, self._keys = self._empty()
         self._active: dict[int, _Request] = {}  # by slot (engine thread only)
+        # the sampling options of each slot's request (engine thread only)
         self._temps = np.zeros((max_batch,), np.float32)
+        self._top_k = np.zeros((max_batch,), np.int32)
+        self._top_p = np.ones((max_batch,), np.float32)
+        self._seeds = np.random.default_rng(seed)
         self._pending: list[_Request] = []
         self._cancelled: set[int] = set()
         self._closing = False
@@ -237,7 +311,9 @@ class Engine:
         self._ids = itertools.count(1)
         outcomes = {f"finished_{k}": 0 for k in ("stop", "length", "cancelled", "error")}
         self.counters = dict(prompt_tokens=0, generated_tokens=0, steps=0, row_steps=0, step_tokens=0,
-                             chunk_seconds=0.0, last_step_seconds=0.0, prefills=0, **outcomes)
+                             chunk_seconds=0.0, last_step_seconds=0.0, prefills=0, prefill_calls=0, **outcomes)
+        if warmup:
+            self._warm_up(warmup)
         self._thread = threading.Thread(target=self._run, name="kdtree-jax-engine", daemon=True)
         self._thread.start()
 
@@ -246,10 +322,13 @@ class Engine:
     # ------------------------------------------------------------------------------------------------------------
 
     def submit(self, prompt: list[int], *, max_tokens: int, on_event: Callable[[Event], None],
-               temperature: float = 0.0, seed: int = 0, ignore_eos: bool = False) -> int:
+               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+               seed: int | None = None, ignore_eos: bool = False) -> int:
         """Queue one request; returns its id. on_event(Event) is called on the engine thread with each batch of new
-        tokens, the last time with `finish` set. ValueError/TypeError for bad inputs (with the reason: token ids,
-        max_tokens, temperature, seed; ContextOverflow when they do not fit a row), QueueFull, EngineClosed."""
+        tokens, the last time with `finish` set. Sampling as `decoding.Sampler(temperature, top_k, top_p)` (greedy at
+        temperature 0); `seed` fixes every token drawn, whatever else runs (None: one from the engine's generator).
+        ValueError/TypeError for bad inputs (with the reason: token ids, max_tokens, temperature, top_k, top_p, seed;
+        ContextOverflow when they do not fit a row), QueueFull, EngineClosed."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         need = len(prompt) + int(max_tokens) + self.extra_slots
@@ -257,19 +336,24 @@ class Engine:
             raise ContextOverflow(f"prompt of {len(prompt)} tokens + max_tokens {max_tokens}"
                                   + (f" + {self.extra_slots} speculative slots" if self.extra_slots else "")
                                   + f" = {need} exceeds the server's context of {self.max_context} tokens")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                                 or not 0 <= seed < 2**63):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
         eos = None if ignore_eos or self.eos_id < 0 else self.eos_id
-        req = prepare(self.cfg, [prompt], int(max_tokens), Sampler(temperature), eos, extra_slots=self.extra_slots)
+        req = prepare(self.cfg, [prompt], int(max_tokens), Sampler(temperature, top_k, top_p), eos,
+                      extra_slots=self.extra_slots)
         with self._cond:
             if self._closing or not self._thread.is_alive():
                 raise EngineClosed("the engine is shut down")
             waiting = len(self._pending) - (self.max_batch - len(self._active))  # beyond the free slots
             if waiting >= self.max_queue:
                 raise QueueFull(f"{waiting} requests are already waiting for a slot (the limit)")
+            if seed is None:
+                seed = self._seeds.integers(2**63)
+            s = req.sampler
             r = _Request(id=next(self._ids), tokens=req.tokens, lengths=req.lengths, chunk=req.chunk,
-                         max_new=req.max_new, temperature=req.sampler.temperature, seed=int(seed), eos=req.eos_id,
-                         on_event=on_event)
+                         max_new=req.max_new, temperature=s.temperature, top_k=s.top_k or 0,
+                         top_p=1.0 if s.top_p is None else s.top_p, seed=int(seed), eos=req.eos_id, on_event=on_event)
             self._pending.append(r)
             self._idle.clear()
             self._cond.notify()
@@ -289,12 +373,14 @@ class Engine:
             self._cancelled.add(request_id)
             self._cond.notify()
 
-    def complete(self, prompt: list[int], *, max_tokens: int, temperature: float = 0.0, seed: int = 0,
-                 ignore_eos: bool = False, timeout: float | None = None) -> tuple[list[int], str]:
-        """Blocking: (the generated token ids, finish reason). RuntimeError when the request fails."""
+    def complete(self, prompt: list[int], *, max_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, ignore_eos: bool = False,
+                 timeout: float | None = None) -> tuple[list[int], str]:
+        """Blocking: (the generated token ids, finish reason); the arguments are `submit`'s. RuntimeError when the
+        request fails."""
         events: queue.Queue[Event] = queue.Queue()
-        self.submit(prompt, max_tokens=max_tokens, on_event=events.put, temperature=temperature, seed=seed,
-                    ignore_eos=ignore_eos)
+        self.submit(prompt, max_tokens=max_tokens, on_event=events.put, temperature=temperature, top_k=top_k,
+                    top_p=top_p, seed=seed, ignore_eos=ignore_eos)
         tokens = []
         while True:
             ev = events.get(timeout=timeout)
@@ -340,9 +426,37 @@ class Engine:
     # The engine thread
     # ------------------------------------------------------------------------------------------------------------
 
-    def _empty(self):
+    def _empty(self) -> tuple[DecodeState, jax.Array]:
+        """The batch with every slot free, and the rows' keys key [B] (placeholders until requests take the slots)."""
         with trace_context(self.params, self.cfg):
-            return _empty_state_jit(self._method, self.cfg, self._key, batch=self.max_batch, cache_len=self.max_context)
+            state = _empty_state_jit(self._method, self.cfg, jax.random.key(0), batch=self.max_batch,
+                                     cache_len=self.max_context)
+            return state, jax.random.split(jax.random.key(1), self.max_batch)
+
+    def _warm_up(self, prompt_lens: tuple[int, ...]) -> None:
+        """Compile the prefills of every admission size (1, 2, 4, ... rows, at most max_batch) for prompts of these
+        lengths (padded as requests are), and the decoding chunk in its three sampler forms, by running them on
+        nothing: padding rows, which are dropped, and no live row."""
+        for n in prompt_lens:
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 < n < self.max_context:
+                raise ValueError(f"warmup prompt lengths must be integers in [1, {self.max_context}), got {n!r}")
+        shapes = {(r.tokens.shape[1], r.chunk) for r in (prepare(self.cfg, [[0] * n], 1) for n in prompt_lens)}
+        sizes = sorted({min(1 << i, self.max_batch) for i in range(self.max_batch.bit_length() + 1)})
+        with trace_context(self.params, self.cfg):
+            for (t_pad, chunk), rows in itertools.product(sorted(shapes), sizes):
+                options = (np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32))
+                ones = np.ones(rows, np.int32)
+                self._state, self._keys, *_ = _admit(
+                    self._method, self.params, self.cfg, self._state, self._keys, self.max_batch * ones,
+                    np.zeros((rows, t_pad), np.int32), ones, options, np.zeros((rows, 2), np.uint32), ones, -ones,
+                    chunk=chunk)
+            sampled = (self._temps.copy(), self._top_k.copy(), self._top_p.copy())
+            for options, filtered in ((None, False), (sampled, False), (sampled, True)):
+                self._state, self._keys, *_ = _advance(
+                    self._method, self.params, self.cfg, self._state, self._keys, jnp.ones((self.max_batch,), bool),
+                    jnp.zeros((self.max_batch,), jnp.int32), options, steps=self.chunk_steps, width=self._width,
+                    filtered=filtered)
+        jax.block_until_ready(self._state)
 
     def _deliver(self, r: _Request, event: Event) -> bool:
         """on_event(event); False (and the request is to be dropped) when the callback raised."""
@@ -381,7 +495,7 @@ class Engine:
                 log.exception("engine iteration failed")
                 for r in [*self._active.values(), *(r for r, _ in zip(admit, free) if r.slot < 0)]:
                     self._finish(r, "error", error=f"{type(e).__name__}: {e}")
-                self._state = self._empty()
+                self._state, self._keys = self._empty()
         with self._cond:
             leftover, self._pending = [*self._pending, *self._active.values()], []
             self._active.clear()
@@ -390,22 +504,13 @@ class Engine:
         self._idle.set()
 
     def _iterate(self, admit: list[tuple[_Request, int]]) -> None:
-        """Prefill `admit` into their slots, run one chunk for every live row, hand out the new tokens."""
-        firsts = []
+        """Prefill `admit` into their slots (one call per padded prompt length), run one chunk for every live row,
+        hand out the new tokens."""
+        by_length: dict[int, list[tuple[_Request, int]]] = {}
+        for r, slot in admit:
+            by_length.setdefault(r.tokens.shape[1], []).append((r, slot))
         with trace_context(self.params, self.cfg):
-            for r, slot in admit:
-                sampler = RowSampler(jnp.full((1,), r.temperature, jnp.float32))
-                self._state, *first = _admit(
-                    self._method, self.params, self.cfg, self._state, jnp.int32(slot), jnp.asarray(r.tokens),
-                    jnp.asarray(r.lengths), jax.random.key(r.seed), sampler, jnp.int32(r.max_new), jnp.int32(r.eos),
-                    chunk=r.chunk)
-                r.slot, r.shown = slot, 1  # the first token is read below, while the chunk runs
-                self._active[slot] = r
-                self._temps[slot] = r.temperature
-                firsts.append((r, first))
-            with self._cond:
-                self.counters["prefills"] += len(admit)
-                self.counters["prompt_tokens"] += sum(int(r.lengths[0]) for r, _ in admit)
+            firsts = [(group, self._prefill(group)) for group in by_length.values()]
             chunk = None
             if self._active:
                 t0 = time.perf_counter()
@@ -414,13 +519,16 @@ class Engine:
                 since = np.array([self._row_start(self._active[s]) + self._active[s].shown if live[s] else 0
                                   for s in range(self.max_batch)], np.int32)
                 # every live row greedy: the static greedy Sampler (no draws to throw away), else one per row
-                sampler = RowSampler(jnp.asarray(self._temps)) if self._temps[live].any() else Sampler()
-                self._state, *chunk = _advance(
-                    self._method, self.params, self.cfg, self._state, jnp.asarray(~live), jnp.asarray(since),
-                    sampler, steps=self.chunk_steps, width=self._width)
-        for r, first in firsts:
-            token, done, nonfinite = (int(np.asarray(x)[0]) for x in first)
-            self._hand_out(r, [token], bool(done), bool(nonfinite))
+                sampled = live & (self._temps > 0)
+                options = (self._temps.copy(), self._top_k.copy(), self._top_p.copy()) if sampled.any() else None
+                filtered = bool((sampled & ((self._top_k > 0) | (self._top_p < 1))).any())
+                self._state, self._keys, *chunk = _advance(
+                    self._method, self.params, self.cfg, self._state, self._keys, jnp.asarray(~live),
+                    jnp.asarray(since), options, steps=self.chunk_steps, width=self._width, filtered=filtered)
+        for group, first in firsts:
+            tokens, done, nonfinite = jax.device_get(first)
+            for i, (r, _) in enumerate(group):
+                self._hand_out(r, [int(tokens[i])], bool(done[i]), bool(nonfinite[i]))
         if chunk is not None:
             window, start, steps, row_steps, step_tokens = jax.device_get(chunk)
             num_out, done, nonfinite = jax.device_get((self._state.num_out, self._state.done, self._state.nonfinite))
@@ -436,6 +544,37 @@ class Engine:
                 new = window[slot, lo:int(num_out[slot]) - int(start[slot])].tolist()
                 r.shown += len(new)
                 self._hand_out(r, new, bool(done[slot]), bool(nonfinite[slot]))
+
+    def _prefill(self, group: list[tuple[_Request, int]]) -> tuple:
+        """One prefill call for requests of one padded prompt length into their slots, the rows padded to a power of
+        two (at most max_batch: few shapes compile) with rows that are dropped; returns the first tokens, done and
+        nonfinite of the rows (on the device: read after the chunk is dispatched)."""
+        reqs, n = [r for r, _ in group], len(group)
+        rows = min(1 << (n - 1).bit_length(), self.max_batch)
+
+        def column(values, pad, dtype) -> np.ndarray:
+            return np.array(list(values) + [pad] * (rows - n), dtype)
+
+        tokens = np.zeros((rows, reqs[0].tokens.shape[1]), np.int32)
+        tokens[:n] = np.concatenate([r.tokens for r in reqs])
+        options = (column((r.temperature for r in reqs), 0, np.float32), column((r.top_k for r in reqs), 0, np.int32),
+                   column((r.top_p for r in reqs), 1, np.float32))
+        seeds = column(((r.seed >> 32, r.seed & 0xFFFFFFFF) for r in reqs), (0, 0), np.uint32)
+        self._state, self._keys, *first = _admit(
+            self._method, self.params, self.cfg, self._state, self._keys,
+            column((slot for _, slot in group), self.max_batch, np.int32), tokens,
+            column((r.lengths[0] for r in reqs), 1, np.int32), options, seeds,
+            column((r.max_new for r in reqs), 1, np.int32), column((r.eos for r in reqs), -1, np.int32),
+            chunk=reqs[0].chunk)
+        for r, slot in group:
+            r.slot, r.shown = slot, 1  # the first token is read after the chunk is dispatched
+            self._active[slot] = r
+            self._temps[slot], self._top_k[slot], self._top_p[slot] = r.temperature, r.top_k, r.top_p
+        with self._cond:
+            self.counters["prefills"] += n
+            self.counters["prefill_calls"] += 1
+            self.counters["prompt_tokens"] += sum(int(r.lengths[0]) for r in reqs)
+        return first
 
     def _row_start(self, r: _Request) -> int:
         """Where r's tokens begin in its row of out."""

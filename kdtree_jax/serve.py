@@ -4,9 +4,10 @@ Endpoints: POST /v1/completions and /v1/chat/completions (a JSON answer, or with
 ending with `data: [DONE]`), GET /v1/models, /health and /metrics (Prometheus text format).
 
 Request fields: model (the served name), prompt or messages, max_tokens (chat: max_completion_tokens too),
-temperature (default 1, as OpenAI's API; 0 is greedy), top_p (1 only, for now), top_k (off only: absent, 0 or -1),
-stop (a string or a list of up to 4), seed (fixes the first token: the batch shares one random stream), stream,
-stream_options.include_usage, n (1 only), ignore_eos (vLLM's extension: run to max_tokens). Other fields are ignored.
+temperature (default 1, as OpenAI's API; 0 is greedy), top_p (in (0, 1]), top_k (vLLM's extension: an integer >= 1;
+absent, 0 or -1: none), each request its own, stop (a string or a list of up to 4), seed (fixes every token drawn,
+whatever else is in flight; absent: the server picks one), stream, stream_options.include_usage, n (1 only),
+ignore_eos (vLLM's extension: run to max_tokens). Other fields are ignored.
 Errors are OpenAI-style JSON {"error": {"message", "type", "param", "code"}}: 400 for a bad request (context overflow,
 unknown model, bad parameter), 429 when the waiting queue is full, 500 when the model fails on a request, 503 when the
 engine is down. A client that disconnects, or a stop string, cancels its request and frees its slot.
@@ -136,10 +137,13 @@ class _Options:
         self.temperature = _number(body, "temperature", 1.0)
         if not 0 <= self.temperature <= 2:
             raise BadRequest(f"temperature must be in [0, 2], got {self.temperature}", param="temperature")
-        if _number(body, "top_p", 1.0) != 1.0:
-            raise BadRequest("top_p other than 1 is not supported yet", param="top_p")
-        if body.get("top_k") not in (None, 0, -1):
-            raise BadRequest("top_k is not supported yet (give none, 0 or -1)", param="top_k")
+        self.top_p = _number(body, "top_p", 1.0)
+        if not 0 < self.top_p <= 1:
+            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        top_k = body.get("top_k")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
+            raise BadRequest(f"top_k must be an integer >= 1 (0 or -1: none), got {top_k!r}", param="top_k")
+        self.top_k = top_k if top_k and top_k > 0 else None
         if _int(body, "n", 1, 1) != 1:
             raise BadRequest("n must be 1 (one choice per request)", param="n")
         for name in ("logprobs", "echo", "suffix", "logit_bias", "tools"):
@@ -152,7 +156,7 @@ class _Options:
             raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
                              param="stop")
         self.stop = stop
-        self.seed = _int(body, "seed", 0, 0, 2**63)
+        self.seed = _int(body, "seed", None, 0, 2**63)
         self.stream = body.get("stream", False)
         self.ignore_eos = body.get("ignore_eos", False)
         stream_options = body.get("stream_options") or {}
@@ -169,8 +173,8 @@ class _Submitted:
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.engine = engine
-        self.id = engine.submit(ids, max_tokens=opts.max_tokens, temperature=opts.temperature, seed=opts.seed,
-                                ignore_eos=opts.ignore_eos,
+        self.id = engine.submit(ids, max_tokens=opts.max_tokens, temperature=opts.temperature, top_k=opts.top_k,
+                                top_p=opts.top_p, seed=opts.seed, ignore_eos=opts.ignore_eos,
                                 on_event=lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev))
 
     async def events(self) -> AsyncIterator[Event]:
@@ -342,7 +346,8 @@ class Server:
         yield "data: [DONE]\n\n"
 
     def metrics(self) -> str:
-        """Prometheus text: requests by outcome and by HTTP status, tokens, tau, queue depth, busy slots, step time."""
+        """Prometheus text: requests by outcome and by HTTP status, tokens, prefill calls, tau, queue depth, busy slots,
+        step time."""
         s = self.engine.snapshot()
         lines = []
 
@@ -356,6 +361,8 @@ class Server:
         metric("http_responses_total", "counter", "Responses to completion requests, by HTTP status.",
                [(f'{{status="{k}"}}', v) for k, v in sorted(self.responses.items())])
         metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", s["prompt_tokens"])])
+        metric("prefill_calls_total", "counter", "Prefill calls (each prefills the waiting requests of one padded "
+               "prompt length together).", [("", s["prefill_calls"])])
         metric("generated_tokens_total", "counter", "Tokens generated.", [("", s["generated_tokens"])])
         metric("decode_steps_total", "counter", "Decoding steps of the batch (target forwards after prefill).",
                [("", s["steps"])])

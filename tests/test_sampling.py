@@ -1,4 +1,5 @@
-"""The Sampler: its filtered distribution against a numpy reference, greedy and top_k=1, clear errors."""
+"""The Sampler: its filtered distribution against a numpy reference, greedy and top_k=1, clear errors; the serve
+engine's RowSampler (options and keys per row) against it, row by row."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import pytest
 
 from conftest import filtered_probs
 from kdtree_jax import Sampler
+from kdtree_jax.engine import RowSampler
 
 
 def _logits(seed: int, shape=(12, 300)) -> np.ndarray:
@@ -65,3 +67,51 @@ def test_static_and_hashable():
     a, b = Sampler(0.7, 40, 0.9), Sampler(0.7, 40, 0.9)
     assert a == b and hash(a) == hash(b) and Sampler(0.7, 40, 1.0) == Sampler(0.7, 40)  # top_p = 1 is no filter
     assert jax.tree.leaves(a) == []  # static: compiled into the loop, never traced
+
+
+ROWS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.9), (0.9, 50, 0.8), (2.0, 3, 0.5), (1.0, 1, 1.0),
+        (0.5, 1000, 0.999), (1.0, 2, 1.0), (1.0, 0, 0.3), (0.0, 5, 0.5), (1.0, 300, 0.6)]
+
+
+def _row_sampler(rows, filtered=True) -> RowSampler:
+    """A RowSampler of rows (temperature, top_k, top_p), each with its own key."""
+    t, k, p = (np.array(c, d) for c, d in zip(zip(*rows), (np.float32, np.int32, np.float32)))
+    keys = jax.random.split(jax.random.key(0), len(rows))
+    return RowSampler(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p), keys, filtered)
+
+
+def _with_ties(seed: int) -> np.ndarray:
+    """Rows of _logits rounded to a coarse grid: many tokens tie (with the k-th of some top_k too)."""
+    return np.round(_logits(seed) * 2) / 2
+
+
+def test_row_sampler_is_the_sampler_row_by_row():
+    """The server's per-row options (traced) give exactly the static Sampler's filtered logits, ties included; the
+    unfiltered form (no row with top_k or top_p) is the same as the filtered one where no row asks for a filter."""
+    logits = jnp.asarray(np.stack([_with_ties(1), _logits(2)], axis=1))  # [B, 2, V]: as the tree's nodes
+    got = np.asarray(jax.jit(lambda s, x: s.logits(x))(_row_sampler(ROWS), logits))
+    for b, (t, k, p) in enumerate(ROWS):
+        want = np.asarray(Sampler(t, k or None, p).logits(logits[b:b + 1]))[0]
+        np.testing.assert_array_equal(got[b], want, err_msg=str(ROWS[b]))
+    kept = np.isfinite(got[:, 0]).sum(axis=-1)
+    assert kept[2] > 20 and kept[5] > 3  # ties with the k-th token are kept
+    plain = [(t, 0, 1.0) for t, _, _ in ROWS]
+    unfiltered = _row_sampler(plain, filtered=False).logits(logits)
+    np.testing.assert_array_equal(unfiltered, _row_sampler(plain).logits(logits))
+
+
+def test_row_sampler_draws_each_row_with_its_own_key():
+    """A row's draw depends on its key and the step key alone (not on its place or the other rows); greedy and
+    top_k=1 rows take the argmax."""
+    logits = jnp.asarray(_logits(5))
+    sampler = _row_sampler(ROWS)
+    step = jax.random.key(9)
+    got = np.asarray(jax.jit(lambda s, x, k: s.choose(x, k))(sampler, logits, step))
+    for b in range(len(ROWS)):
+        alone = jax.tree.map(lambda a: a[b:b + 1], sampler)
+        assert alone.choose(logits[b:b + 1], step)[0] == got[b]
+    best = np.argmax(np.asarray(logits), axis=-1)
+    assert got[0] == best[0] and got[6] == best[6] and got[10] == best[10]
+    other = np.asarray(sampler.choose(logits, jax.random.key(10)))
+    hot = RowSampler(jnp.full((12,), 5.0), jnp.zeros((12,), jnp.int32), jnp.ones((12,)), sampler.key)
+    assert (other != got).any() and (np.asarray(hot.choose(logits, step)) != best).any()

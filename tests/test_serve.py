@@ -1,9 +1,10 @@
 """`kdtree-jax serve`: the continuous-batching engine and the OpenAI-compatible server, on the embedded model.
 
 One server (ddtree, 4 slots) is started once for the module on 127.0.0.1 and driven with the official `openai` client
-and raw HTTP: every greedy answer must be exactly `generate`'s tokens for that prompt alone, whatever else is in
-flight; a disconnect frees its slot; bad requests get 400s, a full queue 429; the last test shuts everything down and
-checks that no thread or task is left behind.
+and raw HTTP: every greedy answer (and one at top_k=1) must be exactly `generate`'s tokens for that prompt alone,
+whatever else is in flight, and a seeded sampled answer (top_k and top_p too) the same as alone; a burst of requests
+is prefilled in one call per padded prompt length (ar engine); a disconnect frees its slot; bad requests get 400s, a
+full queue 429; the last test shuts everything down and checks that no thread or task is left behind.
 """
 
 import concurrent.futures
@@ -123,23 +124,26 @@ def test_openai_client_chat_streamed_and_not(served, solo_text):
 
 
 def test_concurrent_clients_each_get_their_solo_output(served, solo_text):
-    """10 greedy clients (more than the slots: requests wait and join mid-flight) next to 2 sampling ones."""
+    """10 greedy clients (more than the slots: requests wait and join mid-flight) next to sampling ones: a greedy
+    request, and one sampled at top_k=1, gets its solo `generate` tokens; a seeded sampled request (with top_k and
+    top_p or without) gets the same tokens among the others as alone."""
     client = served["client"]
-    jobs = [(p, MAX_TOKENS[i % 2], 0.0) for i, p in enumerate(PROMPTS)] + [(PROMPTS[1], 20, 0.9), (PROMPTS[6], 20, 1.5)]
+    greedy = [dict(prompt=p, max_tokens=MAX_TOKENS[i % 2], temperature=0) for i, p in enumerate(PROMPTS)]
+    greedy.append(dict(prompt=PROMPTS[2], max_tokens=MAX_TOKENS[0], temperature=1.0, extra_body={"top_k": 1}))
+    sampled = [dict(prompt=PROMPTS[1], max_tokens=20, temperature=0.8, seed=7, extra_body={"ignore_eos": True}),
+               dict(prompt=PROMPTS[6], max_tokens=20, temperature=1.5, top_p=0.9, seed=7,
+                    extra_body={"ignore_eos": True, "top_k": 40})]
 
     def ask(job):
-        prompt, max_tokens, temperature = job
-        r = client.completions.create(model="builtin", prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                                      seed=3, extra_body={"ignore_eos": temperature > 0})
+        r = client.completions.create(model="builtin", **job)
         return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
 
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        answers = list(pool.map(ask, jobs))
-    for (prompt, max_tokens, temperature), answer in zip(jobs, answers):
-        if temperature == 0:
-            assert answer == solo_text(prompt, max_tokens), prompt
-        else:
-            assert answer[1:] == ("length", max_tokens)
+    with concurrent.futures.ThreadPoolExecutor(len(greedy) + len(sampled)) as pool:
+        answers = list(pool.map(ask, greedy + sampled))
+    for job, answer in zip(greedy, answers):
+        assert answer == solo_text(job["prompt"], job["max_tokens"]), job
+    alone = [ask(job) for job in sampled]
+    assert answers[len(greedy):] == alone and all(a[1:] == ("length", 20) for a in alone)
 
 
 def test_disconnect_mid_stream_frees_the_slot(served):
@@ -162,14 +166,17 @@ def test_disconnect_mid_stream_frees_the_slot(served):
 BAD = [
     (dict(model="gpt-4", prompt="x"), "model"),
     (dict(model="builtin", prompt="x", max_tokens=CONTEXT), "max_tokens"),  # context overflow
-    (dict(model="builtin", prompt="x", top_k=5), "top_k"),
-    (dict(model="builtin", prompt="x", top_p=0.5), "top_p"),
+    (dict(model="builtin", prompt="x", top_k=-2), "top_k"),
+    (dict(model="builtin", prompt="x", top_k=2.5), "top_k"),
+    (dict(model="builtin", prompt="x", top_p=0), "top_p"),
+    (dict(model="builtin", prompt="x", top_p=1.5), "top_p"),
     (dict(model="builtin", prompt="x", temperature=-1), "temperature"),
     (dict(model="builtin", prompt="x", max_tokens=0), "max_tokens"),
     (dict(model="builtin", prompt="x", max_tokens="8"), "max_tokens"),
     (dict(model="builtin", prompt="x", n=2), "n"),
     (dict(model="builtin", prompt="x", stop=[""]), "stop"),
     (dict(model="builtin", prompt="x", seed=-1), "seed"),
+    (dict(model="builtin", prompt="x", seed=1.5), "seed"),
     (dict(model="builtin", prompt="x", stream="yes"), "stream"),
     (dict(model="builtin"), "prompt"),
     (dict(model="builtin", prompt=["a", "b"]), "prompt"),
@@ -252,15 +259,39 @@ def test_text_stream_holds_back_stop_prefixes_and_partial_characters(model):
     assert ts.feed(list(b"PyQ")) == "" and ts.stopped
 
 
-def test_ar_engine_matches_solo_generate(model, solo):
-    """The autoregressive engine (its own loop state and step), 3 requests over 2 slots."""
-    prompts = PROMPTS[:3]
-    with Engine(model.params, model.cfg, method="ar", max_batch=2, max_context=128,
+def test_ar_engine_batched_prefill_and_seeded_sampling(model, solo):
+    """The autoregressive engine (its own loop state and step): requests that arrive together are prefilled in one
+    call per padded prompt length and each gets its solo `generate` tokens; a seeded sampled request gets the same
+    tokens among them as alone."""
+    encode = model.tokenizer.encode
+    sampled = dict(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True)
+    burst = [PROMPTS[2], PROMPTS[3], PROMPTS[5]]  # prompts of 16, 16 and 32 bytes (padded: 16, 16, 32)
+    events = {p: queue.Queue() for p in [PROMPTS[1], *burst]}
+    with Engine(model.params, model.cfg, method="ar", max_batch=4, max_context=128,
                 eos_id=model.tokenizer.eos_id) as engine:
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(lambda p: engine.complete(model.tokenizer.encode(p), max_tokens=MAX_TOKENS[0],
-                                                          timeout=300)[0], prompts))
-    assert got == [solo(p, MAX_TOKENS[0], "ar") for p in prompts]
+        alone, _ = engine.complete(encode(PROMPTS[1]), timeout=300, **sampled)
+
+        def arrive(event: Event):  # when the first request ends, four arrive at once (on the engine's thread)
+            if event.finish is not None:
+                engine.submit(encode(PROMPTS[1]), on_event=events[PROMPTS[1]].put, **sampled)
+                for p in burst:
+                    engine.submit(encode(p), max_tokens=MAX_TOKENS[0], on_event=events[p].put)
+
+        calls = engine.snapshot()["prefill_calls"]
+        engine.submit(encode(PROMPTS[0]), max_tokens=4, on_event=arrive)
+        assert engine.wait_idle(timeout=300)
+        assert engine.snapshot()["prefill_calls"] - calls == 3  # the first; the three of 16 bytes; the one of 32
+
+    def tokens(q: queue.Queue) -> list[int]:
+        out = []
+        while True:
+            event = q.get_nowait()
+            out += event.tokens
+            if event.finish is not None:
+                return out
+
+    assert tokens(events[PROMPTS[1]]) == alone
+    assert [tokens(events[p]) for p in burst] == [solo(p, MAX_TOKENS[0], "ar") for p in burst]
 
 
 def test_readme_openai_example_runs(served, capsys):

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# benchmarks/bench_serve.py on one H200 (kind nvidia-h200), in one call: `kdtree-jax serve` of the embedded model (ar
+# and ddtree@16, 10 slots, each engine compiling its prefills before it serves) under 1-10 concurrent streamed
+# clients. Results (bench_serve_h200.{json,md,png}) and logs under $OUT; every step has a time limit.
+#   KDTREE_COMMIT=$(git rev-parse --short HEAD) OUT=/tmp/out bash scripts/gpu_serve.sh [bench_serve.py arguments]
+# The machine has no network: the wheels of fastapi, uvicorn, httpx, jinja2 and openai come in scratch/wheels.
+# Environment: FFI_OPS (custom calls for the benchmark, default tree_build,tree_accept; empty: pure JAX, no FFI
+# build), BENCH_LIMIT (seconds, default 420), SERVE_TESTS=1 to run tests/test_serve.py on the GPU first (its greedy
+# answers must equal `generate`'s there too; TEST_LIMIT seconds, default 240).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/out}
+FFI_OPS=${FFI_OPS-tree_build,tree_accept}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/env.txt"
+python3 -m pip install --no-index --find-links scratch/wheels fastapi uvicorn httpx jinja2 openai \
+  > "$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+python3 -c "import matplotlib" 2>/dev/null || echo "no matplotlib: the plot fails; the .json and .md are written first"
+if [ -n "$FFI_OPS" ]; then
+  . "$(dirname "$0")/ffi_env.sh"
+fi
+if [ "${SERVE_TESTS:-0}" = 1 ]; then
+  JAX_PLATFORMS=cuda timeout -k 5 "${TEST_LIMIT:-240}" python3 -m pytest -q -rA -p no:cacheprovider \
+    tests/test_serve.py > "$OUT/gpu_tests.log" 2>&1
+  echo "tests rc=$?"; grep -E "^(FAILED|ERROR)| passed| failed" "$OUT/gpu_tests.log" | tail -14
+fi
+timeout -k 5 "${BENCH_LIMIT:-420}" python3 benchmarks/bench_serve.py --name bench_serve_h200 --out "$OUT" \
+  ${FFI_OPS:+--ffi-ops "$FFI_OPS"} "$@" 2>&1 | grep -v -i "warn\|donat" | tee "$OUT/bench_serve.log"
+echo "bench rc=${PIPESTATUS[0]}"
