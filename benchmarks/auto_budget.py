@@ -41,7 +41,7 @@ from kdtree_jax import budget as bud  # noqa: E402
 from kdtree_jax.ddtree import speculative  # noqa: E402
 
 FIXED = (8, 16, 32, 64, 128)
-FULL_FIXED = (16, 32, 64, 128)
+FULL_FIXED = (16, 64, 128, 32)  # most telling first (the part stops starting cells when its time is spent)
 MAX = 128
 CONCURRENCY = (1, 10)
 
@@ -64,13 +64,21 @@ def _prompts(tok, batch: int, length: int) -> list[list[int]]:
     return _bench_prompts(tok, batch, length, 0)
 
 
-def part_embedded(args) -> dict:
+def _embedded(args):
+    """The embedded model, with the custom calls of --ffi-ops (the rest in pure JAX)."""
     model = kj.load("builtin")
-    params, cfg, drafter = model.params, model.cfg, model.drafter
-    out = dict(meta=_meta(args), rows=[], costs={})
+    cfg = model.cfg
+    if args.ffi_ops:
+        cfg = dataclasses.replace(cfg, kernels="ffi", ffi_ops=tuple(o.strip() for o in args.ffi_ops.split(",")))
+    return model, model.params, cfg, model.drafter
+
+
+def part_embedded(args) -> dict:
+    model, params, cfg, drafter = _embedded(args)
+    out = dict(meta=dict(_meta(args), ffi_ops=args.ffi_ops), rows=[], costs={})
     for c in CONCURRENCY:
         prompts = _prompts(model.tokenizer, c, 128)
-        cost, meta = bud.calibrate(params, cfg, drafter, batch=c, max_budget=MAX, log=print)
+        cost, meta = bud.calibrate(params, cfg, drafter, batch=c, max_budget=MAX, steps=8, log=print)
         out["costs"][str(c)] = dict(tiers=list(cost.tiers), points=cost.points(), per_context=float(cost.per_context),
                                     context=float(cost.context), meta=meta)
         runs = [("ar", None)] + [("ddtree", b) for b in FIXED] + [("ddtree", "auto")]
@@ -125,15 +133,15 @@ def part_fullscale(args) -> dict:
         out["costs"][str(c)] = dict(tiers=list(cost.tiers), points=cost.points(), per_context=float(cost.per_context),
                                     context=float(cost.context), meta=meta)
         _save(args.out, "fullscale", out)
-        room = steps * 8 + 1
+        # the fixed budgets start from the state calibrate started from (the same compiled prefill, the same cache)
+        auto = speculative(cfg, "ddtree", drafter, MAX, bud.BudgetPolicy.choosing(bud.CostModel.from_points(
+            cost.tiers, c, [[(1.0, 1.0)]] * len(cost.tiers))))
+        s0 = bud.prefilled(auto, params, cfg, c, context, **bud.calibration_geometry(cfg, auto, context, steps)[2])
         for b in FULL_FIXED:
             if time.perf_counter() > t_end:
                 print(f"fullscale: time budget spent before C={c} budget {b}", flush=True)
                 break
             m = speculative(cfg, "ddtree", drafter, b)
-            t_pad = 1 << (context - 1).bit_length()
-            cache_len = -(-(context + room + MAX + 1) // 64) * 64
-            s0 = bud.prefilled(m, params, cfg, c, context, t_pad=t_pad, cache_len=cache_len, room=room)
             sec = bud.time_loop(m, params, cfg, s0, steps, repeats)
             out["fixed"].append(dict(concurrency=c, budget=b, step_s=sec))
             print(f"fullscale C={c} fixed budget {b}: {1e3 * sec:.2f} ms per step", flush=True)
@@ -151,9 +159,8 @@ def part_project(args, emb: dict, full: dict) -> dict:
     from kdtree_jax.decoding import advance, start
     from kdtree_jax.generate import _request, _start_args
 
-    model = kj.load("builtin")
-    params, cfg, drafter = model.params, model.cfg, model.drafter
-    out = dict(meta=_meta(args), rows=[])
+    model, params, cfg, drafter = _embedded(args)
+    out = dict(meta=dict(_meta(args), ffi_ops=args.ffi_ops), rows=[])
     for c in CONCURRENCY:
         if str(c) not in full["costs"]:
             continue
@@ -203,7 +210,7 @@ def report(args) -> None:
         m = emb["meta"]
         lines += [f"## The embedded model ({m['date']}, {m['device']}, commit {m['commit']})", "",
                   "Greedy, held-out prompts of 128 tokens, 128 new tokens each; auto: max 128 nodes, tiers 16/32/64/128, "
-                  "its cost model measured first in the same run.", "",
+                  f"its cost model measured first in the same run. Custom calls: {m.get('ffi_ops') or 'none'}.", "",
                   "| C | budget | tokens/s | vs best fixed | tau | nodes / step | = ar |", "|---|---|---|---|---|---|---|"]
         for c in CONCURRENCY:
             rows = [r for r in emb["rows"] if r["concurrency"] == c and r["method"] == "ddtree"]
@@ -292,6 +299,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=1e9, help="fullscale: start no new cell after this many s")
+    ap.add_argument("--ffi-ops", default="tree_build,tree_accept",
+                    help="embedded and report: the custom calls used (default: the tree kernels; '' for pure JAX)")
     args = ap.parse_args()
     if args.part == "embedded":
         part_embedded(args)

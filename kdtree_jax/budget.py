@@ -278,10 +278,13 @@ def prefilled(method, params, cfg: ModelConfig, batch: int, context: int, *, t_p
     from .decoding import Sampler, start
     from .sharding import trace_context
 
+    from .decoding import _prefill_chunk
+
     toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, t_pad)), jnp.int32)
-    with trace_context(params, cfg):
+    with trace_context(params, cfg):  # long prompts in chunks, as generate prefills them (bounded memory)
         return start(method, params, cfg, toks, jnp.full((batch,), context, jnp.int32), jax.random.key(0),
-                     jnp.int32(-1), sampler=Sampler(), cache_len=cache_len, max_new=room, chunk=None)
+                     jnp.int32(-1), sampler=Sampler(), cache_len=cache_len, max_new=room,
+                     chunk=_prefill_chunk(None, t_pad))
 
 
 def time_loop(method, params, cfg: ModelConfig, state0, steps: int, repeats: int) -> float:
@@ -301,6 +304,20 @@ def time_loop(method, params, cfg: ModelConfig, state0, steps: int, repeats: int
     return statistics.median(times[1:])
 
 
+def calibration_geometry(cfg: ModelConfig, method, context: int | None, steps: int) -> tuple[int, int, dict]:
+    """(near context, far context, prefilled's t_pad / cache_len / room) of a calibration: `context` (default 128,
+    or less for short models) and 4x it, in one cache shape (so that one compiled loop serves both)."""
+    room = steps * method.tokens_per_step + 1
+    limit = cfg.max_position_embeddings - room - method.extra_slots
+    c0 = min(128, limit // 4) if context is None else int(context)
+    c1 = min(4 * c0, limit)
+    if c0 < 1 or c1 <= c0:
+        raise ValueError(f"calibration: context {c0} leaves no room in {cfg.max_position_embeddings} positions")
+    t_pad = 1 << (c1 - 1).bit_length()
+    cache_len = -(-max(t_pad, c1 + room + method.extra_slots) // 64) * 64
+    return c0, c1, dict(t_pad=t_pad, cache_len=cache_len, room=room)
+
+
 def calibrate(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int, tiers=None, context: int | None = None,
               steps: int = 4, repeats: int = 3, log: Callable[[str], None] | None = None) -> tuple[CostModel, dict]:
     """Measure the cost model of the auto method for `batch` rows: the compiled loop, with the nodes per row forced,
@@ -310,18 +327,10 @@ def calibrate(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int,
     from .ddtree import speculative
 
     tiers = check_tiers(default_tiers(max_budget) if tiers is None else tiers, max_budget)
-    method = speculative(cfg, "ddtree", drafter, max_budget)
-    room = steps * method.tokens_per_step + 1
-    limit = cfg.max_position_embeddings - room - method.extra_slots
-    c0 = min(128, limit // 4) if context is None else int(context)
-    c1 = min(4 * c0, limit)
-    if c0 < 1 or c1 <= c0:
-        raise ValueError(f"calibration: context {c0} leaves no room in {cfg.max_position_embeddings} positions")
-    t_pad = 1 << (c1 - 1).bit_length()
-    cache_len = -(-max(t_pad, c1 + room + method.extra_slots) // 64) * 64
     policy = BudgetPolicy.choosing(CostModel.from_points(tiers, batch, [[(1.0, 1.0)]] * len(tiers)))
-    method = method.with_policy(policy)
-    state = partial(prefilled, method, params, cfg, batch, t_pad=t_pad, cache_len=cache_len, room=room)
+    method = speculative(cfg, "ddtree", drafter, max_budget).with_policy(policy)
+    c0, c1, geometry = calibration_geometry(cfg, method, context, steps)
+    state = partial(prefilled, method, params, cfg, batch, **geometry)
     timed = lambda s0, tier, nodes: time_loop(method.with_policy(policy.forced(tier, nodes)), params, cfg, s0, steps,
                                               repeats)
     log = log or (lambda s: None)
