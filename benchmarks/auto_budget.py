@@ -229,13 +229,19 @@ def report(args) -> None:
                   "Step = draft + tree build + verify + accept + keep, the loop compiled as `generate` runs it; "
                   "collectives not included.", "", "| C | fixed budget | step ms |", "|---|---|---|"]
         lines += [f"| {f['concurrency']} | {f['budget']} | {1e3 * f['step_s']:.2f} |" for f in full["fixed"]]
+        missing = [c for c in CONCURRENCY if str(c) not in full["costs"]]
+        if missing:
+            lines += ["", f"Not measured: C = {', '.join(map(str, missing))} (see full.log of the run: the part stopped "
+                          "before or failed in those cells)."]
         for c, e in full["costs"].items():
             lines += ["", f"Auto's cost model at C={c} (step ms by verified tokens, per tier):", ""]
             lines += [f"- tier {t}: " + ", ".join(f"{m:.0f} tok {1e3 * s:.2f}" for m, s in pts)
                       for t, pts in zip(e["tiers"], e["points"])]
         lines.append("")
     if proj:
-        lines += ["## Projection: the embedded model's acceptance at the full-scale step times", "",
+        pm = proj["meta"]
+        lines += [f"## Projection: the embedded model's acceptance at the full-scale step times (acceptance run on "
+                  f"{pm['device']}, {pm['date']}, commit {pm['commit']})", "",
                   "Fixed b: the embedded model's steps at budget b x the full-scale step of b. Auto: the embedded "
                   "model decoding with the full-scale cost model, each step costed at the nodes it verified. A "
                   "projection: collectives excluded, the context held at 4,096.", "",
