@@ -146,7 +146,34 @@ def part_fullscale(args) -> dict:
             out["fixed"].append(dict(concurrency=c, budget=b, step_s=sec))
             print(f"fullscale C={c} fixed budget {b}: {1e3 * sec:.2f} ms per step", flush=True)
             _save(args.out, "fullscale", out)
+        if args.profile and c == CONCURRENCY[0] and time.perf_counter() < t_end:
+            # where auto's extra time goes: its tier-16 program verifying 16 nodes against fixed 16, kernel by
+            # kernel, and the GPU's idle time per step (span - busy: host round trips such as the switch's index)
+            pol = auto.policy
+            for name, m in (("auto tier 16, 16 nodes", auto.with_policy(pol.forced(0, cost.tiers[0]))),
+                            ("fixed 16", speculative(cfg, "ddtree", drafter, cost.tiers[0]))):
+                out.setdefault("profiles", {})[name] = _profile(m, params, cfg, s0, steps)
+                p = out["profiles"][name]
+                print(f"profile {name}: busy {p['busy_us']:.0f} us, span {p['span_us']:.0f} us per step", flush=True)
+                _save(args.out, "fullscale", out)
+        del s0
     return out
+
+
+def _profile(method, params, cfg, s0, steps: int) -> dict:
+    """Kernels per step of the compiled loop run `steps` steps from a copy of s0 (jax.profiler trace)."""
+    from profile_tools import profile_calls, top_kernels
+
+    from kdtree_jax.decoding import Sampler, advance
+    from kdtree_jax.sharding import trace_context
+
+    def call(_):
+        with trace_context(params, cfg):
+            return advance(method, params, cfg, jax.tree.map(jnp.copy, s0), jnp.int32(steps), sampler=Sampler()).out
+
+    prof = profile_calls(call, (None,), 2)
+    return dict(busy_us=prof["busy_us"] / steps, span_us=prof["span_us"] / steps,
+                top=[(k, n / steps, us / steps) for k, n, us in top_kernels(prof, 20)])
 
 
 def _cost_of(entry: dict, batch: int) -> bud.CostModel:
@@ -237,6 +264,10 @@ def report(args) -> None:
             lines += ["", f"Auto's cost model at C={c} (step ms by verified tokens, per tier):", ""]
             lines += [f"- tier {t}: " + ", ".join(f"{m:.0f} tok {1e3 * s:.2f}" for m, s in pts)
                       for t, pts in zip(e["tiers"], e["points"])]
+        for name, p in full.get("profiles", {}).items():
+            lines += ["", f"Kernels per step, C=1, {name} (GPU busy {p['busy_us'] / 1e3:.2f} ms, span "
+                          f"{p['span_us'] / 1e3:.2f} ms):", "", "| kernel | launches | µs |", "|---|---|---|"]
+            lines += [f"| `{k[:80]}` | {n:.0f} | {us:.0f} |" for k, n, us in p["top"]]
         lines.append("")
     if proj:
         pm = proj["meta"]
@@ -305,6 +336,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=1e9, help="fullscale: start no new cell after this many s")
+    ap.add_argument("--profile", action="store_true",
+                    help="fullscale: kernel profiles of auto's tier-16 step and of fixed 16 at C=1 (GPU)")
     ap.add_argument("--ffi-ops", default="tree_build,tree_accept",
                     help="embedded and report: the custom calls used (default: the tree kernels; '' for pure JAX)")
     args = ap.parse_args()

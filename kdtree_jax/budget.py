@@ -348,6 +348,7 @@ def calibrate(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int,
             log(f"calibrating budget=auto [{done}/{total}]: tier {size}, {r} nodes per row x {batch} rows: "
                 f"{1e3 * sec:.2f} ms per step")
         points.append(pts)
+    del s0  # one prefilled cache at a time (K2 at C=10 x 16k: 12 GB each, and time_loop copies it)
     far = timed(state(c1), len(tiers) - 1, tiers[-1])
     near = points[-1][-1][1]
     per_context = max(0.0, (far - near) / (batch * (c1 - c0)))
