@@ -14,10 +14,12 @@ picks how many of its nodes the target verifies:
   live rows. Nodes not chosen are masked: routed to no expert (`model.step(active=...)`), so the MoE reads no weights
   for them, and never accepted. The tiers (by default 4: max/8, max/4, max/2, max) are separate verify programs in
   one `lax.switch`, so a step that wants few nodes does not pay for the attention and dense layers of the largest.
-* **Choice.** The tier and node count maximizing expected tokens per second, computed in the loop (no host round trip).
+* **Choice.** The tier and node count maximizing expected tokens per second, computed in the loop
+  (`budget_policy`: `node_scores`, `BudgetPolicy.choose`; this module measures and keeps the cost models).
 
 Lossless as every fixed budget is: the nodes verified are a prefix-closed subtree chosen from the draft alone, and
-every committed token is the target's own choice (docs/ddtree.md).
+every committed token is the target's own choice (docs/ddtree.md). Measured on the H200 it is slower than the best
+fixed budget so far (docs/budget.md).
 
 The cost model is measured once per model shape, mesh, device, batch size and budget (`calibrate`: the same
 compiled step with the node count forced, timed at every tier and several node counts, and at two contexts), saved
@@ -42,158 +44,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .budget_policy import BudgetPolicy, CostModel, check_tiers, default_tiers
 from .config import ModelConfig
+from .ddtree import speculative
+from .decoding import Sampler, _prefill_chunk, advance, start
+from .sharding import current_mesh, trace_context
 
 COST_VERSION = 1
-
-
-def default_tiers(max_budget: int) -> tuple[int, ...]:
-    """The node counts compiled into the loop for `max_budget`: max/8, max/4, max/2 and max (those >= 4), each a
-    separate verify program of one `lax.switch`."""
-    tiers = sorted({max_budget // d for d in (8, 4, 2) if max_budget // d >= 4} | {max_budget})
-    return tuple(tiers)
-
-
-def check_tiers(tiers, max_budget: int) -> tuple[int, ...]:
-    if (not isinstance(tiers, (tuple, list)) or not tiers
-            or any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 1 for t in tiers)):
-        raise ValueError(f"tiers must be a non-empty list of integers >= 1, got {tiers!r}")
-    tiers = tuple(sorted({int(t) for t in tiers}))
-    if tiers[-1] != max_budget:
-        raise ValueError(f"the largest tier must be max_budget {max_budget}, got tiers {tiers}")
-    return tiers
-
-
-def _non_decreasing(y: np.ndarray) -> np.ndarray:
-    """The non-decreasing sequence closest to y in least squares (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in y:
-        blocks.append([float(v), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
-    return np.concatenate([np.full(int(c), m) for m, c in blocks])
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-    """Seconds of one speculative step at one batch size, as measured by `calibrate`.
-
-    Step seconds at tier t for `m` verified tokens (live rows + chosen nodes) and `ctx` cached tokens over the live
-    rows: interp(m, tokens[t], seconds[t]) + per_context * (ctx - live rows x context), never below 1% of the curve.
-    The arrays are leaves (traced): a cost model of the same shape reuses the compiled loop.
-    """
-
-    tokens: jax.Array  # f32 [T, K]  verified tokens at the calibration points of each tier (increasing)
-    seconds: jax.Array  # f32 [T, K] step seconds there (made non-decreasing)
-    per_context: jax.Array  # f32 []  seconds per live row and cached token, beyond `context`
-    context: jax.Array  # f32 []      the context of the calibration
-    tiers: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-    batch: int = dataclasses.field(metadata=dict(static=True))
-
-    def step_seconds(self, tier: int, m: jax.Array, live: jax.Array, ctx: jax.Array) -> jax.Array:
-        base = jnp.interp(m.astype(jnp.float32), self.tokens[tier], self.seconds[tier])
-        return jnp.maximum(base + self.per_context * (ctx - live * self.context), 0.01 * base)
-
-    @staticmethod
-    def from_points(tiers, batch: int, points: list[list[tuple[int, float]]], per_context: float = 0.0,
-                    context: float = 0.0) -> "CostModel":
-        """From measured (tokens, seconds) points per tier (any number each: padded to one width by repeating the
-        last point). Each curve is replaced by the closest non-decreasing one (least squares: measurement noise
-        averaged out where it dips), as a step never gets cheaper with more tokens."""
-        tiers = tuple(int(t) for t in tiers)
-        if len(points) != len(tiers) or any(not p for p in points):
-            raise ValueError(f"cost model: {len(tiers)} tiers need as many non-empty point lists, got {len(points)}")
-        k = max(len(p) for p in points)
-        tok, sec = np.zeros((len(tiers), k), np.float32), np.zeros((len(tiers), k), np.float32)
-        for i, pts in enumerate(points):
-            pts = sorted((float(m), float(s)) for m, s in pts)
-            arr = np.array(pts + [pts[-1]] * (k - len(pts)), np.float64)
-            if not np.all(np.isfinite(arr)) or np.any(arr[:, 1] <= 0) or np.any(arr[:, 0] < 0):
-                raise ValueError(f"cost model: tier {tiers[i]} has a non-finite, negative or zero point: {pts}")
-            tok[i], sec[i] = arr[:, 0], _non_decreasing(arr[:, 1])
-        if not (np.isfinite(per_context) and per_context >= 0 and np.isfinite(context) and context >= 0):
-            raise ValueError(f"cost model: per_context {per_context} and context {context} must be finite and >= 0")
-        return CostModel(tokens=jnp.asarray(tok), seconds=jnp.asarray(sec), per_context=jnp.float32(per_context),
-                         context=jnp.float32(context), tiers=tiers, batch=int(batch))
-
-    def points(self) -> list[list[tuple[float, float]]]:
-        tok, sec = np.asarray(self.tokens), np.asarray(self.seconds)
-        return [[(float(m), float(s)) for m, s in zip(tok[i], sec[i])] for i in range(len(self.tiers))]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class BudgetPolicy:
-    """How the auto method picks the nodes: from `cost` (choose), or forced to `force_nodes` nodes per row at tier
-    index `force_tier` when that is >= 0 (calibration times the same compiled loop this way)."""
-
-    cost: CostModel
-    force_tier: jax.Array  # int32 []  -1: choose
-    force_nodes: jax.Array  # int32 []
-
-    @property
-    def tiers(self) -> tuple[int, ...]:
-        return self.cost.tiers
-
-    @staticmethod
-    def choosing(cost: CostModel) -> "BudgetPolicy":
-        return BudgetPolicy(cost, jnp.int32(-1), jnp.int32(0))
-
-    def forced(self, tier_index: int, nodes: int) -> "BudgetPolicy":
-        return BudgetPolicy(self.cost, jnp.int32(tier_index), jnp.int32(nodes))
-
-    def choose(self, scores: jax.Array, visibility: jax.Array, live: jax.Array,
-               context: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(tier index int32 [], active bool [B, N+1]) for a tree of N nodes below the root: scores f32 [B, N+1] the
-        nodes' log path probabilities (root first, non-increasing along every path), visibility bool [B, N+1, N+1]
-        (ancestors), live bool [B] (rows still decoding: the others verify nothing), context int32 [B] (cached
-        tokens). The active nodes of a row are prefix-closed and lie in the first tiers[tier] nodes."""
-        b, n1 = scores.shape
-        n = n1 - 1
-        tiers = self.tiers
-        idx = jnp.arange(n)
-        p = jnp.where(live[:, None], jnp.exp(scores[:, 1:]), 0.0)  # [B, N]
-        n_live = jnp.sum(live).astype(jnp.float32)
-        ctx = jnp.sum(jnp.where(live, context, 0)).astype(jnp.float32)
-        m = jnp.arange(b * n + 1)
-        best_ratio, best_m = [], []
-        for t, size in enumerate(tiers):
-            srt = -jnp.sort(-jnp.where(idx < size, p, 0.0).reshape(-1))
-            gain = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(srt)])  # expected accepted nodes of the best m
-            cost = self.cost.step_seconds(t, n_live + m, n_live, ctx)
-            ratio = jnp.where(m <= n_live * size, (n_live + gain) / cost, -jnp.inf)
-            best_m.append(jnp.argmax(ratio))
-            best_ratio.append(jnp.max(ratio))
-        tier = jnp.argmax(jnp.stack(best_ratio)).astype(jnp.int32)
-        count = jnp.stack(best_m)[tier]
-        size = jnp.asarray(tiers, jnp.int32)[tier]
-        in_tier = idx[None, :] < size
-        pt = jnp.where(in_tier, p, -1.0).reshape(-1)
-        order = jnp.argsort(-pt, stable=True)  # most probable first; ties: row-major, so a parent before its child
-        rank = jnp.zeros_like(order).at[order].set(jnp.arange(b * n))
-        chosen = (rank.reshape(b, n) < count) & in_tier & live[:, None]
-        forced = (idx[None, :] < self.force_nodes) & (idx[None, :] < jnp.asarray(tiers, jnp.int32)[
-            jnp.maximum(self.force_tier, 0)]) & live[:, None]
-        use_forced = self.force_tier >= 0
-        chosen = jnp.where(use_forced, forced, chosen)
-        tier = jnp.where(use_forced, self.force_tier, tier)
-        active = jnp.concatenate([live[:, None], chosen], axis=1)  # the root: every live row
-        # prefix closure: a node is verified only with all its ancestors (float sums can break exact monotonicity)
-        active &= ~jnp.any(visibility & ~active[:, None, :], axis=2)
-        return tier, active
-
-
-def node_scores(draft_logits: jax.Array, tokens: jax.Array, depths: jax.Array, visibility: jax.Array) -> jax.Array:
-    """f32 [B, N+1]: each node's log path probability under the draft distributions draft_logits [B, L, V] (root 0),
-    for the tree's tokens, depths [B, N+1] (root first) and ancestor mask visibility [B, N+1, N+1]."""
-    x = jnp.nan_to_num(draft_logits.astype(jnp.float32), nan=-2.0**20, posinf=2.0**20, neginf=-2.0**20)
-    logp = jax.nn.log_softmax(x, axis=-1)  # [B, L, V]
-    d = jnp.clip(depths - 1, 0, x.shape[1] - 1)
-    lp = jnp.take_along_axis(jnp.take_along_axis(logp, d[:, :, None], axis=1), tokens[:, :, None], axis=2)[..., 0]
-    lp = jnp.where(depths > 0, lp, 0.0)  # [B, N+1]
-    return jnp.einsum("bij,bj->bi", visibility.astype(jnp.float32), lp)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -213,8 +70,6 @@ def cost_dir() -> str:
 def setup_key(cfg: ModelConfig, drafter, batch: int, tiers: tuple[int, ...]) -> dict:
     """What a cost model depends on: the model's and drafter's shapes and kernels, the mesh, the devices, the batch
     and the tiers (not the weights' values)."""
-    from .sharding import current_mesh
-
     mesh = current_mesh()
     dev = jax.devices()[0]
     return dict(model=dataclasses.asdict(cfg), drafter=repr(getattr(drafter, "cfg", type(drafter).__name__)),
@@ -275,11 +130,6 @@ def calibration_nodes(size: int) -> list[int]:
 def prefilled(method, params, cfg: ModelConfig, batch: int, context: int, *, t_pad: int, cache_len: int, room: int):
     """The loop state of `method` after prefilling `batch` random prompts of `context` tokens (padded to t_pad; a
     cache of cache_len slots; room for `room` new tokens), greedy: the state every timed run starts from."""
-    from .decoding import Sampler, start
-    from .sharding import trace_context
-
-    from .decoding import _prefill_chunk
-
     toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, t_pad)), jnp.int32)
     with trace_context(params, cfg):  # long prompts in chunks, as generate prefills them (bounded memory)
         return start(method, params, cfg, toks, jnp.full((batch,), context, jnp.int32), jax.random.key(0),
@@ -290,9 +140,6 @@ def prefilled(method, params, cfg: ModelConfig, batch: int, context: int, *, t_p
 def time_loop(method, params, cfg: ModelConfig, state0, steps: int, repeats: int) -> float:
     """Seconds per step of the compiled loop (`decoding.advance`) run for `steps` steps from a copy of state0: the
     median of `repeats` runs after one warm-up (which compiles)."""
-    from .decoding import Sampler, advance
-    from .sharding import trace_context
-
     times = []
     for _ in range(repeats + 1):
         s = jax.block_until_ready(jax.tree.map(jnp.copy, state0))
@@ -324,8 +171,6 @@ def calibrate(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int,
     timed for `steps` steps (median of `repeats`) from the same prefilled state at every tier and node count in
     `calibration_nodes`, at `context` cached tokens (default: 128, or less for short models), and at the largest
     tier again at 4x that context for the per-token term. Random prompts; greedy. Returns (cost model, meta)."""
-    from .ddtree import speculative
-
     tiers = check_tiers(default_tiers(max_budget) if tiers is None else tiers, max_budget)
     policy = BudgetPolicy.choosing(CostModel.from_points(tiers, batch, [[(1.0, 1.0)]] * len(tiers)))
     method = speculative(cfg, "ddtree", drafter, max_budget).with_policy(policy)
@@ -364,8 +209,6 @@ def resolve(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int, t
             log: Callable[[str], None] | None = None) -> CostModel:
     """The cost model for an auto run: `cost_model` itself (a CostModel or the path of a saved one), else the one
     saved for this setup (`cost_path`), else one measured now (`calibrate`) and saved there."""
-    from .sharding import trace_context
-
     tiers = check_tiers(default_tiers(max_budget) if tiers is None else tiers, max_budget)
     if isinstance(cost_model, CostModel):
         cost = cost_model

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .budget import BudgetPolicy, node_scores
+from .budget_policy import BudgetPolicy, node_scores
 from .config import ModelConfig
 from .decoding import Committed, DecodeState, Sampler, nonfinite_rows
 from .drafter import DrafterProtocol

@@ -13,7 +13,8 @@ import pytest
 import kdtree_jax as kj
 from conftest import filtered_probs, rel_err
 from kdtree_jax import budget as bud
-from kdtree_jax.budget import BudgetPolicy, CostModel, node_scores
+from kdtree_jax.budget import BudgetPolicy, CostModel
+from kdtree_jax.budget_policy import node_scores
 from kdtree_jax.ddtree import ddtree_tree, speculative
 from kdtree_jax.decoding import Sampler, advance, start
 from kdtree_jax.drafter import OracleDrafter

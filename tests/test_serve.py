@@ -29,7 +29,7 @@ from kdtree_jax.engine import Engine, Event  # noqa: E402
 from kdtree_jax.serve import BackgroundServer, TextStream, create_app  # noqa: E402
 
 ROOT = pathlib.Path(__file__).parent.parent
-BUDGET, SLOTS, CONTEXT, QUEUE = 8, 4, 256, 8
+BUDGET, SLOTS, CONTEXT, QUEUE = 8, 4, 256, 10  # the queue holds the concurrent test's 13 requests less the slots
 # prompts of two padded lengths (16 and 32 bytes), so that few shapes compile
 PROMPTS = ["def fib(n):\n    ", "import os\nimport", "class Foo:\n    ", "for i in range(", "    return self.",
            "# Copyright 2001 Python Software", "def main():\n    parser = argparse.",
