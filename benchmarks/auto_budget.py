@@ -13,7 +13,8 @@
               Auto: the embedded model decoding with the full-scale cost model (its choices are the ones auto
               makes for that cost), each step costed by that model at the nodes it verified.
 
-    python benchmarks/auto_budget.py embedded --out DIR      # then fullscale (one H200, ~80 GB), then:
+    python benchmarks/auto_budget.py embedded --out DIR      # then fullscale (one H200, ~80 GB), or both at once on
+                                                             # two GPUs: scripts/gpu_auto_budget.sh; then:
     python benchmarks/auto_budget.py report --out DIR --commit HASH   # runs `project`, writes auto_budget.{md,json,png}
     python benchmarks/auto_budget.py fullscale --small --out /tmp/x  # CPU smoke run of the full-scale part
 """
