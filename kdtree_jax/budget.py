@@ -11,7 +11,7 @@ picks how many of its nodes the target verifies:
   prefix-closed because a child is never more probable than its parent.
 * **Cost.** `CostModel`: the measured seconds of one step of the compiled loop as a function of the tokens verified
   (live rows + chosen nodes), per *tier* (a node count compiled into the loop), plus a term per cached token of the
-  live rows. Nodes not chosen are masked: routed to no expert (`model.step(active=...)`), so the MoE reads no weights
+  live rows. Nodes not chosen are masked: routed to no expert (`model.tree_step(active=...)`), so the MoE reads no weights
   for them, and never accepted. The tiers (by default 4: max/8, max/4, max/2, max) are separate verify programs in
   one `lax.switch`, so a step that wants few nodes does not pay for the attention and dense layers of the largest.
 * **Choice.** The tier and node count maximizing expected tokens per second, computed in the loop

@@ -64,11 +64,10 @@ def ddtree_tree(draft_logits: jax.Array, bonus: jax.Array, budget: int, impl: st
 
 
 def verify(params: Params, cfg: ModelConfig, tree: DraftTree, cache: KVCache, key: jax.Array,
-           sampler: Sampler, active: jax.Array | None = None) -> tuple[jax.Array, StepOutput]:
+           sampler: Sampler) -> tuple[jax.Array, StepOutput]:
     """The target over every node of the tree in one forward after the committed prefix: (its token at every node
-    int32 [B, N], chosen by the sampler; the forward's output, the nodes' latents written after the prefix).
-    active bool [B, N] (budget="auto"): the nodes verified; the others are routed to no expert (`model.step`)."""
-    res = step(params, cfg, tree.tokens, cache, depths=tree.depths, tree_mask=tree.visibility, active=active)
+    int32 [B, N], chosen by the sampler; the forward's output, the nodes' latents written after the prefix)."""
+    res = step(params, cfg, tree.tokens, cache, depths=tree.depths, tree_mask=tree.visibility)
     return sampler.choose(res.logits, key), res
 
 

@@ -769,14 +769,12 @@ def prefill_last(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: j
 
 
 def step(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache, depths: jax.Array | None = None,
-         tree_mask: jax.Array | None = None, active: jax.Array | None = None) -> StepOutput:
+         tree_mask: jax.Array | None = None) -> StepOutput:
     """One cached forward over T new tokens [B, T] placed after each row's committed prefix.
 
     Token t of row b is written at slot cache.lengths[b] + t and has position cache.lengths[b] + depths[b, t]
     (default depths = t: a plain causal continuation). tree_mask bool [B, T, T] says which new tokens each one
-    sees (default: causal). active bool [B, T] (default: all): tokens that are False are routed to no expert, so
-    their outputs are meaningless and cost no expert weights; the others are exact as long as they see no inactive
-    token. cache.lengths is NOT advanced: the caller commits what it accepts.
+    sees (default: causal). cache.lengths is NOT advanced: the caller commits what it accepts.
     """
     b, t = tokens.shape
     if depths is None:
@@ -784,7 +782,7 @@ def step(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache, de
     if tree_mask is None:
         tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     cos, sin = rope_tables(cfg, cache.lengths[:, None] + depths)
-    h, hidden, cache = _run_layers(params, cfg, embed(params, tokens), cos, sin, "absorbed", cache, tree_mask, active)
+    h, hidden, cache = _run_layers(params, cfg, embed(params, tokens), cos, sin, "absorbed", cache, tree_mask)
     return StepOutput(logits=_logits(params, cfg, h), hidden=hidden, cache=cache)
 
 
@@ -793,7 +791,9 @@ def tree_step(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCach
     """`step` that only reads the cache: the T new tokens [B, T] attend to each row's committed prefix in the cache
     and to each other through tree_mask, and the returned StepOutput.cache holds just their latents (latent[i]
     [B, T, R] and k_pe[i] [B, T, dr] of every layer i; lengths unchanged) for the caller to write the ones it
-    keeps (`write_rows`). With no cache-sized output, it runs inside `lax.switch` without the cache being copied."""
+    keeps (`write_rows`). With no cache-sized output, it runs inside `lax.switch` without the cache being copied.
+    active bool [B, T] (default: all): tokens that are False are routed to no expert (`moe`), so their outputs are
+    meaningless and cost no expert weights; the others are exact as long as they see no inactive token."""
     cos, sin = rope_tables(cfg, cache.lengths[:, None] + depths)
     h, hidden, new = _run_layers(params, cfg, embed(params, tokens), cos, sin, "tree", cache, tree_mask, active)
     return StepOutput(logits=_logits(params, cfg, h), hidden=hidden, cache=new)
