@@ -80,8 +80,7 @@ def part_embedded(args) -> dict:
     for c in CONCURRENCY:
         prompts = _prompts(model.tokenizer, c, 128)
         cost, meta = bud.calibrate(params, cfg, drafter, batch=c, max_budget=MAX, steps=8, log=print)
-        out["costs"][str(c)] = dict(tiers=list(cost.tiers), points=cost.points(), per_context=float(cost.per_context),
-                                    context=float(cost.context), meta=meta)
+        out["costs"][str(c)] = bud.cost_record(cost, meta)
         runs = [("ar", None)] + [("ddtree", b) for b in FIXED] + [("ddtree", "auto")]
         ar = None
         for method, b in runs:
@@ -131,8 +130,7 @@ def part_fullscale(args) -> dict:
             break
         cost, meta = bud.calibrate(params, cfg, drafter, batch=c, max_budget=MAX, context=context, steps=steps,
                                    repeats=repeats, log=print)
-        out["costs"][str(c)] = dict(tiers=list(cost.tiers), points=cost.points(), per_context=float(cost.per_context),
-                                    context=float(cost.context), meta=meta)
+        out["costs"][str(c)] = bud.cost_record(cost, meta)
         _save(args.out, "fullscale", out)
         # the fixed budgets start from the state calibrate started from (the same compiled prefill, the same cache)
         auto = speculative(cfg, "ddtree", drafter, MAX, bud.BudgetPolicy.choosing(bud.CostModel.from_points(

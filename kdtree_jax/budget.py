@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .budget_policy import BudgetPolicy, CostModel, check_tiers, default_tiers
-from .config import ModelConfig
+from .config import ModelConfig, user_cache_dir
 from .ddtree import speculative
 from .decoding import Sampler, _prefill_chunk, advance, start
 from .sharding import current_mesh, trace_context
@@ -63,8 +63,7 @@ def cost_dir() -> str:
     ($XDG_CACHE_HOME, else ~/.cache)."""
     if os.environ.get("KDTREE_JAX_COSTS"):
         return os.environ["KDTREE_JAX_COSTS"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kdtree-jax", "costs")
+    return user_cache_dir("costs")
 
 
 def setup_key(cfg: ModelConfig, drafter, batch: int, tiers: tuple[int, ...]) -> dict:
@@ -84,10 +83,15 @@ def cost_path(key: dict) -> str:
     return os.path.join(cost_dir(), name + ".json")
 
 
+def cost_record(cost: CostModel, meta: dict) -> dict:
+    """The cost model as plain JSON data (tiers, points, per_context, context) with its meta."""
+    return dict(tiers=list(cost.tiers), points=cost.points(), per_context=float(cost.per_context),
+                context=float(cost.context), meta=meta)
+
+
 def save(cost: CostModel, path: str, meta: dict | None = None) -> None:
     """Write the cost model as JSON, atomically (a temporary file renamed into place: never half-written)."""
-    data = dict(version=COST_VERSION, tiers=list(cost.tiers), batch=cost.batch, points=cost.points(),
-                per_context=float(cost.per_context), context=float(cost.context), meta=meta or {})
+    data = dict(version=COST_VERSION, batch=cost.batch, **cost_record(cost, meta or {}))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
     try:

@@ -216,8 +216,9 @@ def compilation_cache_dir() -> str | None:
     chosen = os.environ.get("KDTREE_JAX_COMPILATION_CACHE")
     if chosen:
         return None if chosen == "off" else chosen
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kdtree-jax", "jax")
+    from kdtree_jax.config import user_cache_dir
+
+    return user_cache_dir("jax")
 
 
 def _use_compilation_cache(args) -> None:

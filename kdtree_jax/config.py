@@ -259,3 +259,10 @@ def _fields_from_hf(raw: dict) -> dict:
     elif rope_type != "default":
         raise ConfigError(f"rope_scaling type {rope_type!r} is not supported (yarn or default)")
     return out
+
+
+def user_cache_dir(name: str) -> str:
+    """kdtree-jax/<name> in the user cache directory ($XDG_CACHE_HOME, else ~/.cache): where compiled programs and
+    measured cost models are kept across runs."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kdtree-jax", name)
