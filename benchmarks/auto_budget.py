@@ -159,6 +159,50 @@ def part_fullscale(args) -> dict:
     return out
 
 
+def part_diagnose(args) -> dict:
+    """Where auto's extra step time goes, at full scale, C=1: the same prefilled state run by fixed 16 and 128, by auto
+    with one tier (16: no switch, the tree built at 16) and by auto with tiers (16, 128) (the switch, the tree built
+    at 128) forced to several (tier, nodes); step time and kernel profile of each."""
+    cfg, params, drafter = _full_scale_model(args.small)
+    context = 256 if args.small else 4096
+    steps, repeats = (2, 1) if args.small else (3, 2)
+    out = dict(meta=_meta(args), layers=cfg.num_hidden_layers, context=context, rows=[])
+    dummy = lambda tiers: bud.BudgetPolicy.choosing(bud.CostModel.from_points(tiers, 1, [[(1.0, 1.0)]] * len(tiers)))
+    two = speculative(cfg, "ddtree", drafter, 128, dummy((16, 128)))
+    one = speculative(cfg, "ddtree", drafter, 16, dummy((16,)))
+    s0 = bud.prefilled(two, params, cfg, 1, context, **bud.calibration_geometry(cfg, two, context, steps)[2])
+    variants = [("fixed 16", speculative(cfg, "ddtree", drafter, 16)),
+                ("auto (16,): 16 nodes", one.with_policy(one.policy.forced(0, 16))),
+                ("auto (16,): 0 nodes", one.with_policy(one.policy.forced(0, 0))),
+                ("auto (16,128): tier 16, 16 nodes", two.with_policy(two.policy.forced(0, 16))),
+                ("auto (16,128): tier 16, 0 nodes", two.with_policy(two.policy.forced(0, 0))),
+                ("auto (16,128): tier 128, 0 nodes", two.with_policy(two.policy.forced(1, 0))),
+                ("auto (16,128): tier 128, 128 nodes", two.with_policy(two.policy.forced(1, 128))),
+                ("fixed 128", speculative(cfg, "ddtree", drafter, 128))]
+    for name, m in variants:
+        t = time.perf_counter()
+        sec = bud.time_loop(m, params, cfg, s0, steps, repeats)
+        row = dict(name=name, step_s=sec, wall_s=time.perf_counter() - t)
+        if args.profile:
+            row["profile"] = _profile(m, params, cfg, s0, steps)
+        out["rows"].append(row)
+        p = row.get("profile", {})
+        print(f"diagnose {name}: {1e3 * sec:.2f} ms per step; busy {p.get('busy_us', 0) / 1e3:.2f} ms, span "
+              f"{p.get('span_us', 0) / 1e3:.2f} ms ({row['wall_s']:.0f} s)", flush=True)
+        _save(args.out, "diagnose", out)
+    base = {k: (n, us) for k, n, us in out["rows"][0].get("profile", {}).get("top_all", [])}
+    for row in out["rows"][1:]:
+        if "profile" not in row:
+            continue
+        cur = {k: (n, us) for k, n, us in row["profile"]["top_all"]}
+        diff = sorted(((k, cur.get(k, (0, 0))[0] - base.get(k, (0, 0))[0], cur.get(k, (0, 0))[1] - base.get(k, (0, 0))[1])
+                       for k in set(cur) | set(base)), key=lambda r: -abs(r[2]))[:12]
+        print(f"--- {row['name']} minus fixed 16, per step (kernel, launches, us):", flush=True)
+        for k, dn, dus in diff:
+            print(f"    {k[:70]:70s} {dn:+8.1f} {dus:+9.1f}", flush=True)
+    return out
+
+
 def _profile(method, params, cfg, s0, steps: int) -> dict:
     """Kernels per step of the compiled loop run `steps` steps from a copy of s0 (jax.profiler trace)."""
     from profile_tools import profile_calls, top_kernels
@@ -172,7 +216,8 @@ def _profile(method, params, cfg, s0, steps: int) -> dict:
 
     prof = profile_calls(call, (None,), 2)
     return dict(busy_us=prof["busy_us"] / steps, span_us=prof["span_us"] / steps,
-                top=[(k, n / steps, us / steps) for k, n, us in top_kernels(prof, 20)])
+                top=[(k, n / steps, us / steps) for k, n, us in top_kernels(prof, 20)],
+                top_all=[(k, n / steps, us / steps) for k, n, us in top_kernels(prof, 10 ** 6)])
 
 
 def _cost_of(entry: dict, batch: int) -> bud.CostModel:
@@ -328,7 +373,7 @@ def _plot(out: str, emb, proj) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=("embedded", "fullscale", "report"))
+    ap.add_argument("part", choices=("embedded", "fullscale", "diagnose", "report"))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
     ap.add_argument("--small", action="store_true", help="fullscale: a tiny config (CPU smoke run)")
@@ -344,6 +389,8 @@ def main() -> None:
         part_embedded(args)
     elif args.part == "fullscale":
         part_fullscale(args)
+    elif args.part == "diagnose":
+        part_diagnose(args)
     else:
         report(args)
 
