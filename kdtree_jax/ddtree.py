@@ -151,15 +151,38 @@ class Speculative:
         hidden = jnp.take_along_axis(res.hidden, jnp.clip(path.nodes, 0, n - 1)[None, :, :, None], axis=2)  # [L,B,P,D]
         return cache, self.drafter.add_context(draft, hidden, starts)
 
-    def step(self, params, cfg, s: DecodeState, key, sampler: Sampler) -> Committed:
-        """draft -> build -> verify -> accept -> keep, for every row; with a budget policy (auto), the nodes to verify
-        are chosen after build and verify -> accept run in the chosen tier's program (`_verify_auto`)."""
+    @property
+    def phases(self) -> int:
+        """Step programs in the loop: one per tier with a budget policy (auto), else 1."""
+        return 1 if self.policy is None else len(self.policy.tiers)
+
+    def plan(self, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler) -> tuple[jax.Array, "_Plan"]:
+        """budget="auto", before a step: draft -> build the largest tree -> choose the tier and the nodes to verify
+        (`BudgetPolicy.choose`). Returns (tier index int32 [], the tree and its active nodes) for the decoding
+        driver, which runs the step in that tier's program (`decoding.run_steps`)."""
         with jax.named_scope("draft"):
             draft_logits = self.propose(params, cfg, s, sampler)  # [B, L, V]
         with jax.named_scope("tree_build"):
             tree = self.build(cfg, draft_logits, s.last)
+        with jax.named_scope("choose_budget"):
+            scores = node_scores(draft_logits, tree.tokens, tree.depths, tree.visibility)
+            tier, active = self.policy.choose(scores, tree.visibility, ~s.done, s.cache.lengths)
+        return tier, _Plan(tree, active)
+
+    def step(self, params, cfg, s: DecodeState, key, sampler: Sampler, plan=None) -> Committed:
+        """draft -> build -> verify -> accept -> keep, for every row. With a budget policy (auto), `plan` is
+        (tier index, `_Plan`) from `plan` (the driver passes it; with one tier, the step makes it) and the step is
+        verify -> accept -> keep of the plan's active nodes in that tier's program (`_step_auto`)."""
         if self.policy is not None:
-            return self._step_auto(params, cfg, s, tree, draft_logits, key, sampler)
+            if plan is None and self.phases > 1:
+                raise ValueError("budget='auto' steps of several tiers need their plan: run them in the decoding "
+                                 "driver's loop (decoding.run_steps), which plans each step's tier")
+            plan = (0, self.plan(params, cfg, s, sampler)[1]) if plan is None else plan
+            return self._step_auto(params, cfg, s, plan[0], plan[1], key, sampler)
+        with jax.named_scope("draft"):
+            draft_logits = self.propose(params, cfg, s, sampler)  # [B, L, V]
+        with jax.named_scope("tree_build"):
+            tree = self.build(cfg, draft_logits, s.last)
         with jax.named_scope("verify"):
             target, res = verify(params, cfg, tree, s.cache, key, sampler)  # [B, N]
         with jax.named_scope("accept"):
@@ -169,18 +192,12 @@ class Speculative:
         return Committed(tokens=path.tokens, count=path.length, cache=cache, draft=draft,
                          nonfinite=nonfinite_rows(res.logits))
 
-    def _step_auto(self, params, cfg: ModelConfig, s: DecodeState, tree: DraftTree, draft_logits, key,
+    def _step_auto(self, params, cfg: ModelConfig, s: DecodeState, tier: int, plan: "_Plan", key,
                    sampler: Sampler) -> Committed:
-        """Choose the tier and the nodes (`BudgetPolicy.choose`), verify and accept them in that tier's program
-        (one `lax.switch` branch per tier; the cache is only read there), then write the accepted path's latents
-        after the prefix and hand its hidden states to the drafter."""
-        with jax.named_scope("choose_budget"):
-            scores = node_scores(draft_logits, tree.tokens, tree.depths, tree.visibility)
-            tier, active = self.policy.choose(scores, tree.visibility, ~s.done, s.cache.lengths)
-        branches = [lambda params, cache, tree, active, key, n=n: self._verify_auto(
-            params, cfg, cache, subtree(tree, n + 1), active[:, :n + 1], key, sampler) for n in self.policy.tiers]
-        operands = (params, s.cache, tree, active, key)
-        v = branches[0](*operands) if len(branches) == 1 else jax.lax.switch(tier, branches, *operands)
+        """verify and accept the plan's active nodes among the first tiers[tier] of its tree (the cache only read
+        there), then write the accepted path's latents after the prefix and hand its hidden states to the drafter."""
+        n = self.policy.tiers[tier]
+        v = self._verify_auto(params, cfg, s.cache, subtree(plan.tree, n + 1), plan.active[:, :n + 1], key, sampler)
         with jax.named_scope("compact"):
             cache = write_rows(s.cache, cfg, s.cache.lengths, v.latent, v.k_pe)
             draft = self.drafter.add_context(s.draft, v.hidden, s.cache.lengths)
@@ -207,6 +224,13 @@ class Speculative:
                          latent=tuple(map(rows, res.cache.latent)), k_pe=tuple(map(rows, res.cache.k_pe)),
                          nonfinite=nonfinite_rows(res.logits, active),
                          nodes=jnp.sum(active[:, 1:], axis=1, dtype=jnp.int32))
+
+
+class _Plan(NamedTuple):
+    """An auto step's plan (`Speculative.plan`): the tree at the largest budget and the nodes chosen to verify."""
+
+    tree: DraftTree
+    active: jax.Array  # bool [B, N+1]  prefix-closed per row, within the tier's first nodes; root: live rows
 
 
 class _Verified(NamedTuple):

@@ -268,6 +268,7 @@ class Method(Protocol):
     tokens_per_step: int  # the most tokens one step commits
     extra_slots: int  # cache slots needed beyond the prompt and max_new tokens (the speculative tree's nodes)
     max_nodes: int  # the most draft nodes one step verifies per row (0 for ar)
+    phases: int  # step programs (1; budget="auto": one per tier, `plan` picks the next step's, see `run_steps`)
 
     def start(self, params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
               chunk: int | None) -> tuple[jax.Array, KVCache, Any]:
@@ -289,6 +290,7 @@ class AR:
     tokens_per_step = 1
     extra_slots = 0
     max_nodes = 0
+    phases = 1
 
     def start(self, params, cfg, tokens, lengths, cache, chunk):
         return prefill_last(params, cfg, tokens, lengths, cache, chunk)
@@ -324,11 +326,12 @@ def initial_state(method: Method, params, cfg: ModelConfig, tokens, lengths, key
                        nonfinite=nonfinite_rows(last_logits), nodes=jnp.zeros((b, method.max_nodes + 1), jnp.int32))
 
 
-def loop_step(method: Method, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler) -> DecodeState:
+def loop_step(method: Method, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler, plan=None) -> DecodeState:
     """One iteration of the loop: the method's step, and the books kept alike for every method: commit (EOS, N
-    tokens), the cache's lengths, the bonus, the histogram, non-finite logits."""
+    tokens), the cache's lengths, the bonus, the histogram, non-finite logits. plan: (phase, data) for a method of
+    several phases (`run_steps`), None otherwise."""
     key, sub = jax.random.split(s.key)
-    c = method.step(params, cfg, s, sub, sampler)
+    c = method.step(params, cfg, s, sub, sampler) if plan is None else method.step(params, cfg, s, sub, sampler, plan)
     active = ~s.done
     out, num_out, done, _ = commit(s.out, s.num_out, s.done, c.tokens, c.count, s.eos_id, s.out.shape[1])
     bonus = jnp.take_along_axis(c.tokens, (c.count - 1)[:, None], axis=1)[:, 0]
@@ -345,9 +348,34 @@ def loop_step(method: Method, params, cfg: ModelConfig, s: DecodeState, sampler:
 def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, until, sampler) -> DecodeState:
     """The loop from `state` until `until` steps (int32, counted from the start) have run or every row is done
     (traceable; `advance` is its compiled form, with the state donated). `sampler`: a `Sampler`, or any object with
-    its `logits` and `choose` (the server's per-row sampler)."""
-    return jax.lax.while_loop(lambda s: (s.steps < until) & ~jnp.all(s.done),
-                              lambda s: loop_step(method, params, cfg, s, sampler), state)
+    its `logits` and `choose` (the server's per-row sampler).
+
+    A method of several phases (budget="auto": one verify program per tier) gives each step's phase and data from
+    the state before it (`method.plan(params, cfg, state, sampler)` -> (phase int32 [], data)). Its loop is one
+    while loop per phase, each running while its phase is planned, inside a loop over the phases in turn: the
+    phase is read where every while loop reads its condition anyway, so a step costs what its phase's own loop
+    costs; a `lax.switch` per step (which makes the host wait for the index, then launch the branch) cost ~4 ms per
+    step on full-scale K2.6 (H200, docs/budget.md). A change of phase costs at most `phases` empty conditions.
+    """
+    go = lambda s: (s.steps < until) & ~jnp.all(s.done)
+    phases = getattr(method, "phases", 1)
+    if phases == 1:
+        return jax.lax.while_loop(go, lambda s: loop_step(method, params, cfg, s, sampler), state)
+
+    def phase_loop(t: int, c):
+        def body(c):
+            s = loop_step(method, params, cfg, c[0], sampler, plan=(t, c[2]))
+            return (s, *method.plan(params, cfg, s, sampler))
+
+        return jax.lax.while_loop(lambda c: go(c[0]) & (c[1] == t), body, c)
+
+    def sweep(c):
+        for t in range(phases):
+            c = phase_loop(t, c)
+        return c
+
+    first = (state, *method.plan(params, cfg, state, sampler))
+    return jax.lax.while_loop(lambda c: go(c[0]), sweep, first)[0]
 
 
 start = jax.jit(initial_state, static_argnames=("cfg", "sampler", "cache_len", "max_new", "chunk"))

@@ -181,16 +181,17 @@ def test_tree_step_equals_step_and_masked_nodes_are_isolated(model):
 
 
 def test_auto_loop_never_copies_the_cache(model):
-    """The tiers' verify programs sit in a lax.switch inside the loop: the cache is only read there and written
-    after, in place; a cache-sized copy (XLA copies a buffer a conditional branch updates) would cost a full cache
-    read and write per step at long context."""
+    """The tiers' step programs are while loops of their own inside the loop (no conditional, whose index the
+    host would wait for every step); the cache is only read in verify and written after, in place: a cache-sized
+    copy would cost a full cache read and write per step at long context."""
     cfg, params, drafter, _ = model
     b, s = 2, 2048
     m = speculative(cfg, "ddtree", drafter, 16, BudgetPolicy.choosing(_cost((4, 16), b, 0.01)))
     st = start(m, params, cfg, jnp.ones((b, 16), jnp.int32), jnp.array([5, 9], jnp.int32), jax.random.key(0),
                jnp.int32(-1), sampler=Sampler(), cache_len=s, max_new=32, chunk=None)
     hlo = advance.lower(m, params, cfg, st, jnp.int32(4), sampler=Sampler()).compile().as_text()
-    assert "conditional(" in hlo
+    assert "conditional(" not in hlo
+    assert len(re.findall(r" while\(", hlo)) >= 3  # the loop over the tiers and one loop per tier
     shapes = {f"[{b},{s},{cfg.kv_lora_rank}]", f"[{b},{s},{cfg.qk_rope_head_dim}]"}
     for line in hlo.splitlines():
         mm = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = \w+(\[[\d,]*\])\S* ([\w\-]+)\(", line)
