@@ -141,24 +141,37 @@ def prefilled(method, params, cfg: ModelConfig, batch: int, context: int, *, t_p
                      chunk=_prefill_chunk(None, t_pad))
 
 
-def time_loop(method, params, cfg: ModelConfig, state0, steps: int, repeats: int) -> float:
-    """Seconds per step of the compiled loop (`decoding.advance`) run for `steps` steps from a copy of state0: the
-    median of `repeats` runs after one warm-up (which compiles)."""
-    times = []
-    for _ in range(repeats + 1):
+def time_loop(method, params, cfg: ModelConfig, state0, steps: int, repeats: int, marginal: bool = True) -> float:
+    """Seconds per step of the compiled loop (`decoding.advance`) from a copy of state0, as a long run pays it: the
+    difference between runs of 2 x `steps` and `steps` steps, over the steps between (what a call pays once, its
+    entry and first launches, drops out), the median of `repeats` pairs after one warm-up (which compiles). state0
+    needs room for 2 x `steps` steps (`calibration_geometry`). marginal=False: a run of `steps` steps over its
+    steps (a third of the time; for steps long enough that the entry does not count)."""
+
+    def once(n: int) -> tuple[float, int]:
         s = jax.block_until_ready(jax.tree.map(jnp.copy, state0))
         t = time.perf_counter()
         with trace_context(params, cfg):
-            s = advance(method, params, cfg, s, jnp.int32(steps), sampler=Sampler())
+            s = advance(method, params, cfg, s, jnp.int32(n), sampler=Sampler())
         jax.block_until_ready(s.out)
-        times.append((time.perf_counter() - t) / max(int(s.steps) - int(state0.steps), 1))
-    return statistics.median(times[1:])
+        return time.perf_counter() - t, int(s.steps) - int(state0.steps)
+
+    per = []
+    for _ in range(repeats + 1):
+        if not marginal:
+            t1, n1 = once(steps)
+            per.append(t1 / max(n1, 1))
+            continue
+        (t1, n1), (t2, n2) = once(steps), once(2 * steps)
+        whole = t2 / max(n2, 1)
+        per.append(max((t2 - t1) / (n2 - n1), 0.1 * whole) if n2 > n1 else whole)  # never <= 0 from noise
+    return statistics.median(per[1:])
 
 
 def calibration_geometry(cfg: ModelConfig, method, context: int | None, steps: int) -> tuple[int, int, dict]:
     """(near context, far context, prefilled's t_pad / cache_len / room) of a calibration: `context` (default 128,
     or less for short models) and 4x it, in one cache shape (so that one compiled loop serves both)."""
-    room = steps * method.tokens_per_step + 1
+    room = 2 * steps * method.tokens_per_step + 1  # time_loop runs 2 x steps
     limit = cfg.max_position_embeddings - room - method.extra_slots
     c0 = min(128, limit // 4) if context is None else int(context)
     c1 = min(4 * c0, limit)
@@ -170,9 +183,11 @@ def calibration_geometry(cfg: ModelConfig, method, context: int | None, steps: i
 
 
 def calibrate(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int, tiers=None, context: int | None = None,
-              steps: int = 4, repeats: int = 3, log: Callable[[str], None] | None = None) -> tuple[CostModel, dict]:
+              steps: int = 4, repeats: int = 3, log: Callable[[str], None] | None = None,
+              marginal: bool = True) -> tuple[CostModel, dict]:
     """Measure the cost model of the auto method for `batch` rows: the compiled loop, with the nodes per row forced,
-    timed for `steps` steps (median of `repeats`) from the same prefilled state at every tier and node count in
+    timed per step (`time_loop`: `steps` more steps, median of `repeats`; `marginal`) from the same prefilled state
+    at every tier and node count in
     `calibration_nodes`, at `context` cached tokens (default: 128, or less for short models), and at the largest
     tier again at 4x that context for the per-token term. Random prompts; greedy. Returns (cost model, meta)."""
     tiers = check_tiers(default_tiers(max_budget) if tiers is None else tiers, max_budget)
@@ -181,7 +196,7 @@ def calibrate(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int,
     c0, c1, geometry = calibration_geometry(cfg, method, context, steps)
     state = partial(prefilled, method, params, cfg, batch, **geometry)
     timed = lambda s0, tier, nodes: time_loop(method.with_policy(policy.forced(tier, nodes)), params, cfg, s0, steps,
-                                              repeats)
+                                              repeats, marginal)
     log = log or (lambda s: None)
     t0 = time.perf_counter()
     s0 = state(c0)
@@ -205,7 +220,7 @@ def calibrate(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int,
         f"({1e9 * per_context:.2f} ns per row and cached token); {time.perf_counter() - t0:.1f} s in all")
     cost = CostModel.from_points(tiers, batch, points, per_context, c0)
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), context=c0, far_context=c1,
-                far_seconds=far, steps=steps, repeats=repeats, device=str(jax.devices()[0]))
+                far_seconds=far, steps=steps, repeats=repeats, marginal=marginal, device=str(jax.devices()[0]))
     return cost, meta
 
 

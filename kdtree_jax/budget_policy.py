@@ -118,26 +118,24 @@ class BudgetPolicy:
         n = n1 - 1
         tiers = self.tiers
         idx = jnp.arange(n)
-        p = jnp.where(live[:, None], jnp.exp(scores[:, 1:]), 0.0)  # [B, N]
+        p = jnp.where(live[:, None], jnp.exp(scores[:, 1:]), 0.0).reshape(-1)  # [B N]
         n_live = jnp.sum(live).astype(jnp.float32)
         ctx = jnp.sum(jnp.where(live, context, 0)).astype(jnp.float32)
-        m = jnp.arange(b * n + 1)
-        best_ratio, best_m = [], []
-        for t, size in enumerate(tiers):
-            srt = -jnp.sort(-jnp.where(idx < size, p, 0.0).reshape(-1))
-            gain = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(srt)])  # expected accepted nodes of the best m
-            cost = self.cost.step_seconds(t, n_live + m, n_live, ctx)
-            ratio = jnp.where(m <= n_live * size, (n_live + gain) / cost, -jnp.inf)
-            best_m.append(jnp.argmax(ratio))
-            best_ratio.append(jnp.max(ratio))
-        tier = jnp.argmax(jnp.stack(best_ratio)).astype(jnp.int32)
-        count = jnp.stack(best_m)[tier]
-        size = jnp.asarray(tiers, jnp.int32)[tier]
-        in_tier = idx[None, :] < size
-        pt = jnp.where(in_tier, p, -1.0).reshape(-1)
-        order = jnp.argsort(-pt, stable=True)  # most probable first; ties: row-major, so a parent before its child
-        rank = jnp.zeros_like(order).at[order].set(jnp.arange(b * n))
-        chosen = (rank.reshape(b, n) < count) & in_tier & live[:, None]
+        # one sort for every tier: a tier's m best nodes are its first m among all nodes by probability (ties:
+        # row-major, so a parent before its child)
+        order = jnp.argsort(-p, stable=True)
+        col = jnp.broadcast_to(idx, (b, n)).reshape(-1)[order]  # each sorted node's index in its tree
+        sizes = jnp.asarray(tiers, jnp.int32)
+        inside = col[None, :] < sizes[:, None]  # [T, B N]
+        zero = jnp.zeros((len(tiers), 1))
+        count = jnp.concatenate([zero, jnp.cumsum(inside, axis=1)], axis=1)  # [T, B N + 1]: nodes of the first j
+        gain = jnp.concatenate([zero, jnp.cumsum(jnp.where(inside, p[order], 0.0), axis=1)], axis=1)  # expected
+        cost = jnp.stack([self.cost.step_seconds(t, n_live + count[t], n_live, ctx) for t in range(len(tiers))])
+        ratio = jnp.where(count <= n_live * sizes[:, None], (n_live + gain) / cost, -jnp.inf)
+        best = jnp.argmax(ratio, axis=1)  # [T] the first j of each tier's best ratio
+        tier = jnp.argmax(jnp.max(ratio, axis=1)).astype(jnp.int32)
+        picked = (jnp.arange(b * n) < best[tier]) & inside[tier]  # in sorted order
+        chosen = jnp.zeros((b * n,), bool).at[order].set(picked).reshape(b, n) & live[:, None]
         forced = (idx[None, :] < self.force_nodes) & (idx[None, :] < jnp.asarray(tiers, jnp.int32)[
             jnp.maximum(self.force_tier, 0)]) & live[:, None]
         use_forced = self.force_tier >= 0
