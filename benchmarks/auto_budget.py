@@ -11,7 +11,8 @@
   project     A projection, every term measured: the embedded model's acceptance, step by step, with the step
               costs of `fullscale`. Fixed budget b: the embedded model's steps at b x the full-scale step of b.
               Auto: the embedded model decoding with the full-scale cost model (its choices are the ones auto
-              makes for that cost), each step costed by that model at the nodes it verified.
+              makes for that cost), each step costed by that model at the nodes it verified (plus its switch term
+              where the tier changed).
 
     python benchmarks/auto_budget.py embedded --out DIR      # then fullscale (one H200, ~80 GB), or both at once on
                                                              # two GPUs: scripts/gpu_auto_budget.sh; then:
@@ -50,7 +51,8 @@ CONCURRENCY = (1, 10)
 def _meta(args) -> dict:
     dev = jax.devices()[0]
     return dict(date=datetime.date.today().isoformat(), device=getattr(dev, "device_kind", dev.platform),
-                commit=args.commit, jax=jax.__version__)
+                commit=args.commit, jax=jax.__version__,
+                python=sys.version.split()[0])  # the prompts come from this Python's standard library
 
 
 def _save(out: str, name: str, data: dict) -> None:
@@ -222,7 +224,8 @@ def _profile(method, params, cfg, s0, steps: int) -> dict:
 
 def _cost_of(entry: dict, batch: int) -> bud.CostModel:
     """A measured cost model, the per-context term dropped (the projection holds the context at the calibration's)."""
-    return bud.CostModel.from_points(entry["tiers"], batch, entry["points"], 0.0, entry["context"])
+    return bud.CostModel.from_points(entry["tiers"], batch, entry["points"], 0.0, entry["context"],
+                                     entry.get("switch", 0.0))  # files before the switch term: none
 
 
 def part_project(args, emb: dict, full: dict) -> dict:
@@ -244,7 +247,7 @@ def part_project(args, emb: dict, full: dict) -> dict:
                               max_budget=MAX, cost_model=cost)
             a, static = _start_args(m, params, cfg, req, 0)
             state = start(*a, **static)
-            seconds, hist = 0.0, np.zeros_like(np.asarray(state.nodes))
+            seconds, hist, last_tier = 0.0, np.zeros_like(np.asarray(state.nodes)), None
             while not bool(np.all(np.asarray(state.done))):
                 live = ~np.asarray(state.done)
                 state = advance(m, params, cfg, state, state.steps + 1, sampler=req.sampler)
@@ -255,6 +258,8 @@ def part_project(args, emb: dict, full: dict) -> dict:
                     m_tok = float(np.sum(1 + nodes[live]))
                     tier = next(i for i, t in enumerate(cost.tiers) if t >= nodes[live].max())
                     seconds += float(np.interp(m_tok, np.asarray(cost.tokens[tier]), np.asarray(cost.seconds[tier])))
+                    seconds += float(cost.switch) if last_tier not in (None, tier) else 0.0
+                    last_tier = tier
                 else:
                     seconds += fixed[b]
             total = int(np.asarray(state.num_out).sum())
@@ -318,7 +323,8 @@ def report(args) -> None:
         lines += [f"## Projection: the embedded model's acceptance at the full-scale step times (acceptance run on "
                   f"{pm['device']}, {pm['date']}, commit {pm['commit']})", "",
                   "Fixed b: the embedded model's steps at budget b x the full-scale step of b. Auto: the embedded "
-                  "model decoding with the full-scale cost model, each step costed at the nodes it verified. A "
+                  "model decoding with the full-scale cost model, each step costed at the nodes it verified (and the "
+                  "switch term where its tier changed). A "
                   "projection: collectives excluded, the context held at 4,096.", "",
                   "| C | budget | steps | tau | nodes / step | projected tok/s | vs best fixed |", "|---|---|---|---|---|---|---|"]
         for c in CONCURRENCY:

@@ -11,9 +11,11 @@ picks how many of its nodes the target verifies:
   prefix-closed because a child is never more probable than its parent.
 * **Cost.** `CostModel`: the measured seconds of one step of the compiled loop as a function of the tokens verified
   (live rows + chosen nodes), per *tier* (a node count compiled into the loop), plus a term per cached token of the
-  live rows. Nodes not chosen are masked: routed to no expert (`model.tree_step(active=...)`), so the MoE reads no weights
-  for them, and never accepted. The tiers (by default 4: max/8, max/4, max/2, max) are separate verify programs in
-  one `lax.switch`, so a step that wants few nodes does not pay for the attention and dense layers of the largest.
+  live rows, plus a term for a step whose tier differs from the step before. Nodes not chosen are masked: routed to
+  no expert (`model.tree_step(active=...)`), so the MoE reads no weights for them, and never accepted. The tiers (by
+  default 4: max/8, max/4, max/2, max) are separate step programs, each in a while loop of its own inside the
+  decoding loop (`decoding.run_steps`), so a step that wants few nodes does not pay for the attention and dense
+  layers of the largest, nor for a conditional.
 * **Choice.** The tier and node count maximizing expected tokens per second, computed in the loop
   (`budget_policy`: `node_scores`, `BudgetPolicy.choose`; this module measures and keeps the cost models).
 
@@ -50,7 +52,7 @@ from .ddtree import speculative
 from .decoding import Sampler, _prefill_chunk, advance, start
 from .sharding import current_mesh, trace_context
 
-COST_VERSION = 1
+COST_VERSION = 2  # 2: the switch term
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -84,9 +86,9 @@ def cost_path(key: dict) -> str:
 
 
 def cost_record(cost: CostModel, meta: dict) -> dict:
-    """The cost model as plain JSON data (tiers, points, per_context, context) with its meta."""
+    """The cost model as plain JSON data (tiers, points, per_context, context, switch) with its meta."""
     return dict(tiers=list(cost.tiers), points=cost.points(), per_context=float(cost.per_context),
-                context=float(cost.context), meta=meta)
+                context=float(cost.context), switch=float(cost.switch), meta=meta)
 
 
 def save(cost: CostModel, path: str, meta: dict | None = None) -> None:
@@ -112,7 +114,7 @@ def load(path: str) -> tuple[CostModel, dict]:
         if data.get("version") != COST_VERSION:
             raise ValueError(f"version {data.get('version')!r}, expected {COST_VERSION}")
         cost = CostModel.from_points(data["tiers"], data["batch"], [[tuple(p) for p in pts] for pts in data["points"]],
-                                     data["per_context"], data["context"])
+                                     data["per_context"], data["context"], data["switch"])
         return cost, data.get("meta", {})
     except OSError:
         raise
@@ -195,30 +197,36 @@ def calibrate(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int,
     method = speculative(cfg, "ddtree", drafter, max_budget).with_policy(policy)
     c0, c1, geometry = calibration_geometry(cfg, method, context, steps)
     state = partial(prefilled, method, params, cfg, batch, **geometry)
-    timed = lambda s0, tier, nodes: time_loop(method.with_policy(policy.forced(tier, nodes)), params, cfg, s0, steps,
-                                              repeats, marginal)
+    timed = lambda s0, pol: time_loop(method.with_policy(pol), params, cfg, s0, steps, repeats, marginal)
     log = log or (lambda s: None)
     t0 = time.perf_counter()
     s0 = state(c0)
     points = []
-    total = sum(len(calibration_nodes(t)) for t in tiers) + 1
+    total = sum(len(calibration_nodes(t)) for t in tiers) + 1 + (len(tiers) > 1)
     done = 0
     for i, size in enumerate(tiers):
         pts = []
         for r in calibration_nodes(size):
-            sec = timed(s0, i, r)
+            sec = timed(s0, policy.forced(i, r))
             pts.append((batch * (1 + r), sec))
             done += 1
             log(f"calibrating budget=auto [{done}/{total}]: tier {size}, {r} nodes per row x {batch} rows: "
                 f"{1e3 * sec:.2f} ms per step")
         points.append(pts)
+    switch = 0.0
+    if len(tiers) > 1:  # the first and the last tier in turn, every node: what a change of tier adds to a step
+        turns = timed(s0, policy.alternating(tiers[-1]))
+        switch = max(0.0, turns - (points[0][-1][1] + points[-1][-1][1]) / 2)
+        done += 1
+        log(f"calibrating budget=auto [{done}/{total}]: tiers {tiers[0]} and {tiers[-1]} in turn: {1e3 * turns:.2f} ms "
+            f"per step ({1e3 * switch:.2f} ms per change of tier)")
     del s0  # one prefilled cache at a time (K2 at C=10 x 16k: 12 GB each, and time_loop copies it)
-    far = timed(state(c1), len(tiers) - 1, tiers[-1])
+    far = timed(state(c1), policy.forced(len(tiers) - 1, tiers[-1]))
     near = points[-1][-1][1]
     per_context = max(0.0, (far - near) / (batch * (c1 - c0)))
     log(f"calibrating budget=auto [{total}/{total}]: context {c1}: {1e3 * far:.2f} ms per step "
         f"({1e9 * per_context:.2f} ns per row and cached token); {time.perf_counter() - t0:.1f} s in all")
-    cost = CostModel.from_points(tiers, batch, points, per_context, c0)
+    cost = CostModel.from_points(tiers, batch, points, per_context, c0, switch)
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), context=c0, far_context=c1,
                 far_seconds=far, steps=steps, repeats=repeats, marginal=marginal, device=str(jax.devices()[0]))
     return cost, meta

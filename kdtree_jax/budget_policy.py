@@ -13,7 +13,7 @@ import numpy as np
 
 def default_tiers(max_budget: int) -> tuple[int, ...]:
     """The node counts compiled into the loop for `max_budget`: max/8, max/4, max/2 and max (those >= 4), each a
-    separate verify program of one `lax.switch`."""
+    separate step program (`decoding.run_steps`)."""
     tiers = sorted({max_budget // d for d in (8, 4, 2) if max_budget // d >= 4} | {max_budget})
     return tuple(tiers)
 
@@ -45,7 +45,9 @@ class CostModel:
     """Seconds of one speculative step at one batch size, as measured by `calibrate`.
 
     Step seconds at tier t for `m` verified tokens (live rows + chosen nodes) and `ctx` cached tokens over the live
-    rows: interp(m, tokens[t], seconds[t]) + per_context * (ctx - live rows x context), never below 1% of the curve.
+    rows: interp(m, tokens[t], seconds[t]) + per_context * (ctx - live rows x context), never below 1% of the curve;
+    plus `switch` when the step's tier differs from the one before (the loop leaves one tier's program for
+    another's: a few loop conditions read by the host, `decoding.run_steps`).
     The arrays are leaves (traced): a cost model of the same shape reuses the compiled loop.
     """
 
@@ -53,6 +55,7 @@ class CostModel:
     seconds: jax.Array  # f32 [T, K] step seconds there (made non-decreasing)
     per_context: jax.Array  # f32 []  seconds per live row and cached token, beyond `context`
     context: jax.Array  # f32 []      the context of the calibration
+    switch: jax.Array  # f32 []       seconds a change of tier adds to a step
     tiers: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     batch: int = dataclasses.field(metadata=dict(static=True))
 
@@ -62,7 +65,7 @@ class CostModel:
 
     @staticmethod
     def from_points(tiers, batch: int, points: list[list[tuple[int, float]]], per_context: float = 0.0,
-                    context: float = 0.0) -> "CostModel":
+                    context: float = 0.0, switch: float = 0.0) -> "CostModel":
         """From measured (tokens, seconds) points per tier (any number each: padded to one width by repeating the
         last point). Each curve is replaced by the closest non-decreasing one (least squares: measurement noise
         averaged out where it dips), as a step never gets cheaper with more tokens."""
@@ -77,10 +80,11 @@ class CostModel:
             if not np.all(np.isfinite(arr)) or np.any(arr[:, 1] <= 0) or np.any(arr[:, 0] < 0):
                 raise ValueError(f"cost model: tier {tiers[i]} has a non-finite, negative or zero point: {pts}")
             tok[i], sec[i] = arr[:, 0], _non_decreasing(arr[:, 1])
-        if not (np.isfinite(per_context) and per_context >= 0 and np.isfinite(context) and context >= 0):
-            raise ValueError(f"cost model: per_context {per_context} and context {context} must be finite and >= 0")
+        if not all(np.isfinite(x) and x >= 0 for x in (per_context, context, switch)):
+            raise ValueError(f"cost model: per_context {per_context}, context {context} and switch {switch} must be "
+                             "finite and >= 0")
         return CostModel(tokens=jnp.asarray(tok), seconds=jnp.asarray(sec), per_context=jnp.float32(per_context),
-                         context=jnp.float32(context), tiers=tiers, batch=int(batch))
+                         context=jnp.float32(context), switch=jnp.float32(switch), tiers=tiers, batch=int(batch))
 
     def points(self) -> list[list[tuple[float, float]]]:
         tok, sec = np.asarray(self.tokens), np.asarray(self.seconds)
@@ -91,7 +95,8 @@ class CostModel:
 @dataclasses.dataclass(frozen=True)
 class BudgetPolicy:
     """How the auto method picks the nodes: from `cost` (choose), or forced to `force_nodes` nodes per row at tier
-    index `force_tier` when that is >= 0 (calibration times the same compiled loop this way)."""
+    index `force_tier` when that is >= 0, or at the first and the last tier in turn when it is -2 (calibration
+    times the same compiled loop this way)."""
 
     cost: CostModel
     force_tier: jax.Array  # int32 []  -1: choose
@@ -108,12 +113,17 @@ class BudgetPolicy:
     def forced(self, tier_index: int, nodes: int) -> "BudgetPolicy":
         return BudgetPolicy(self.cost, jnp.int32(tier_index), jnp.int32(nodes))
 
-    def choose(self, scores: jax.Array, visibility: jax.Array, live: jax.Array,
-               context: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def alternating(self, nodes: int) -> "BudgetPolicy":
+        """Forced to `nodes` nodes per row, the tier changing every step (first, last, first, ...)."""
+        return BudgetPolicy(self.cost, jnp.int32(-2), jnp.int32(nodes))
+
+    def choose(self, scores: jax.Array, visibility: jax.Array, live: jax.Array, context: jax.Array,
+               current: int | None = None) -> tuple[jax.Array, jax.Array]:
         """(tier index int32 [], active bool [B, N+1]) for a tree of N nodes below the root: scores f32 [B, N+1] the
         nodes' log path probabilities (root first, non-increasing along every path), visibility bool [B, N+1, N+1]
         (ancestors), live bool [B] (rows still decoding: the others verify nothing), context int32 [B] (cached
-        tokens). The active nodes of a row are prefix-closed and lie in the first tiers[tier] nodes."""
+        tokens), current: the tier index of the step before (static; None: none, no tier pays the switch). The
+        active nodes of a row are prefix-closed and lie in the first tiers[tier] nodes."""
         b, n1 = scores.shape
         n = n1 - 1
         tiers = self.tiers
@@ -130,17 +140,19 @@ class BudgetPolicy:
         zero = jnp.zeros((len(tiers), 1))
         count = jnp.concatenate([zero, jnp.cumsum(inside, axis=1)], axis=1)  # [T, B N + 1]: nodes of the first j
         gain = jnp.concatenate([zero, jnp.cumsum(jnp.where(inside, p[order], 0.0), axis=1)], axis=1)  # expected
-        cost = jnp.stack([self.cost.step_seconds(t, n_live + count[t], n_live, ctx) for t in range(len(tiers))])
+        cost = jnp.stack([self.cost.step_seconds(t, n_live + count[t], n_live, ctx)
+                          + (0.0 if current in (None, t) else self.cost.switch) for t in range(len(tiers))])
         ratio = jnp.where(count <= n_live * sizes[:, None], (n_live + gain) / cost, -jnp.inf)
         best = jnp.argmax(ratio, axis=1)  # [T] the first j of each tier's best ratio
         tier = jnp.argmax(jnp.max(ratio, axis=1)).astype(jnp.int32)
         picked = (jnp.arange(b * n) < best[tier]) & inside[tier]  # in sorted order
         chosen = jnp.zeros((b * n,), bool).at[order].set(picked).reshape(b, n) & live[:, None]
-        forced = (idx[None, :] < self.force_nodes) & (idx[None, :] < jnp.asarray(tiers, jnp.int32)[
-            jnp.maximum(self.force_tier, 0)]) & live[:, None]
-        use_forced = self.force_tier >= 0
+        turn = len(tiers) - 1 if current == 0 else 0  # alternating: the tier the step before did not use
+        f_tier = jnp.where(self.force_tier == -2, turn, jnp.maximum(self.force_tier, 0))
+        forced = (idx[None, :] < self.force_nodes) & (idx[None, :] < sizes[f_tier]) & live[:, None]
+        use_forced = self.force_tier != -1
         chosen = jnp.where(use_forced, forced, chosen)
-        tier = jnp.where(use_forced, self.force_tier, tier)
+        tier = jnp.where(use_forced, f_tier, tier).astype(jnp.int32)
         active = jnp.concatenate([live[:, None], chosen], axis=1)  # the root: every live row
         # prefix closure: a node is verified only with all its ancestors (float sums can break exact monotonicity)
         active &= ~jnp.any(visibility & ~active[:, None, :], axis=2)

@@ -156,17 +156,19 @@ class Speculative:
         """Step programs in the loop: one per tier with a budget policy (auto), else 1."""
         return 1 if self.policy is None else len(self.policy.tiers)
 
-    def plan(self, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler) -> tuple[jax.Array, "_Plan"]:
+    def plan(self, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler,
+             current: int | None = None) -> tuple[jax.Array, "_Plan"]:
         """budget="auto", before a step: draft -> build the largest tree -> choose the tier and the nodes to verify
-        (`BudgetPolicy.choose`). Returns (tier index int32 [], the tree and its active nodes) for the decoding
-        driver, which runs the step in that tier's program (`decoding.run_steps`)."""
+        (`BudgetPolicy.choose`; `current`: the tier index of the step before, static, None at the loop's entry).
+        Returns (tier index int32 [], the tree and its active nodes) for the decoding driver, which runs the step
+        in that tier's program (`decoding.run_steps`)."""
         with jax.named_scope("draft"):
             draft_logits = self.propose(params, cfg, s, sampler)  # [B, L, V]
         with jax.named_scope("tree_build"):
             tree = self.build(cfg, draft_logits, s.last)
         with jax.named_scope("choose_budget"):
             scores = node_scores(draft_logits, tree.tokens, tree.depths, tree.visibility)
-            tier, active = self.policy.choose(scores, tree.visibility, ~s.done, s.cache.lengths)
+            tier, active = self.policy.choose(scores, tree.visibility, ~s.done, s.cache.lengths, current)
         return tier, _Plan(tree, active)
 
     def step(self, params, cfg, s: DecodeState, key, sampler: Sampler, plan=None) -> Committed:

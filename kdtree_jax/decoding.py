@@ -351,11 +351,12 @@ def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, unti
     its `logits` and `choose` (the server's per-row sampler).
 
     A method of several phases (budget="auto": one verify program per tier) gives each step's phase and data from
-    the state before it (`method.plan(params, cfg, state, sampler)` -> (phase int32 [], data)). Its loop is one
-    while loop per phase, each running while its phase is planned, inside a loop over the phases in turn: the
-    phase is read where every while loop reads its condition anyway, so a step costs what its phase's own loop
-    costs; a `lax.switch` per step (which makes the host wait for the index, then launch the branch) cost ~4 ms per
-    step on full-scale K2.6 (H200, docs/budget.md). A change of phase costs at most `phases` empty conditions.
+    the state before it and the phase of the step before (`method.plan(params, cfg, state, sampler, phase)` ->
+    (phase int32 [], data); phase None at the loop's entry). Its loop is one while loop per phase, each running
+    while its phase is planned, inside a loop over the phases in turn. The phase is read where every while loop
+    reads its condition anyway, so a step costs what its phase's own loop costs; a `lax.switch` per step (the host
+    waits for the index, then launches the branch) cost 3.7-4.4 ms per step on full-scale K2.6 (H200,
+    docs/budget.md). A change of phase costs up to `phases` + 1 empty loop conditions.
     """
     go = lambda s: (s.steps < until) & ~jnp.all(s.done)
     phases = getattr(method, "phases", 1)
@@ -365,7 +366,7 @@ def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, unti
     def phase_loop(t: int, c):
         def body(c):
             s = loop_step(method, params, cfg, c[0], sampler, plan=(t, c[2]))
-            return (s, *method.plan(params, cfg, s, sampler))
+            return (s, *method.plan(params, cfg, s, sampler, t))
 
         return jax.lax.while_loop(lambda c: go(c[0]) & (c[1] == t), body, c)
 
@@ -374,7 +375,7 @@ def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, unti
             c = phase_loop(t, c)
         return c
 
-    first = (state, *method.plan(params, cfg, state, sampler))
+    first = (state, *method.plan(params, cfg, state, sampler, None))
     return jax.lax.while_loop(lambda c: go(c[0]), sweep, first)[0]
 
 

@@ -791,7 +791,7 @@ def tree_step(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCach
     """`step` that only reads the cache: the T new tokens [B, T] attend to each row's committed prefix in the cache
     and to each other through tree_mask, and the returned StepOutput.cache holds just their latents (latent[i]
     [B, T, R] and k_pe[i] [B, T, dr] of every layer i; lengths unchanged) for the caller to write the ones it
-    keeps (`write_rows`). With no cache-sized output, it runs inside `lax.switch` without the cache being copied.
+    keeps (`write_rows`): budget="auto" verifies a chosen part of the tree and writes only the accepted path.
     active bool [B, T] (default: all): tokens that are False are routed to no expert (`moe`), so their outputs are
     meaningless and cost no expert weights; the others are exact as long as they see no inactive token."""
     cos, sin = rope_tables(cfg, cache.lengths[:, None] + depths)

@@ -56,12 +56,15 @@ def test_choose_is_the_best_ratio_and_prefix_closed():
     live = jnp.array([True, False, True])
     ctx = jnp.array([10, 20, 30])
     rng = np.random.default_rng(1)
-    for trial in range(6):
+    for trial in range(12):
         tiers = (4, n)
         pts = [sorted((float(m), float(t)) for m, t in zip(rng.uniform(1, 40, 4), rng.uniform(0.5, 3, 4)))
                for _ in tiers]
-        cost = CostModel.from_points(tiers, b, pts, per_context=rng.uniform(0, 0.01), context=12.0)
-        tier, active = jax.jit(BudgetPolicy.choosing(cost).choose)(scores, tree.visibility, live, ctx)
+        switch = rng.uniform(0, 1) if trial % 2 else 0.0
+        current = (None, 0, 1)[trial % 3]
+        cost = CostModel.from_points(tiers, b, pts, per_context=rng.uniform(0, 0.01), context=12.0, switch=switch)
+        choose = jax.jit(BudgetPolicy.choosing(cost).choose, static_argnames="current")
+        tier, active = choose(scores, tree.visibility, live, ctx, current=current)
         tier, active = int(tier), np.asarray(active)
         # brute force in numpy, float64
         p = np.where(np.asarray(live)[:, None], np.exp(s[:, 1:].astype(np.float64)), 0.0)
@@ -74,6 +77,7 @@ def test_choose_is_the_best_ratio_and_prefix_closed():
             tok, sec = np.asarray(cost.tokens[t], np.float64), np.asarray(cost.seconds[t], np.float64)
             base = np.interp(n_live + m, tok, sec)
             c = np.maximum(base + float(cost.per_context) * (ctx_sum - n_live * 12.0), 0.01 * base)
+            c = c + (np.float32(switch) if current not in (None, t) else 0.0)  # a change of tier
             ratio = np.where(m <= n_live * size, (n_live + gain) / c, -np.inf)
             best.append((ratio.max(), int(ratio.argmax())))
         want_tier = int(np.argmax([r for r, _ in best]))
@@ -98,6 +102,10 @@ def test_forced_policy_verifies_the_first_nodes():
         tier, active = policy.forced(t, r).choose(scores, tree.visibility, jnp.array([True, True]), jnp.zeros(2))
         want = min(r, (4, 8)[t])
         assert int(tier) == t and np.asarray(active).sum(axis=1).tolist() == [1 + want] * b
+    for current, t in ((None, 0), (0, 1), (1, 0)):  # alternating: the tier the step before did not use
+        tier, active = policy.alternating(8).choose(scores, tree.visibility, jnp.array([True, True]), jnp.zeros(2),
+                                                    current)
+        assert int(tier) == t and np.asarray(active).sum(axis=1).tolist() == [1 + (4, 8)[t]] * b
 
 
 @pytest.mark.parametrize("slope, tiers", [(0.0, None), (0.02, None), (1.0, (16,)), (0.02, (3, 16))])
@@ -124,6 +132,28 @@ def test_auto_with_partial_acceptance_is_lossless(model):
                       budget="auto", max_budget=32, cost_model=_cost(bud.default_tiers(32), len(PROMPTS), 0.004))
     assert out.tokens == ar
     assert sum(h > 0 for h in out.stats["nodes_histogram"]) >= 3 and out.stats["tau_histogram"][1] > 0
+
+
+def test_auto_changing_tier_every_step_is_lossless(model):
+    """The loop leaves one tier's program for another's at every step (forced to alternate), or when the switch
+    term makes it worth it: still exactly the AR tokens, and the loop ends."""
+    cfg, params, drafter, ar = model
+    tiers = bud.default_tiers(16)
+    pts = lambda i: [(1, 1.0 + 0.1 * i), (1e5, 1.0 + 0.1 * i + 0.004 * 1e5)]
+    for policy in (BudgetPolicy.choosing(_cost(tiers, len(PROMPTS), 0.0)).alternating(16),
+                   BudgetPolicy.choosing(CostModel.from_points(tiers, len(PROMPTS), [pts(i) for i in range(len(tiers))],
+                                                               switch=0.5))):
+        m = speculative(cfg, "ddtree", drafter, 16, policy)
+        req = kj.decoding.prepare(cfg, PROMPTS, 24, extra_slots=m.extra_slots)
+        st = start(m, params, cfg, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(0),
+                   jnp.int32(-1), sampler=Sampler(), cache_len=req.cache_len, max_new=req.max_new)
+        st = advance(m, params, cfg, st, jnp.int32(100), sampler=Sampler())
+        out = [np.asarray(st.out)[i, :int(st.num_out[i])].tolist() for i in range(len(PROMPTS))]
+        assert out == ar and bool(np.all(np.asarray(st.done)))
+        hist = np.asarray(st.nodes).sum(axis=0)
+        if int(policy.force_tier) == -2:  # every step all nodes of the first or the last tier, in turn
+            assert hist[4] > 0 and hist[16] > 0 and hist[4] + hist[16] == hist.sum()
+            assert abs(int(hist[4]) - int(hist[16])) <= len(PROMPTS)
 
 
 def test_auto_sampling_matches_target_distribution(model):
