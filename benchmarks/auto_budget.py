@@ -14,10 +14,12 @@
               makes for that cost), each step costed by that model at the nodes it verified (plus its switch term
               where the tier changed).
 
-    python benchmarks/auto_budget.py embedded --out DIR      # then fullscale (one H200, ~80 GB), or both at once on
-                                                             # two GPUs: scripts/gpu_auto_budget.sh; then:
+    python benchmarks/auto_budget.py embedded --out DIR      # then fullscale (one H200, ~80 GB); on the GPU machine,
+                                                             # one call per part: scripts/gpu_auto_budget.sh; then:
     python benchmarks/auto_budget.py report --out DIR --commit HASH   # runs `project`, writes auto_budget.{md,json,png}
     python benchmarks/auto_budget.py fullscale --small --out /tmp/x  # CPU smoke run of the full-scale part
+    python benchmarks/auto_budget.py diagnose --profile --out DIR    # where a step's time goes: fixed 16 and 128,
+                                                             # one-tier and two-tier auto forced, kernel profiles
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def part_fullscale(args) -> dict:
     context = 256 if small else 4096
     out = dict(meta=_meta(args), layers=cfg.num_hidden_layers, context=context, fixed=[], costs={})
     t_end = time.perf_counter() + args.budget_s
-    steps, repeats = (2, 1) if small else (3, 2)
+    steps, repeats = (2, 1) if small else (args.steps, args.step_repeats)
     for c in CONCURRENCY:
         if time.perf_counter() > t_end:
             print(f"fullscale: time budget spent before C={c}", flush=True)
@@ -167,7 +169,7 @@ def part_diagnose(args) -> dict:
     at 128) forced to several (tier, nodes); step time and kernel profile of each."""
     cfg, params, drafter = _full_scale_model(args.small)
     context = 256 if args.small else 4096
-    steps, repeats = (2, 1) if args.small else (3, 2)
+    steps, repeats = (2, 1) if args.small else (args.steps, args.step_repeats)
     out = dict(meta=_meta(args), layers=cfg.num_hidden_layers, context=context, rows=[])
     dummy = lambda tiers: bud.BudgetPolicy.choosing(bud.CostModel.from_points(tiers, 1, [[(1.0, 1.0)]] * len(tiers)))
     two = speculative(cfg, "ddtree", drafter, 128, dummy((16, 128)))
@@ -386,6 +388,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=1e9, help="fullscale: start no new cell after this many s")
+    ap.add_argument("--steps", type=int, default=3,
+                    help="fullscale, diagnose: steps per timed run (single full-scale cells vary by ~3 ms at 3)")
+    ap.add_argument("--step-repeats", type=int, default=2, help="fullscale, diagnose: timed runs per cell (median)")
     ap.add_argument("--profile", action="store_true",
                     help="fullscale: kernel profiles of auto's tier-16 step and of fixed 16 at C=1 (GPU)")
     ap.add_argument("--ffi-ops", default="tree_build,tree_accept",

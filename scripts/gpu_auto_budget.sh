@@ -1,22 +1,44 @@
 #!/usr/bin/env bash
-# benchmarks/auto_budget.py on the GPU machine in one call (kind nvidia-h200-x2): the full-scale part (61 layers as
-# one GPU of ep=8, ~80 GB; with kernel profiles of auto's tier-16 step vs fixed 16) on GPU 0 while the embedded-model
-# part runs on GPU 1. Logs and the two JSON files under $OUT; then, on any machine:
-#   python benchmarks/auto_budget.py report --out <dir with the JSON files> --commit <hash>
-#   OUT=/tmp/out KDTREE_COMMIT=<hash> bash scripts/gpu_auto_budget.sh
-# Environment: FULL_LIMIT / EMB_LIMIT (seconds, default 390 / 330), CELL_BUDGET (the full-scale part starts no new
-# cell after this many seconds, default 290). One GPU: run the two parts one after the other instead.
+# benchmarks/auto_budget.py on the GPU machine, one call per part (issue 19):
+#   PART=fullscale  the full-scale part (61 layers as one GPU of ep=8, ~80 GB; with kernel profiles of auto's tier-16
+#                   step vs fixed 16), one H200 (kind nvidia-h200); ~450 s for C=1 and C=10 at the default steps
+#   PART=embedded   the embedded-model part, then `report` with the full-scale JSON of an earlier call, where one is
+#                   given (FULL_JSON=path in the carried tree, e.g. scratch/auto_budget_fullscale.json), so that the
+#                   projection's acceptance comes from the same prompts as the embedded table; one H200
+#   PART=both       both at once on two GPUs (kind nvidia-h200-x2): quicker, but the two jobs share the host, and the
+#                   embedded model's launch-bound steps are slower while the full-scale part compiles next to it
+# Logs and JSON under $OUT; then, on any machine: python benchmarks/auto_budget.py report --out DIR --commit HASH
+#   OUT=/tmp/out KDTREE_COMMIT=<hash> PART=embedded FULL_JSON=scratch/auto_budget_fullscale.json bash scripts/gpu_auto_budget.sh
+# Environment: FULL_LIMIT / EMB_LIMIT (seconds, default 540 / 450), CELL_BUDGET (the full-scale part starts no new
+# cell after this many seconds, default 420), STEPS (full-scale steps per timed run, default 3).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} KDTREE_JAX_COSTS=${KDTREE_JAX_COSTS:-/tmp/costs}
 OUT=${OUT:-/tmp/out}
 C=${KDTREE_COMMIT:-unknown}
+PART=${PART:-both}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/env.txt"
 . "$(dirname "$0")/ffi_env.sh"
-(CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout -k 5 "${FULL_LIMIT:-390}" python3 \
-   benchmarks/auto_budget.py fullscale --profile --out "$OUT" --commit "$C" --budget-s "${CELL_BUDGET:-290}" 2>&1 |
-   grep -v -i "warn\|donat" > "$OUT/full.log") &
-(CUDA_VISIBLE_DEVICES=1 timeout -k 5 "${EMB_LIMIT:-330}" python3 benchmarks/auto_budget.py embedded --out "$OUT" \
-   --commit "$C" 2>&1 | grep -v -i "warn\|donat" > "$OUT/emb.log") &
-wait
-grep -v "calibrating" "$OUT/full.log" | tail -20; echo ---; grep -v "calibrating" "$OUT/emb.log" | tail -16
+full() {  # $1: the GPU
+  CUDA_VISIBLE_DEVICES=$1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout -k 5 "${FULL_LIMIT:-540}" python3 \
+    benchmarks/auto_budget.py fullscale --profile --out "$OUT" --commit "$C" --budget-s "${CELL_BUDGET:-420}" \
+    --steps "${STEPS:-3}" 2>&1 | grep -v -i "warn\|donat" > "$OUT/full.log"
+}
+embedded() {
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 5 "${EMB_LIMIT:-450}" python3 benchmarks/auto_budget.py embedded --out "$OUT" \
+    --commit "$C" 2>&1 | grep -v -i "warn\|donat" > "$OUT/emb.log"
+  if [ -n "${FULL_JSON:-}" ]; then
+    cp "$FULL_JSON" "$OUT/auto_budget_fullscale.json"
+    CUDA_VISIBLE_DEVICES=$1 timeout -k 5 150 python3 benchmarks/auto_budget.py report --out "$OUT" --commit "$C" 2>&1 |
+      grep -v -i "warn\|donat" > "$OUT/report.log"
+  fi
+}
+case "$PART" in
+  fullscale) full 0 ;;
+  embedded) embedded 0 ;;
+  both) full 0 & embedded 1 & wait ;;
+  *) echo "PART must be fullscale, embedded or both, got $PART"; exit 2 ;;
+esac
+for f in full emb report; do
+  [ -f "$OUT/$f.log" ] && { echo "--- $f"; grep -v "calibrating" "$OUT/$f.log" | grep -v "^    " | tail -20; }
+done
