@@ -173,7 +173,7 @@ def time_loop(method, params, cfg: ModelConfig, state0, steps: int, repeats: int
 def calibration_geometry(cfg: ModelConfig, method, context: int | None, steps: int) -> tuple[int, int, dict]:
     """(near context, far context, prefilled's t_pad / cache_len / room) of a calibration: `context` (default 128,
     or less for short models) and 4x it, in one cache shape (so that one compiled loop serves both)."""
-    room = 2 * steps * method.tokens_per_step + 1  # time_loop runs 2 x steps
+    room = 2 * (steps + steps % 2) * method.tokens_per_step + 1  # time_loop runs 2 x steps (even, for the switch)
     limit = cfg.max_position_embeddings - room - method.extra_slots
     c0 = min(128, limit // 4) if context is None else int(context)
     c1 = min(4 * c0, limit)
@@ -215,7 +215,9 @@ def calibrate(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int,
         points.append(pts)
     switch = 0.0
     if len(tiers) > 1:  # the first and the last tier in turn, every node: what a change of tier adds to a step
-        turns = timed(s0, policy.alternating(tiers[-1]))
+        # (time_loop's difference of k and 2k steps: k even, so it holds as many steps of each tier)
+        turns = time_loop(method.with_policy(policy.alternating(tiers[-1])), params, cfg, s0, steps + steps % 2,
+                          repeats, marginal)
         switch = max(0.0, turns - (points[0][-1][1] + points[-1][-1][1]) / 2)
         done += 1
         log(f"calibrating budget=auto [{done}/{total}]: tiers {tiers[0]} and {tiers[-1]} in turn: {1e3 * turns:.2f} ms "

@@ -47,7 +47,8 @@ class CostModel:
     Step seconds at tier t for `m` verified tokens (live rows + chosen nodes) and `ctx` cached tokens over the live
     rows: interp(m, tokens[t], seconds[t]) + per_context * (ctx - live rows x context), never below 1% of the curve;
     plus `switch` when the step's tier differs from the one before (the loop leaves one tier's program for
-    another's: a few loop conditions read by the host, `decoding.run_steps`).
+    another's: a few loop conditions read by the host, `decoding.run_steps`). The first step of each compiled call
+    (`decoding.advance`) has no step before it and pays no switch.
     The arrays are leaves (traced): a cost model of the same shape reuses the compiled loop.
     """
 
@@ -91,15 +92,21 @@ class CostModel:
         return [[(float(m), float(s)) for m, s in zip(tok[i], sec[i])] for i in range(len(self.tiers))]
 
 
+def _nodes(nodes) -> int:
+    if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 0:
+        raise ValueError(f"nodes per row must be an integer >= 0, got {nodes!r}")
+    return int(nodes)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BudgetPolicy:
     """How the auto method picks the nodes: from `cost` (choose), or forced to `force_nodes` nodes per row at tier
     index `force_tier` when that is >= 0, or at the first and the last tier in turn when it is -2 (calibration
-    times the same compiled loop this way)."""
+    times the same compiled loop this way). Make one with `choosing`, then `forced` or `alternating`."""
 
     cost: CostModel
-    force_tier: jax.Array  # int32 []  -1: choose
+    force_tier: jax.Array  # int32 []  -1: choose; 0 .. T-1: that tier; -2: the first and the last in turn
     force_nodes: jax.Array  # int32 []
 
     @property
@@ -111,11 +118,14 @@ class BudgetPolicy:
         return BudgetPolicy(cost, jnp.int32(-1), jnp.int32(0))
 
     def forced(self, tier_index: int, nodes: int) -> "BudgetPolicy":
-        return BudgetPolicy(self.cost, jnp.int32(tier_index), jnp.int32(nodes))
+        """Forced to `nodes` nodes per row (at most the tier's) at tier index `tier_index` every step."""
+        if not 0 <= tier_index < len(self.tiers):  # a tier no loop runs would never end the decoding loop
+            raise ValueError(f"tier_index must be in [0, {len(self.tiers)}) for tiers {self.tiers}, got {tier_index}")
+        return BudgetPolicy(self.cost, jnp.int32(tier_index), jnp.int32(_nodes(nodes)))
 
     def alternating(self, nodes: int) -> "BudgetPolicy":
         """Forced to `nodes` nodes per row, the tier changing every step (first, last, first, ...)."""
-        return BudgetPolicy(self.cost, jnp.int32(-2), jnp.int32(nodes))
+        return BudgetPolicy(self.cost, jnp.int32(-2), jnp.int32(_nodes(nodes)))
 
     def choose(self, scores: jax.Array, visibility: jax.Array, live: jax.Array, context: jax.Array,
                current: int | None = None) -> tuple[jax.Array, jax.Array]:

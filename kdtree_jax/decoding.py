@@ -277,7 +277,11 @@ class Method(Protocol):
 
     def step(self, params: Params, cfg: ModelConfig, state: DecodeState, key: jax.Array,
              sampler: Sampler) -> Committed:
-        """One step for every row: one target forward from the committed prefix and the bonus `state.last`."""
+        """One step for every row: one target forward from the committed prefix and the bonus `state.last`. A
+        method of several phases takes a sixth argument, the step's plan (phase as a Python int, data)."""
+
+    # A method of several phases also has plan(params, cfg, state, sampler, phase) -> (phase int32 [], data): the
+    # next step's phase and data from the state and the phase of the step before (None at a call's entry).
 
 
 @jax.tree_util.register_dataclass
@@ -356,7 +360,10 @@ def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, unti
     while its phase is planned, inside a loop over the phases in turn. The phase is read where every while loop
     reads its condition anyway, so a step costs what its phase's own loop costs; a `lax.switch` per step (the host
     waits for the index, then launches the branch) cost 3.7-4.4 ms per step on full-scale K2.6 (H200,
-    docs/budget.md). A change of phase costs up to `phases` + 1 empty loop conditions.
+    docs/budget.md). A change of phase costs up to `phases` + 1 empty loop conditions. Each call plans one step
+    more than it runs (the plan after its last step, at the end of that step), and its first step is planned
+    without a phase before it: a run cut into calls (`stream`, the server's chunks) drafts a little more, and with
+    a switch term in the cost model may choose other tiers at the cuts than one call would.
     """
     go = lambda s: (s.steps < until) & ~jnp.all(s.done)
     phases = getattr(method, "phases", 1)

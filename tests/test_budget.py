@@ -102,6 +102,9 @@ def test_forced_policy_verifies_the_first_nodes():
         tier, active = policy.forced(t, r).choose(scores, tree.visibility, jnp.array([True, True]), jnp.zeros(2))
         want = min(r, (4, 8)[t])
         assert int(tier) == t and np.asarray(active).sum(axis=1).tolist() == [1 + want] * b
+    for bad in ((2, 4), (-1, 4), (0, -1)):  # a tier no loop runs would never end the loop
+        with pytest.raises(ValueError, match="tier_index|nodes per row"):
+            policy.forced(*bad)
     for current, t in ((None, 0), (0, 1), (1, 0)):  # alternating: the tier the step before did not use
         tier, active = policy.alternating(8).choose(scores, tree.visibility, jnp.array([True, True]), jnp.zeros(2),
                                                     current)
