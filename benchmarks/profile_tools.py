@@ -23,7 +23,8 @@ def _kernel_family(name: str) -> str:
 
 def parse_trace(path: str) -> dict:
     """{"kernels": {family: [launches, total_us]}, "busy_us": sum of stream events, "span_us": first to last} of
-    every event on the GPU streams of a perfetto trace (threads named "Stream ..." of a GPU process)."""
+    every event on the GPU streams of a perfetto trace (threads named "Stream ..." of a GPU process), and "host":
+    {name with digits as #: [events, total_us]} of the events of the other processes (XLA's thunks, launches)."""
     with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -35,8 +36,14 @@ def parse_trace(path: str) -> dict:
             threads[(e["pid"], e["tid"])] = str(e.get("args", {}).get("name", ""))
     gpu = {pid for pid, n in procs.items() if "GPU" in n or "/device:" in n}
     kernels = collections.defaultdict(lambda: [0, 0.0])
+    host = collections.defaultdict(lambda: [0, 0.0])
     busy, t0, t1 = 0.0, None, None
     for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in gpu:  # host threads: what the runtime did (thunks, launches)
+            h = host[re.sub(r"\d+", "#", str(e.get("name", "?")))[:80]]
+            h[0] += 1
+            h[1] += float(e.get("dur", 0.0))
+            continue
         if e.get("ph") != "X" or e.get("pid") not in gpu:
             continue
         if not threads.get((e["pid"], e.get("tid")), "").startswith("Stream"):
@@ -49,7 +56,8 @@ def parse_trace(path: str) -> dict:
         ts = float(e["ts"])
         t0 = ts if t0 is None else min(t0, ts)
         t1 = ts + dur if t1 is None else max(t1, ts + dur)
-    return {"kernels": dict(kernels), "busy_us": busy, "span_us": (t1 - t0) if t0 is not None else 0.0}
+    return {"kernels": dict(kernels), "host": dict(host), "busy_us": busy,
+            "span_us": (t1 - t0) if t0 is not None else 0.0}
 
 
 def profile_calls(fn, args, calls: int, logdir: str | None = None) -> dict:
@@ -68,6 +76,7 @@ def profile_calls(fn, args, calls: int, logdir: str | None = None) -> dict:
         raise RuntimeError(f"no perfetto trace under {logdir}")
     res = parse_trace(paths[-1])
     res["kernels"] = {k: [n / calls, us / calls] for k, (n, us) in res["kernels"].items()}
+    res["host"] = {k: [n / calls, us / calls] for k, (n, us) in res["host"].items()}
     res["busy_us"] /= calls
     res["span_us"] /= calls
     return res
