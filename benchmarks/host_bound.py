@@ -19,6 +19,7 @@ Writes DIR/host_bound_<tag>.json and prints a summary.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from auto_budget import _full_scale_model, _meta, _save  # noqa: E402
+from auto_budget import _full_scale_model, _meta  # noqa: E402
 from profile_tools import profile_calls, top_kernels  # noqa: E402
 
 from kdtree_jax import budget as bud  # noqa: E402
@@ -77,7 +78,9 @@ def main(argv=None) -> int:
                    span_us=prof["span_us"] / k, launches=sum(n for n, _ in prof["kernels"].values()) / k,
                    kernels=[(name, n / k, us / k) for name, n, us in top_kernels(prof, 25)], host=host[:40])
         out["rows"].append(row)
-        _save(args.out, f"host_bound_{args.tag}", out)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"host_bound_{args.tag}.json"), "w") as f:
+            json.dump(out, f, indent=1)
         print(f"[{args.tag}] fixed {b}: {1e3 * sec:.2f} ms per step (marginal); GPU busy {row['busy_us'] / 1e3:.2f} ms, "
               f"span {row['span_us'] / 1e3:.2f} ms, {row['launches']:.0f} GPU events per step", flush=True)
         for name, n, us in host[:12]:
