@@ -81,11 +81,18 @@ def _embedded(args):
 def part_embedded(args) -> dict:
     model, params, cfg, drafter = _embedded(args)
     out = dict(meta=dict(_meta(args), ffi_ops=args.ffi_ops), rows=[], costs={})
-    for c in CONCURRENCY:
+    kept = json.load(open(args.costs))["costs"] if args.costs else None
+    for c in args.concurrency:
         prompts = _prompts(model.tokenizer, c, 128)
-        cost, meta = bud.calibrate(params, cfg, drafter, batch=c, max_budget=MAX, steps=8, log=print)
-        out["costs"][str(c)] = bud.cost_record(cost, meta)
-        runs = [("ar", None)] + [("ddtree", b) for b in FIXED] + [("ddtree", "auto")]
+        if kept:  # the cost models an earlier embedded run measured (same model, batch and tiers)
+            e = kept[str(c)]
+            cost = bud.CostModel.from_points(e["tiers"], c, e["points"], e["per_context"], e["context"],
+                                             e.get("switch", 0.0))
+            out["costs"][str(c)] = dict(e, kept_from=args.costs)
+        else:
+            cost, meta = bud.calibrate(params, cfg, drafter, batch=c, max_budget=MAX, steps=8, log=print)
+            out["costs"][str(c)] = bud.cost_record(cost, meta)
+        runs = [("ar", None)] + [("ddtree", b) for b in args.budgets]
         ar = None
         for method, b in runs:
             go = lambda: kj.generate(params, cfg, prompts, max_new_tokens=args.new_tokens, method=method,
@@ -392,7 +399,11 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=1e9, help="fullscale: start no new cell after this many s")
     ap.add_argument("--steps", type=int, default=4,
                     help="fullscale, diagnose: k of the timed runs (fullscale: runs of 2k minus runs of k steps)")
-    ap.add_argument("--concurrency", default="1,10", help="fullscale: the batch sizes to run (comma-separated)")
+    ap.add_argument("--concurrency", default="1,10", help="embedded, fullscale: the batch sizes (comma-separated)")
+    ap.add_argument("--budgets", default=",".join(map(str, FIXED)) + ",auto",
+                    help="embedded: the ddtree budgets to run after ar (comma-separated; 'auto' included)")
+    ap.add_argument("--costs", help="embedded: take auto's cost models from this earlier auto_budget_embedded.json "
+                                    "instead of calibrating")
     ap.add_argument("--step-repeats", type=int, default=2, help="fullscale, diagnose: timed runs per cell (median)")
     ap.add_argument("--profile", action="store_true",
                     help="fullscale: kernel profiles of auto's tier-16 step and of fixed 16 at C=1 (GPU)")
@@ -400,6 +411,7 @@ def main() -> None:
                     help="embedded and report: the custom calls used (default: the tree kernels; '' for pure JAX)")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.budgets = [b if b == "auto" else int(b) for b in args.budgets.split(",")]
     if args.part == "embedded":
         part_embedded(args)
     elif args.part == "fullscale":

@@ -29,7 +29,7 @@ from .config import ModelConfig
 from .decoding import Committed, DecodeState, Sampler, nonfinite_rows
 from .drafter import DrafterProtocol
 from .kernels import tree_accept, tree_build
-from .model import KVCache, Params, StepOutput, move_accepted, prefill_last, step, tree_step, write_rows
+from .model import KVCache, Params, StepOutput, move_accepted, prefill_last, step
 from .sharding import replicated_call
 
 TREES = ("chain", "ddtree")
@@ -196,23 +196,14 @@ class Speculative:
 
     def _step_auto(self, params, cfg: ModelConfig, s: DecodeState, tier: int, plan: "_Plan", key,
                    sampler: Sampler) -> Committed:
-        """verify and accept the plan's active nodes among the first tiers[tier] of its tree (the cache only read
-        there), then write the accepted path's latents after the prefix and hand its hidden states to the drafter."""
-        n = self.policy.tiers[tier]
-        v = self._verify_auto(params, cfg, s.cache, subtree(plan.tree, n + 1), plan.active[:, :n + 1], key, sampler)
-        with jax.named_scope("compact"):
-            cache = write_rows(s.cache, cfg, s.cache.lengths, v.latent, v.k_pe)
-            draft = self.drafter.add_context(s.draft, v.hidden, s.cache.lengths)
-        return Committed(tokens=v.path.tokens, count=v.path.length, cache=cache, draft=draft, nonfinite=v.nonfinite,
-                         nodes=v.nodes)
-
-    def _verify_auto(self, params, cfg: ModelConfig, cache: KVCache, tree: DraftTree, active: jax.Array, key,
-                     sampler: Sampler) -> "_Verified":
-        """verify -> accept for the `active` nodes bool [B, N] of a tree (prefix-closed per row; the others are
-        routed to no expert and never accepted); returns what `_step_auto` keeps, padded to tokens_per_step."""
-        n, width = tree.tokens.shape[1], self.tokens_per_step
+        """verify -> accept -> keep of the plan's active nodes among the first tiers[tier] of its tree: the step of a
+        fixed budget of that size, with the inactive nodes routed to no expert (`model.step(active=)`) and never
+        accepted (their tokens hidden from `tree_accept`); the accepted path is padded to the drafter's block, so
+        every tier's step returns the same shapes."""
+        n, width = self.policy.tiers[tier] + 1, self.tokens_per_step
+        tree, active = subtree(plan.tree, n), plan.active[:, :n]
         with jax.named_scope("verify"):
-            res = tree_step(params, cfg, tree.tokens, cache, tree.depths, tree.visibility, active)
+            res = step(params, cfg, tree.tokens, s.cache, depths=tree.depths, tree_mask=tree.visibility, active=active)
             target = sampler.choose(res.logits, key)  # [B, N]
         root = jnp.arange(n)[None, :] == 0
         with jax.named_scope("accept"):
@@ -220,10 +211,9 @@ class Speculative:
         pad = width - path.nodes.shape[1]
         path = Path(nodes=jnp.pad(path.nodes, ((0, 0), (0, pad)), constant_values=-1), length=path.length,
                     tokens=jnp.pad(path.tokens, ((0, 0), (0, pad))))
-        idx = jnp.clip(path.nodes, 0, n - 1)  # [B, P]
-        rows = lambda x: jnp.take_along_axis(x, idx[:, :, None], axis=1)
-        return _Verified(path=path, hidden=jnp.take_along_axis(res.hidden, idx[None, :, :, None], axis=2),
-                         latent=tuple(map(rows, res.cache.latent)), k_pe=tuple(map(rows, res.cache.k_pe)),
+        with jax.named_scope("compact"):
+            cache, draft = self.keep(cfg, res, s.draft, s.cache.lengths, path)
+        return Committed(tokens=path.tokens, count=path.length, cache=cache, draft=draft,
                          nonfinite=nonfinite_rows(res.logits, active),
                          nodes=jnp.sum(active[:, 1:], axis=1, dtype=jnp.int32))
 
@@ -233,17 +223,6 @@ class _Plan(NamedTuple):
 
     tree: DraftTree
     active: jax.Array  # bool [B, N+1]  prefix-closed per row, within the tier's first nodes; root: live rows
-
-
-class _Verified(NamedTuple):
-    """One auto step's verify and accept, as every tier returns it (the accepted path padded to the block)."""
-
-    path: Path
-    hidden: jax.Array  # [L, B, P, D]  the path's hidden states (the drafter's new context)
-    latent: tuple  # per layer [B, P, R]: the path's latents, to write after the prefix
-    k_pe: tuple  # per layer [B, P, dr]
-    nonfinite: jax.Array  # bool [B]
-    nodes: jax.Array  # int32 [B]  nodes verified below the root
 
 
 def speculative(cfg: ModelConfig, method: str, drafter, budget, policy: BudgetPolicy | None = None) -> Speculative:

@@ -498,13 +498,6 @@ def chunk_attention(p: Attention, q_nope, q_pe, c_kv, k_pe, latent, pe, starts, 
     return combine_lse(prefix, own)[0]
 
 
-def _prefix_and_tree(q_lat, q_pe, latent, pe, lengths, tree_mask, scale: float, new_lat, new_pe, *, impl: str):
-    """Absorbed attention [B, T, H, R] of the new tokens over the cache's committed prefix (slots < lengths) and,
-    through tree_mask, over their own latents new_lat [B, T, R], new_pe [B, T, dr]: the cache is only read."""
-    prefix = mla_prefix(q_lat, q_pe, latent, pe, lengths, scale, impl=impl)
-    return combine_lse(prefix, tree_attention_lse(q_lat, q_pe, new_lat, new_pe, tree_mask, scale))[0]
-
-
 def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None, lengths=None, tree_mask=None):
     """Multi-head latent attention of x [B, T, D]. Returns (out [B, T, D], (latent, k_pe) for the cache).
 
@@ -513,9 +506,6 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
     cached prefix and, causally, the piece itself (`chunk_attention`); on a sequence-sharded cache, "absorbed".
     mode "absorbed": the absorbed form over the cache (committed prefix) plus the T new tokens seen through
     tree_mask [B, T, T]; the new latents are written at lengths[b] first.
-    mode "tree": the same attention with the cache left as it is: the committed prefix from the cache and the new
-    tokens from their own latents (`mla_prefix` and `tree_attention_lse`, joined by log-sum-exp); returns the new
-    latents (c_kv [B, T, R], k_pe [B, T, dr]) instead of the cache.
     """
     dt, f32 = x.dtype, jnp.float32
     dn, scale = cfg.qk_nope_head_dim, softmax_scale(cfg)
@@ -547,21 +537,6 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
             impl = "cudnn" if cfg.impl("mla_verify") == "ffi" and jax.default_backend() == "gpu" else "xla"
             o = chunk_attention(p, q_nope, q_pe, c_kv, k_pe, latent, pe, lengths, scale, impl)  # [B, T, H, dv]
             new_cache = (latent, pe)
-    elif mode == "tree":
-        with jax.named_scope("tree_attention"):
-            latent, pe = cache_layer
-            q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, p.k_b)  # [B, T, H, R]
-            impl = cfg.impl("mla_verify")
-            if current_mesh() is not None and cfg.cache_sharding == "sequence":
-                o_lat = mla_sequence_parallel(partial(mla_prefix, impl=impl), tree_attention_lse, combine_lse, q_lat,
-                                              q_pe, latent, pe, c_kv, k_pe, lengths, tree_mask, scale)
-            elif current_mesh() is not None and impl == "ffi":
-                o_lat = mla_head_parallel(partial(_prefix_and_tree, impl=impl), q_lat, q_pe, latent, pe, lengths,
-                                          tree_mask, scale, extra=(c_kv, k_pe))
-            else:
-                o_lat = _prefix_and_tree(q_lat, q_pe, latent, pe, lengths, tree_mask, scale, c_kv, k_pe, impl=impl)
-            o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(dt), p.v_b)  # [B, T, H, dv]
-            new_cache = (c_kv, k_pe)
     else:
         with jax.named_scope("absorbed_attention"):
             latent, pe = _write_rows(cache_layer[0], c_kv, lengths, cfg), _write_rows(cache_layer[1], k_pe, lengths, cfg)
@@ -769,12 +744,15 @@ def prefill_last(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: j
 
 
 def step(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache, depths: jax.Array | None = None,
-         tree_mask: jax.Array | None = None) -> StepOutput:
+         tree_mask: jax.Array | None = None, active: jax.Array | None = None) -> StepOutput:
     """One cached forward over T new tokens [B, T] placed after each row's committed prefix.
 
     Token t of row b is written at slot cache.lengths[b] + t and has position cache.lengths[b] + depths[b, t]
     (default depths = t: a plain causal continuation). tree_mask bool [B, T, T] says which new tokens each one
     sees (default: causal). cache.lengths is NOT advanced: the caller commits what it accepts.
+    active bool [B, T] (default: all): tokens that are False are routed to no expert (`moe`), so they cost no
+    expert weights and their outputs are meaningless; the others are exact as long as they see no inactive token
+    (budget="auto" verifies a chosen, prefix-closed part of a tree this way).
     """
     b, t = tokens.shape
     if depths is None:
@@ -782,29 +760,8 @@ def step(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache, de
     if tree_mask is None:
         tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     cos, sin = rope_tables(cfg, cache.lengths[:, None] + depths)
-    h, hidden, cache = _run_layers(params, cfg, embed(params, tokens), cos, sin, "absorbed", cache, tree_mask)
+    h, hidden, cache = _run_layers(params, cfg, embed(params, tokens), cos, sin, "absorbed", cache, tree_mask, active)
     return StepOutput(logits=_logits(params, cfg, h), hidden=hidden, cache=cache)
-
-
-def tree_step(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache, depths: jax.Array,
-              tree_mask: jax.Array, active: jax.Array | None = None) -> StepOutput:
-    """`step` that only reads the cache: the T new tokens [B, T] attend to each row's committed prefix in the cache
-    and to each other through tree_mask, and the returned StepOutput.cache holds just their latents (latent[i]
-    [B, T, R] and k_pe[i] [B, T, dr] of every layer i; lengths unchanged) for the caller to write the ones it
-    keeps (`write_rows`): budget="auto" verifies a chosen part of the tree and writes only the accepted path.
-    active bool [B, T] (default: all): tokens that are False are routed to no expert (`moe`), so their outputs are
-    meaningless and cost no expert weights; the others are exact as long as they see no inactive token."""
-    cos, sin = rope_tables(cfg, cache.lengths[:, None] + depths)
-    h, hidden, new = _run_layers(params, cfg, embed(params, tokens), cos, sin, "tree", cache, tree_mask, active)
-    return StepOutput(logits=_logits(params, cfg, h), hidden=hidden, cache=new)
-
-
-def write_rows(cache: KVCache, cfg: ModelConfig, starts: jax.Array, latent, k_pe) -> KVCache:
-    """The cache with latent[i] [B, P, R] and k_pe[i] [B, P, dr] written at slots starts[b] .. starts[b] + P - 1 of
-    every layer i, in place."""
-    write = lambda c, new: _write_rows(c, new.astype(c.dtype), starts, cfg)
-    return dataclasses.replace(cache, latent=tuple(map(write, cache.latent, latent)),
-                               k_pe=tuple(map(write, cache.k_pe, k_pe)))
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
