@@ -11,7 +11,9 @@ sit in L2 between calls; time = median per op.
 
 Variants (--variants, comma separated): `after` = marlin_moe as shipped (block_m and path by M); `before` = the
 kernel of an older build (--baseline-lib: a libkdtree_jax_cuda.so whose handler was compiled as KdMarlinMoeCudaOld,
-called as that version did: block_m = block_size(M), no flags); `stream` / `tile64` / `tile128` force a path
+called as that version did: block_m = block_size(M), no flags); `local` = the defaults but the block size chosen
+from the shard's own experts (as before 2026-12-01: at the per-device shape M k / 48 overstated the slots per expert
+8-fold); `stream` / `tile64` / `tile128` force a path
 (`+l2`, `+sync`, `+deep`, `+serial` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL; `after+deep` = the defaults
 plus FLAG_DEEP, `after+serial` the defaults with the stream path's kernels launched plainly, one after the other).
 Each variant's output is compared with `after`'s (rel err).
@@ -116,7 +118,8 @@ def baseline_call(x, ids, weights, we_gate, we_up, we_down):
 
 
 def variant_fn(name: str, m: int, e: int):
-    """(callable(x, ids, w, gate, up, down) -> out, block_m) of a variant, for M tokens and e (local) experts."""
+    """(callable(x, ids, w, gate, up, down) -> out, block_m) of a variant, for M tokens and e (local) experts of the
+    model's E: called as the model calls it (experts_total=E, the block size from the whole routing's density)."""
     mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")  # (the package re-exports the function's name)
 
     if name == "before":
@@ -124,11 +127,12 @@ def variant_fn(name: str, m: int, e: int):
     base, *mods = name.split("+")
     flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "serial": mm.FLAG_SERIAL, "deep": mm.FLAG_DEEP}[x]
                 for x in mods)
-    bm = {"after": None, "stream": mm.block_size(m, TOPK, e), "tile64": 64, "tile128": 128}[base]
-    shown = bm or mm.choose_block_m(m, TOPK, e, True)
-    if base == "after":  # the defaults (path, block_m, flags), plus any flags named
+    bm = {"after": None, "stream": mm.block_size(m, TOPK, E), "tile64": 64, "tile128": 128,
+          "local": mm.choose_block_m(m, TOPK, e, True)}[base]  # local: the block size chosen by e (before 2026-12-01)
+    shown = bm or mm.choose_block_m(m, TOPK, E, True)
+    if base in ("after", "local"):  # the defaults (path, block_m, flags), plus any flags named
         flags = None if not mods else flags | (mm.TILE_FLAGS if shown in mm.TILE_BLOCKS else mm.STREAM_FLAGS)
-    return (lambda *a: mm.marlin_moe(*a, block_m=bm, flags=flags)), shown
+    return (lambda *a: mm.marlin_moe(*a, block_m=bm, flags=flags, experts_total=E)), shown
 
 
 def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with_xla: bool) -> list[dict]:

@@ -597,7 +597,9 @@ def moe(p: MoE, x: jax.Array, cfg: ModelConfig, active: jax.Array | None = None)
             on = active.reshape(b * t, 1)
             ids, w = jnp.where(on, ids, cfg.n_routed_experts), jnp.where(on, w, 0.0)
     with jax.named_scope("experts"):
-        experts = partial(marlin_moe, impl=cfg.impl("marlin_moe"))
+        # experts_total: on an expert-parallel mesh each shard's call sees E/ep experts, and the block size of the
+        # kernel is chosen from the slots per expert of the whole model's routing
+        experts = partial(marlin_moe, impl=cfg.impl("marlin_moe"), experts_total=cfg.n_routed_experts)
 
         if current_mesh() is not None:  # the shared expert's slice added before the one all-reduce
             sh = p.shared

@@ -5,6 +5,7 @@ kernels, K2-sized experts included, against float64, the CPU kernel and the refe
 (JAX_PLATFORMS=cuda,cpu)."""
 
 import dataclasses
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -227,6 +228,34 @@ def test_expert_parallel_in_shard_map():
     with jax.set_mesh(mesh):
         out = jax.jit(lambda *a: moe_expert_parallel(marlin_moe, *a))(x, ids, weights, *experts)
     assert rel_err(out, experts64(x, ids, weights, *experts)) <= 1e-5
+
+
+def test_expert_parallel_shards_choose_the_block_size_of_the_whole_routing(monkeypatch):
+    """On an ep mesh each shard's call holds E/ep experts, but its M k slots spread over all E (the other shards'
+    go nowhere): the model passes experts_total=E so that the block size comes from M k / E, the slots per expert
+    of every shard, not from M k / (E/ep), which is ep times more."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")  # (the package re-exports the function's name)
+    seen = []
+    real = mm.choose_block_m
+    monkeypatch.setattr(mm, "choose_block_m", lambda m, k, e, ok: seen.append((m, k, e)) or real(m, k, e, ok))
+    cfg = kj.configs.tiny(kernels="ffi")
+    mesh = kj.make_mesh(ep=4, dp=2)
+    params = kj.init_params(cfg, jax.random.key(0), mesh=mesh)
+    tokens = jnp.asarray(np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    with jax.set_mesh(mesh):
+        sharded = forward(params, cfg, tokens)
+    assert seen and all(e == cfg.n_routed_experts for _, _, e in seen), seen
+    assert {m for m, _, _ in seen} == {10} and {k for _, k, _ in seen} == {cfg.num_experts_per_tok}
+    seen.clear()
+    assert rel_err(sharded, forward(kj.init_params(cfg, jax.random.key(0)), cfg, tokens)) <= 1e-5
+    assert seen and all(e == cfg.n_routed_experts for _, _, e in seen)
+    rng = np.random.default_rng(9)
+    x, (ids, w), experts = jnp.ones((3, 64), jnp.float32), make_routing(rng, 3, 2, 16), make_experts(rng, 16, 64, 32)
+    for bad in (8, 16.0, True):
+        with pytest.raises(ValueError, match="experts_total must be an integer >= the 16 experts"):
+            marlin_moe(x, ids, w, *experts, experts_total=bad)
 
 
 def _bad(**change):

@@ -77,10 +77,10 @@ def tile_eligible(d: int, f: int, gate_group: int, down_group: int, dtype) -> bo
 
 
 def choose_block_m(m: int, k: int, e: int, tile_ok: bool) -> int:
-    """block_m (and so the CUDA path) for M tokens: the tile path's 64 from TILE_MIN_M tokens and 128 from
-    TILE_128_MIN_M where the shapes allow it, the stream path's `block_size` otherwise. By M rather than by M k / E:
-    under expert parallelism a shard's E is local while most of its k slots are other shards' (M k / E_local
-    overstates the slots per expert ep-fold), and M tokens put about M k / E_global slots on every expert in both."""
+    """block_m (and so the CUDA path) for M tokens routed to k of e experts (e: all of the model's, also for one
+    expert-parallel shard's call, whose slots of other shards' experts go nowhere: M k / e is the slots per expert
+    on every shard, M k / e_local would overstate it ep-fold): the tile path's 64 from TILE_MIN_M tokens and 128
+    from TILE_128_MIN_M where the shapes allow it, the stream path's `block_size` otherwise."""
     if tile_ok and m >= TILE_MIN_M:
         return TILE_BLOCKS[1] if m >= TILE_128_MIN_M else TILE_BLOCKS[0]
     return block_size(m, k, e)
@@ -179,7 +179,7 @@ def _cuda_call(args, m: int, d: int, k: int, e: int, f: int, dtype, block_m: int
 
 
 def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up, we_down, *, impl: str = "ffi",
-               block_m: int | None = None, flags: int | None = None) -> jax.Array:
+               block_m: int | None = None, flags: int | None = None, experts_total: int | None = None) -> jax.Array:
     """Routed experts: sum_j weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = ids[m, j].
 
     x [M, D] float32 or bfloat16; ids int [M, k] (outside [0, E): no expert); weights float [M, k] (used in fp32);
@@ -190,8 +190,10 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
     `marlin_moe_ref`, impl="dense" `moe_experts_dense` (`ModelConfig.impl` picks one). block_m overrides
     `choose_block_m` on CUDA (benchmarks, tests): 8, 16 or 32 run the stream path, 64 or 128 the tile path (bf16,
     D % 256 == 0, F % 128 == 0, group 32 only). flags: FLAG_* bits for benchmarks and tests (None: TILE_FLAGS or
-    STREAM_FLAGS). No host sync: usable under jit, vmap, shard_map and
-    inside loops.
+    STREAM_FLAGS). experts_total: the experts of the whole model when these E are one expert-parallel shard's (the
+    ids of the other shards' experts mapped to E): the M k slots spread over experts_total experts, of which a shard
+    gets about M k / experts_total per expert, so the block size is chosen from that density (default: E). No host
+    sync: usable under jit, vmap, shard_map and inside loops.
     """
     if impl not in IMPLS:
         raise ValueError(f"marlin_moe: impl must be one of {IMPLS}, got {impl!r}")
@@ -203,6 +205,10 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
             raise TypeError("marlin_moe: we_gate, we_up and we_down must be all Int4Array or all float arrays")
         return marlin_moe_ref(x, ids, weights, we_gate, we_up, we_down)
     m, d, k, e, f = _check(x, ids, weights, we_gate, we_up, we_down)
+    if experts_total is not None and (isinstance(experts_total, bool) or not isinstance(experts_total, int)
+                                      or experts_total < e):
+        raise ValueError(f"marlin_moe: experts_total must be an integer >= the {e} experts given, got "
+                         f"{experts_total!r}")
     if impl == "xla":
         return marlin_moe_ref(x, ids, weights, we_gate, we_up, we_down)
     if block_m is not None and block_m not in BLOCK_SIZES:
@@ -215,7 +221,7 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
     if m == 0 or k == 0:
         return jnp.zeros((m, d), x.dtype)
     _registry.register()
-    bm = block_m or choose_block_m(m, k, e, tile_ok)
+    bm = block_m or choose_block_m(m, k, experts_total or e, tile_ok)
     if flags is None:
         flags = TILE_FLAGS if bm in TILE_BLOCKS else STREAM_FLAGS
 
