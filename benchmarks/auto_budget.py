@@ -81,7 +81,10 @@ def _embedded(args):
 def part_embedded(args) -> dict:
     model, params, cfg, drafter = _embedded(args)
     out = dict(meta=dict(_meta(args), ffi_ops=args.ffi_ops), rows=[], costs={})
-    kept = json.load(open(args.costs))["costs"] if args.costs else None
+    kept = None
+    if args.costs:  # an auto_budget_embedded.json, or a report's auto_budget.json (its "embedded" part)
+        data = json.load(open(args.costs))
+        kept = data["costs"] if "costs" in data else data["embedded"]["costs"]
     for c in args.concurrency:
         prompts = _prompts(model.tokenizer, c, 128)
         if kept:  # the cost models an earlier embedded run measured (same model, batch and tiers)
@@ -402,8 +405,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,10", help="embedded, fullscale: the batch sizes (comma-separated)")
     ap.add_argument("--budgets", default=",".join(map(str, FIXED)) + ",auto",
                     help="embedded: the ddtree budgets to run after ar (comma-separated; 'auto' included)")
-    ap.add_argument("--costs", help="embedded: take auto's cost models from this earlier auto_budget_embedded.json "
-                                    "instead of calibrating")
+    ap.add_argument("--costs", help="embedded: take auto's cost models from an earlier run's auto_budget_embedded.json "
+                                    "(or a report's auto_budget.json) instead of calibrating")
     ap.add_argument("--step-repeats", type=int, default=2, help="fullscale, diagnose: timed runs per cell (median)")
     ap.add_argument("--profile", action="store_true",
                     help="fullscale: kernel profiles of auto's tier-16 step and of fixed 16 at C=1 (GPU)")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # benchmarks/auto_budget.py on the GPU machine, one call per part (issue 19):
 #   PART=fullscale  the full-scale part (61 layers as one GPU of ep=8, ~80 GB; with kernel profiles of auto's tier-16
-#                   step vs fixed 16), one H200 (kind nvidia-h200); ~450 s for C=1 and C=10 at the default steps
+#                   step vs fixed 16), one H200 (kind nvidia-h200), timed marginally (runs of 2 STEPS minus runs of
+#                   STEPS); one concurrency per call: CONC=1 (~5.5 min), CONC=10 (longer: pass CELL_BUDGET/FULL_LIMIT)
 #   PART=embedded   the embedded-model part, then `report` with the full-scale JSON of an earlier call, where one is
 #                   given (FULL_JSON=path in the carried tree, e.g. scratch/auto_budget_fullscale.json), so that the
 #                   projection's acceptance comes from the same prompts as the embedded table; one H200
@@ -10,7 +11,8 @@
 # Logs and JSON under $OUT; then, on any machine: python benchmarks/auto_budget.py report --out DIR --commit HASH
 #   OUT=/tmp/out KDTREE_COMMIT=<hash> PART=embedded FULL_JSON=scratch/auto_budget_fullscale.json bash scripts/gpu_auto_budget.sh
 # Environment: FULL_LIMIT / EMB_LIMIT (seconds, default 540 / 450), CELL_BUDGET (the full-scale part starts no new
-# cell after this many seconds, default 420), STEPS (full-scale steps per timed run, default 3).
+# cell after this many seconds, default 420), STEPS (k of the full-scale timing, default 4), CONC (full-scale batch
+# sizes, default 1).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} KDTREE_JAX_COSTS=${KDTREE_JAX_COSTS:-/tmp/costs}
 OUT=${OUT:-/tmp/out}
@@ -22,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/env.txt"
 full() {  # $1: the GPU
   CUDA_VISIBLE_DEVICES=$1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout -k 5 "${FULL_LIMIT:-540}" python3 \
     benchmarks/auto_budget.py fullscale --profile --out "$OUT" --commit "$C" --budget-s "${CELL_BUDGET:-420}" \
-    --steps "${STEPS:-3}" 2>&1 | grep -v -i "warn\|donat" > "$OUT/full.log"
+    --steps "${STEPS:-4}" --concurrency "${CONC:-1}" 2>&1 | grep -v -i "warn\|donat" > "$OUT/full.log"
 }
 embedded() {
   CUDA_VISIBLE_DEVICES=$1 timeout -k 5 "${EMB_LIMIT:-450}" python3 benchmarks/auto_budget.py embedded --out "$OUT" \
