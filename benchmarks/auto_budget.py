@@ -4,7 +4,7 @@
               and "auto" (max 128, its cost model measured first in the same run by `kdtree_jax.budget.calibrate`),
               at concurrency 1 and 10 (held-out prompts of 128 tokens, 128 new tokens, greedy; median of 3 timed
               runs after a warm-up). Every row's tokens are checked equal to ar's.
-  fullscale   Full-scale K2.6 as one GPU of an ep=8 mesh runs it (61 layers, `full_scale.per_device_cfg`, the
+  fullscale   Full-scale K2.6 as one GPU of an ep=8 mesh runs it (61 layers, `full_scale.per_device_model`, the
               K2.5-DFlash-shaped drafter, random weights), context 4,096: the step time of the same decoding loop
               for fixed budgets 16, 32, 64, 128 (`budget.time_loop`), and auto's cost model (`calibrate`), at C=1 and
               C=10. Collectives are not in these per-device times (the same caveat for every budget).
@@ -117,12 +117,10 @@ def part_embedded(args) -> dict:
 
 
 def _full_scale_model(small: bool):
-    from full_scale import narrow_shared, per_device_cfg
+    from full_scale import per_device_model
 
-    cfg = per_device_cfg(8, 3 if small else 61, small, "xla" if small else "ffi")
-    params = kj.init_params(cfg, jax.random.key(0))
+    cfg, params = per_device_model(8, 3 if small else 61, small, "xla" if small else "ffi")
     if not small:
-        params = narrow_shared(params, cfg.moe_intermediate_size * cfg.n_shared_experts // 8)
         drafter = kj.init_drafter(cfg, jax.random.key(1), num_layers=6, block_size=8, num_heads=64, num_kv_heads=8,
                                   intermediate_size=kj.configs.k2_6().intermediate_size)
         drafter = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, drafter)

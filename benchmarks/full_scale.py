@@ -1,9 +1,10 @@
 """Full-scale K2.6 as one GPU of an N-GPU mesh runs it: the per-device step, its bytes floor, a kernel profile,
 and a projection to N GPUs built from measured terms only.
 
-The per-device program of an ep=N mesh (heads, vocabulary, dense and shared-expert widths split N ways, 384/N
-local experts, each token routed to 8/N local experts: the expected share of top-8 over N devices), for all 61
-layers, random weights made by `kj.init_params` (one compiled call, INT4 experts made one at a time), run on one
+The per-device program of an ep=N mesh (`per_device_model`: heads, vocabulary, dense and shared-expert widths
+split N ways, 384/N local experts; every token routed top-8 over all 384 experts, as every device of the mesh
+routes it, its slots on the other devices' experts going to no expert: 8/N local slots per token on average), for
+all 61 layers, random weights made by `kj.init_params` (one compiled call, INT4 experts made one at a time), run on one
 GPU without collectives. For each cell (batch x tree nodes per row, context) it measures the cached `step` with
 the cache donated and fed back (as generate runs it), and computes the bytes floor of the same cell from the same
 config: every weight read once, the local experts the tokens touch (expected number for uniform routing), the
@@ -54,15 +55,41 @@ TAU = {17: 3.00, 65: 3.69}  # embedded model, kdtree-jax bench, H200, batch 1, b
 
 
 def per_device_cfg(n: int, layers: int, small: bool, kernels: str) -> kj.ModelConfig:
-    """The config whose model is one device's share of an ep=n mesh (the shared expert narrowed after init)."""
+    """The config of one device's share of an ep=n mesh: 1/n of heads, vocabulary and dense width; the routing of
+    the whole model (every device scores all E experts and picks the top k). Its params hold only E/n experts
+    (`per_device_model`), so the ids of other devices' experts mean no expert, as in shard 0's call of
+    `moe_expert_parallel`."""
     if small:
-        return kj.configs.tiny(num_hidden_layers=layers, kernels=kernels, n_routed_experts=8, num_experts_per_tok=1,
-                               n_group=1, topk_group=1, max_position_embeddings=4096)
+        return kj.configs.tiny(num_hidden_layers=layers, kernels=kernels, max_position_embeddings=4096)
     base = kj.configs.k2_6()
-    return kj.configs.k2_6(num_hidden_layers=layers, kernels=kernels, n_routed_experts=base.n_routed_experts // n,
-                           num_experts_per_tok=max(1, base.num_experts_per_tok // n), n_group=1, topk_group=1,
-                           num_attention_heads=base.num_attention_heads // n, vocab_size=base.vocab_size // n,
-                           intermediate_size=base.intermediate_size // n)
+    return kj.configs.k2_6(num_hidden_layers=layers, kernels=kernels, num_attention_heads=base.num_attention_heads // n,
+                           vocab_size=base.vocab_size // n, intermediate_size=base.intermediate_size // n)
+
+
+def per_device_model(n: int, layers: int, small: bool, kernels: str, key=None):
+    """(cfg, params) of the program one device of an ep=n mesh runs: `per_device_cfg`, with E/n experts per MoE
+    layer (random INT4), the router of all E (the other devices' experts are ids >= E/n: no expert), and the shared
+    expert's 1/n width."""
+    cfg = per_device_cfg(n, layers, small, kernels)
+    key = jax.random.key(0) if key is None else key
+    local = dataclasses.replace(cfg, n_routed_experts=cfg.n_routed_experts // n,
+                                num_experts_per_tok=min(cfg.num_experts_per_tok, cfg.n_routed_experts // n),
+                                n_group=1, topk_group=1)
+    params = kj.init_params(local, key)
+
+    def router(lp, i):
+        if not isinstance(lp.mlp, MoE):
+            return lp
+        k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+        e, d = cfg.n_routed_experts, cfg.hidden_size
+        mlp = dataclasses.replace(lp.mlp, router=0.02 * jax.random.normal(k1, (d, e), jnp.float32),
+                                  router_bias=0.02 * jax.random.normal(k2, (e,), jnp.float32))
+        return dataclasses.replace(lp, mlp=mlp)
+
+    params = dataclasses.replace(params, layers=tuple(router(lp, i) for i, lp in enumerate(params.layers)))
+    if not small:
+        params = narrow_shared(params, cfg.moe_intermediate_size * cfg.n_shared_experts // n)
+    return cfg, jax.block_until_ready(params)
 
 
 def narrow_shared(params, width: int):
@@ -90,9 +117,9 @@ def floor_bytes(params, cfg, batch: int, t: int, context: int) -> dict:
     for lp in params.layers:
         if isinstance(lp.mlp, MoE):
             m = lp.mlp
-            e = m.router.shape[1]
-            per_expert = sum(nbytes(w) for w in (m.we_gate, m.we_up, m.we_down)) / e
-            touched = e * (1 - (1 - cfg.num_experts_per_tok / e) ** (batch * t))
+            e, held = m.router.shape[1], m.we_gate.shape[0]  # experts routed over; held here (E/n per device)
+            per_expert = sum(nbytes(w) for w in (m.we_gate, m.we_up, m.we_down)) / held
+            touched = held * (1 - (1 - cfg.num_experts_per_tok / e) ** (batch * t))
             experts += per_expert * touched
             other += nbytes(dataclasses.replace(m, we_gate=None, we_up=None, we_down=None))
             other += nbytes(dataclasses.replace(lp, mlp=None))
@@ -260,12 +287,8 @@ def main(argv=None) -> int:
         comm_source = f"measured in this run on 2 devices (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')})"
     extra["comm"] = {f"{b}x{t}": dict(seconds=v[0], bytes=v[1]) for (b, t), v in comm.items()}
     extra["comm_source"] = comm_source
-    cfg = per_device_cfg(args.n, args.layers, args.small, args.kernels)
     t0 = time.perf_counter()
-    params = kj.init_params(cfg, jax.random.key(0))
-    if not args.small:
-        params = narrow_shared(params, cfg.moe_intermediate_size * cfg.n_shared_experts // args.n)
-    jax.block_until_ready(params)
+    cfg, params = per_device_model(args.n, args.layers, args.small, args.kernels)
     init_s = time.perf_counter() - t0
     ceil = ceilings() if jax.default_backend() == "gpu" else {"copy_Bps": 50e9}
     meta = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), commit=args.commit,

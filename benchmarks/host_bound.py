@@ -1,6 +1,6 @@
 """Is the full-scale decoding step bound by the host? (issue 19's "GPU idle ~1/3 of every step").
 
-The program one GPU of an ep=8 mesh runs for full K2.6 (61 layers, `full_scale.per_device_cfg`, random weights),
+The program one GPU of an ep=8 mesh runs for full K2.6 (61 layers, `full_scale.per_device_model`, random weights),
 one prefilled state (C rows, context 4,096), the decoding loop of one method run `--steps` steps: the step time
 (`budget.time_loop`, marginal: runs of 2k minus runs of k steps), and one profiled run: the GPU's busy time per
 step (kernels and copies on its streams), its span, and the host events per step by name (XLA's thunks, kernel

@@ -3,7 +3,7 @@ prefill of long prompts against the bf16 compute floor.
 
 Parts (each writes `long_context_<part>.json` under --out; `report` joins them into long_context.{md,json,png}):
 
-  sweep      1 GPU. The per-device program of an ep=8 mesh (`full_scale.per_device_cfg`: 1/8 of heads, experts,
+  sweep      1 GPU. The per-device program of an ep=8 mesh (`full_scale.per_device_model`: 1/8 of heads, experts,
              vocabulary), --layers layers, decode (one token per row) at contexts 4k / 32k / 128k for batch 1 and
              8, the cache donated and fed back. Per layer, the time added from 4k to a longer context is set
              against the cache bytes added, read at the copy bandwidth measured in the same run.
@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import kdtree_jax as kj  # noqa: E402
 from common import ceilings, random_trees, timed  # noqa: E402
-from full_scale import narrow_shared, nbytes, per_device_cfg, time_step  # noqa: E402
+from full_scale import nbytes, per_device_model, time_step  # noqa: E402
 from kdtree_jax.kernels.mla_verify import combine_lse, mla_prefix, mla_verify, tree_attention_lse  # noqa: E402
 from kdtree_jax.model import init_cache, prefill_last, step  # noqa: E402
 from kdtree_jax.sharding import trace_context  # noqa: E402
@@ -73,11 +73,7 @@ def _save(args, name: str, res: dict) -> None:
 
 
 def _model(args):
-    cfg = per_device_cfg(N, args.layers, args.small, "ffi")
-    params = kj.init_params(cfg, jax.random.key(0))
-    if not args.small:
-        params = narrow_shared(params, cfg.moe_intermediate_size * cfg.n_shared_experts // N)
-    return cfg, jax.block_until_ready(params)
+    return per_device_model(N, args.layers, args.small, "ffi")
 
 
 def part_sweep(args) -> dict:
