@@ -12,7 +12,7 @@ picks how many of its nodes the target verifies:
 * **Cost.** `CostModel`: the measured seconds of one step of the compiled loop as a function of the tokens verified
   (live rows + chosen nodes), per *tier* (a node count compiled into the loop), plus a term per cached token of the
   live rows, plus a term for a step whose tier differs from the step before. Nodes not chosen are masked: routed to
-  no expert (`model.tree_step(active=...)`), so the MoE reads no weights for them, and never accepted. The tiers (by
+  no expert (`model.step(active=...)`), so the MoE reads no weights for them, and never accepted. The tiers (by
   default 4: max/8, max/4, max/2, max) are separate step programs, each in a while loop of its own inside the
   decoding loop (`decoding.run_steps`), so a step that wants few nodes does not pay for the attention and dense
   layers of the largest, nor for a conditional.

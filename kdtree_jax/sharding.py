@@ -124,18 +124,16 @@ def _batch_axis(mesh, batch: int):
     return "dp" if batch % mesh.shape["dp"] == 0 and mesh.shape["dp"] > 1 else None
 
 
-def mla_head_parallel(attend, q_lat, q_pe, latent, k_pe, lengths, tree_mask, scale, extra=()):
+def mla_head_parallel(attend, q_lat, q_pe, latent, k_pe, lengths, tree_mask, scale):
     """The absorbed-attention kernel per shard: heads split over ("ep", "tp"), the batch over "dp", the latent
-    cache (shared by every head) replicated over the model axes, and so are the `extra` arrays [B, ...] passed
-    after the scale. No communication: each head is independent."""
+    cache (shared by every head) replicated over the model axes. No communication: each head is independent."""
     mesh = current_mesh()
     bt = _batch_axis(mesh, q_lat.shape[0])
     heads = P(bt, None, ("ep", "tp"), None)
-    fn = lambda q, qp, lat, pe, ln, tm, *ex: attend(q, qp, lat, pe, ln, tm, scale, *ex)
-    rows = lambda x: P(bt, *(None,) * (x.ndim - 1))
+    fn = lambda q, qp, lat, pe, ln, tm: attend(q, qp, lat, pe, ln, tm, scale)
     return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, P(bt, None, None), P(bt, None, None), P(bt),
-                                                  P(bt, None, None), *map(rows, extra)),
-                         out_specs=heads, check_vma=False)(q_lat, q_pe, latent, k_pe, lengths, tree_mask, *extra)
+                                                  P(bt, None, None)),
+                         out_specs=heads, check_vma=False)(q_lat, q_pe, latent, k_pe, lengths, tree_mask)
 
 
 MODEL_AXES = ("ep", "tp")

@@ -1,5 +1,5 @@
 """budget="auto": the per-step choice against a brute force, lossless decoding (greedy and sampled), the masked
-nodes' isolation, the cache-reading verify, calibration files, no cache copy in the compiled loop, clear errors."""
+nodes' isolation in the masked step, calibration files, no cache copy in the compiled loop, clear errors."""
 
 import dataclasses
 import json

@@ -156,8 +156,8 @@ def test_sequence_sharded_cache_equals_single_device(model, axes):
 
 @pytest.mark.parametrize("layout, kernels", [("replicated", "ffi"), ("sequence", "xla")])
 def test_sharded_auto_budget_equals_single_device(model, layout, kernels):
-    """budget="auto" on a model-parallel mesh: each tier's cache-reading verify runs per head shard (the custom
-    calls, in shard_map) or over a sequence-sharded cache; the greedy tokens are the AR tokens."""
+    """budget="auto" on a model-parallel mesh: each tier's masked verify runs per head shard (the custom calls, in
+    shard_map) or over a sequence-sharded cache; the greedy tokens are the AR tokens."""
     import dataclasses
 
     from kdtree_jax.budget import CostModel
