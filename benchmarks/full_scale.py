@@ -77,13 +77,13 @@ def per_device_model(n: int, layers: int, small: bool, kernels: str, key=None):
                                 n_group=1, topk_group=1)
     params = kj.init_params(local, key)
 
-    def router(lp, i):
+    def router(lp, i):  # the init's "small" declaration (0.02 x normal), drawn in numpy
         if not isinstance(lp.mlp, MoE):
             return lp
-        k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+        rng = np.random.default_rng(1000 + i)
         e, d = cfg.n_routed_experts, cfg.hidden_size
-        mlp = dataclasses.replace(lp.mlp, router=0.02 * jax.random.normal(k1, (d, e), jnp.float32),
-                                  router_bias=0.02 * jax.random.normal(k2, (e,), jnp.float32))
+        mlp = dataclasses.replace(lp.mlp, router=jnp.asarray(0.02 * rng.standard_normal((d, e), np.float32)),
+                                  router_bias=jnp.asarray(0.02 * rng.standard_normal(e, np.float32)))
         return dataclasses.replace(lp, mlp=mlp)
 
     params = dataclasses.replace(params, layers=tuple(router(lp, i) for i, lp in enumerate(params.layers)))
