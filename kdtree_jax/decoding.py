@@ -429,6 +429,11 @@ def stream_tokens(state: DecodeState, resume: Callable[[DecodeState, jax.Array],
 _COMPILED: dict = {}  # compiled executables by function, argument shapes and static arguments
 
 
+def clear_compiled() -> None:
+    """Drops the executables `run_compiled` keeps (with `jax.clear_caches()`, everything compiled so far is freed)."""
+    _COMPILED.clear()
+
+
 def run_compiled(fn, args: tuple, static: dict):
     """Compile fn for these argument shapes (cached), then run it; returns (result, {compile_s, wall_s})."""
     flat, tree = jax.tree.flatten((args, static), is_leaf=lambda x: isinstance(x, ModelConfig))
