@@ -240,45 +240,67 @@ def _cost_of(entry: dict, batch: int) -> bud.CostModel:
                                      entry.get("switch", 0.0))  # files before the switch term: none
 
 
-def part_project(args, emb: dict, full: dict) -> dict:
-    """The embedded model's decoding, step by step, costed with the full-scale step times."""
+def equal_step_costs(entry: dict, fixed: dict) -> dict:
+    """A cost-model entry with each tier's curve lowered (every point by the same amount) until its whole tier costs
+    the fixed budget of its size, `fixed` {budget: seconds}: what auto would cost if its tier steps cost exactly the
+    fixed steps (a prediction, `report --predict-equal-steps`, for a cost model measured before that was so)."""
+    points = []
+    for t, pts in zip(entry["tiers"], entry["points"]):
+        top = max(pts, key=lambda q: q[0])[1]
+        points.append([[tok, sec - (top - fixed[t])] for tok, sec in pts] if t in fixed else pts)
+    return dict(entry, points=points)
+
+
+def _project_one(params, cfg, drafter, prompts, new_tokens: int, budget, cost, fixed_s):
+    """(tokens, seconds, steps, node histogram) of one batch of prompts decoded greedily to the end."""
     from kdtree_jax.decoding import advance, start
     from kdtree_jax.generate import _request, _start_args
 
+    m, req = _request(params, cfg, prompts, drafter, max_new_tokens=new_tokens, method="ddtree",
+                      budget=budget, temperature=0.0, top_k=None, top_p=None, eos_id=None, prefill_chunk=None,
+                      max_budget=MAX, cost_model=cost)
+    a, static = _start_args(m, params, cfg, req, 0)
+    state = start(*a, **static)
+    seconds, hist, last_tier = 0.0, np.zeros_like(np.asarray(state.nodes)), None
+    while not bool(np.all(np.asarray(state.done))):
+        live = ~np.asarray(state.done)
+        state = advance(m, params, cfg, state, state.steps + 1, sampler=req.sampler)
+        now = np.asarray(state.nodes)
+        nodes = np.argmax(now - hist, axis=1)  # the bin each live row's step landed in
+        hist = now
+        if budget == "auto":
+            m_tok = float(np.sum(1 + nodes[live]))
+            tier = next(i for i, t in enumerate(cost.tiers) if t >= nodes[live].max())
+            seconds += float(np.interp(m_tok, np.asarray(cost.tokens[tier]), np.asarray(cost.seconds[tier])))
+            seconds += float(cost.switch) if last_tier not in (None, tier) else 0.0
+            last_tier = tier
+        else:
+            seconds += fixed_s
+    return int(np.asarray(state.num_out).sum()), seconds, int(state.steps), hist.sum(axis=0)
+
+
+def part_project(args, emb: dict, full: dict) -> dict:
+    """The embedded model's decoding, step by step, costed with the full-scale step times: `args.batches` batches of C
+    held-out prompts, one after another, per cell."""
     model, params, cfg, drafter = _embedded(args)
-    out = dict(meta=dict(_meta(args), ffi_ops=args.ffi_ops), rows=[])
+    out = dict(meta=dict(_meta(args), ffi_ops=args.ffi_ops, batches=args.batches,
+                         predict_equal_steps=args.predict_equal_steps), rows=[])
     for c in CONCURRENCY:
         if str(c) not in full["costs"]:
             continue
-        prompts = _prompts(model.tokenizer, c, 128)
-        cost = _cost_of(full["costs"][str(c)], c)
+        prompts = _prompts(model.tokenizer, c * args.batches, 128)
         fixed = {f["budget"]: f["step_s"] for f in full["fixed"] if f["concurrency"] == c}
+        entry = full["costs"][str(c)]
+        cost = _cost_of(equal_step_costs(entry, fixed) if args.predict_equal_steps else entry, c)
         for b in [b for b in FIXED if b in fixed] + ["auto"]:
-            m, req = _request(params, cfg, prompts, drafter, max_new_tokens=args.new_tokens, method="ddtree",
-                              budget=b, temperature=0.0, top_k=None, top_p=None, eos_id=None, prefill_chunk=None,
-                              max_budget=MAX, cost_model=cost)
-            a, static = _start_args(m, params, cfg, req, 0)
-            state = start(*a, **static)
-            seconds, hist, last_tier = 0.0, np.zeros_like(np.asarray(state.nodes)), None
-            while not bool(np.all(np.asarray(state.done))):
-                live = ~np.asarray(state.done)
-                state = advance(m, params, cfg, state, state.steps + 1, sampler=req.sampler)
-                now = np.asarray(state.nodes)
-                nodes = np.argmax(now - hist, axis=1)  # the bin each live row's step landed in
-                hist = now
-                if b == "auto":
-                    m_tok = float(np.sum(1 + nodes[live]))
-                    tier = next(i for i, t in enumerate(cost.tiers) if t >= nodes[live].max())
-                    seconds += float(np.interp(m_tok, np.asarray(cost.tokens[tier]), np.asarray(cost.seconds[tier])))
-                    seconds += float(cost.switch) if last_tier not in (None, tier) else 0.0
-                    last_tier = tier
-                else:
-                    seconds += fixed[b]
-            total = int(np.asarray(state.num_out).sum())
-            steps = int(state.steps)
+            total, seconds, steps, hist = 0, 0.0, 0, 0
+            for i in range(args.batches):
+                t, sec, st, h = _project_one(params, cfg, drafter, prompts[i * c:(i + 1) * c], args.new_tokens, b, cost,
+                                             fixed.get(b))
+                total, seconds, steps, hist = total + t, seconds + sec, steps + st, hist + h
             out["rows"].append(dict(concurrency=c, budget=b, steps=steps, tokens=total, seconds=seconds,
                                     tokens_per_s=total / seconds, tau=total / max(steps, 1) / c,
-                                    nodes=float((hist * np.arange(hist.shape[1])).sum() / max(hist.sum(), 1))))
+                                    nodes=float((hist * np.arange(hist.shape[0])).sum() / max(hist.sum(), 1))))
             print(f"projection C={c} budget {b}: {total / seconds:.1f} tok/s ({steps} steps)", flush=True)
     return out
 
@@ -337,7 +359,13 @@ def report(args) -> None:
                   "Fixed b: the embedded model's steps at budget b x the full-scale step of b. Auto: the embedded "
                   "model decoding with the full-scale cost model, each step costed at the nodes it verified (and the "
                   "switch term where its tier changed). A "
-                  "projection: collectives excluded, the context held at 4,096.", "",
+                  "projection: collectives excluded, the context held at 4,096. "
+                  f"Each cell decodes {pm.get('batches', 1)} batch(es) of C held-out prompts, one after another."]
+        if pm.get("predict_equal_steps"):
+            lines += ["", "**A prediction, not a projection** (`--predict-equal-steps`): auto's cost curves are lowered "
+                          "so that each whole tier costs the fixed budget of its size, i.e. as if auto's tier step "
+                          "cost exactly the fixed step; auto's rows use those costs for its choices and its time."]
+        lines += ["",
                   "| C | budget | steps | tau | nodes / step | projected tok/s | vs best fixed |", "|---|---|---|---|---|---|---|"]
         for c in CONCURRENCY:
             rows = [r for r in proj["rows"] if r["concurrency"] == c]
@@ -408,11 +436,18 @@ def main() -> None:
     ap.add_argument("--step-repeats", type=int, default=2, help="fullscale, diagnose: timed runs per cell (median)")
     ap.add_argument("--profile", action="store_true",
                     help="fullscale: kernel profiles of auto's tier-16 step and of fixed 16 at C=1 (GPU)")
+    ap.add_argument("--batches", type=int, default=12,
+                    help="report: the projection decodes this many batches of C prompts per cell (default 12)")
+    ap.add_argument("--predict-equal-steps", action="store_true",
+                    help="report: a prediction, not a projection: auto's cost curves lowered so each whole tier costs "
+                         "the fixed budget of its size (`equal_step_costs`)")
     ap.add_argument("--ffi-ops", default="tree_build,tree_accept",
                     help="embedded and report: the custom calls used (default: the tree kernels; '' for pure JAX)")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.budgets = [b if b == "auto" else int(b) for b in args.budgets.split(",")]
+    if args.batches < 1:
+        ap.error("--batches must be >= 1")
     if args.part == "embedded":
         part_embedded(args)
     elif args.part == "fullscale":

@@ -67,6 +67,7 @@ def measure(batch: int, new_tokens: int, budget: int, prompt_len: int) -> dict:
         return tree, node_scores(draft_logits, tree.tokens, tree.depths, tree.visibility)
 
     p, acc, rows = [], [], 0
+    edges = []  # (depth, edge probability q, accepted) of every node whose parent was accepted (the node was tested)
     while not bool(np.all(np.asarray(s.done))):
         tree, scores = plan(s)  # the tree the next step builds (the same state, the same key)
         before, live = np.asarray(s.num_out), ~np.asarray(s.done)
@@ -77,6 +78,10 @@ def measure(batch: int, new_tokens: int, budget: int, prompt_len: int) -> dict:
             on = accepted_nodes(tok[b], par[b], out[b, before[b]:after[b]])
             p += np.exp(sc[b, 1:]).tolist()
             acc += [i in on for i in range(1, tok.shape[1])]
+            dep = np.asarray(tree.depths)[b]
+            for i in range(1, tok.shape[1]):
+                if par[b, i] in on:
+                    edges.append((int(dep[i]), float(np.exp(sc[b, i] - sc[b, par[b, i]])), i in on))
             rows += 1
     p, acc = np.asarray(p), np.asarray(acc)
     bins = []
@@ -85,12 +90,21 @@ def measure(batch: int, new_tokens: int, budget: int, prompt_len: int) -> dict:
         if sel.any():
             bins.append(dict(lo=lo, hi=min(hi, 1.0), nodes=int(sel.sum()), mean_p=float(p[sel].mean()),
                              accepted=float(acc[sel].mean())))
+    e = np.asarray(edges, np.float64).reshape(-1, 3)
+    by_edge = []
+    for depths in ((1, 1), (2, 2), (3, 1 << 30)):
+        for lo, hi in zip(BINS, BINS[1:]):
+            sel = (e[:, 0] >= depths[0]) & (e[:, 0] <= depths[1]) & (e[:, 1] >= lo) & (e[:, 1] < hi)
+            if sel.any():
+                by_edge.append(dict(depth=f"{depths[0]}" if depths[0] == depths[1] else f"{depths[0]}+", lo=lo,
+                                    hi=min(hi, 1.0), edges=int(sel.sum()), mean_q=float(e[sel, 1].mean()),
+                                    accepted=float(e[sel, 2].mean())))
     return dict(meta=dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind),
                           python=sys.version.split()[0], jax=jax.__version__, commit=os.environ.get("KDTREE_COMMIT",
                                                                                                     "unknown")),
                 batch=batch, new_tokens=new_tokens, budget=budget, step_rows=rows,
                 sum_p_per_step=float(p.sum() / max(rows, 1)), accepted_per_step=float(acc.sum() / max(rows, 1)),
-                bins=bins)
+                bins=bins, edges=by_edge)
 
 
 def main(argv=None) -> int:
@@ -112,6 +126,11 @@ def main(argv=None) -> int:
     print("| p_i | nodes | mean p_i | accepted |\n|---|---|---|---|")
     for b in res["bins"]:
         print(f"| [{b['lo']:.3f}, {b['hi']:.2f}) | {b['nodes']} | {b['mean_p']:.3f} | {b['accepted']:.3f} |")
+    print("\nPer edge, given its parent accepted: q = the drafter's probability of the node's token at its depth.")
+    print("| depth | q | edges | mean q | accepted |\n|---|---|---|---|---|")
+    for b in res["edges"]:
+        print(f"| {b['depth']} | [{b['lo']:.3f}, {b['hi']:.2f}) | {b['edges']} | {b['mean_q']:.3f} | "
+              f"{b['accepted']:.3f} |")
     return 0
 
 
