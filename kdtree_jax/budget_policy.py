@@ -61,7 +61,20 @@ class CostModel:
     batch: int = dataclasses.field(metadata=dict(static=True))
 
     def step_seconds(self, tier: int, m: jax.Array, live: jax.Array, ctx: jax.Array) -> jax.Array:
-        base = jnp.interp(m.astype(jnp.float32), self.tokens[tier], self.seconds[tier])
+        return self.all_step_seconds(jnp.broadcast_to(m, (len(self.tiers), *jnp.shape(m))), live, ctx)[tier]
+
+    def all_step_seconds(self, m: jax.Array, live: jax.Array, ctx: jax.Array) -> jax.Array:
+        """Step seconds of every tier at once: m [T, ...] verified tokens per tier -> [T, ...]. The curve is the
+        sum of its segments' rises, each segment's share clipped to [0, 1] (one elementwise pass and a sum over the
+        points, instead of a search per tier): interp(m, tokens[t], seconds[t]), flat beyond the end points."""
+        x, y = self.tokens, self.seconds  # [T, K]
+        extra = (1,) * (m.ndim - 1)
+        x0, x1 = x[:, :-1].reshape(x.shape[0], *extra, -1), x[:, 1:].reshape(x.shape[0], *extra, -1)
+        rise = (y[:, 1:] - y[:, :-1]).reshape(x.shape[0], *extra, -1)
+        dx = x1 - x0
+        share = jnp.clip((m.astype(jnp.float32)[..., None] - x0) / jnp.where(dx > 0, dx, 1.0), 0.0, 1.0)
+        share = jnp.where(dx > 0, share, (m.astype(jnp.float32)[..., None] >= x1).astype(jnp.float32))
+        base = y[:, :1].reshape(x.shape[0], *extra) + jnp.sum(share * rise, axis=-1)
         return jnp.maximum(base + self.per_context * (ctx - live * self.context), 0.01 * base)
 
     @staticmethod
@@ -150,8 +163,8 @@ class BudgetPolicy:
         zero = jnp.zeros((len(tiers), 1))
         count = jnp.concatenate([zero, jnp.cumsum(inside, axis=1)], axis=1)  # [T, B N + 1]: nodes of the first j
         gain = jnp.concatenate([zero, jnp.cumsum(jnp.where(inside, p[order], 0.0), axis=1)], axis=1)  # expected
-        cost = jnp.stack([self.cost.step_seconds(t, n_live + count[t], n_live, ctx)
-                          + (0.0 if current in (None, t) else self.cost.switch) for t in range(len(tiers))])
+        switch = np.array([0.0 if current in (None, t) else 1.0 for t in range(len(tiers))], np.float32)
+        cost = self.cost.all_step_seconds(n_live + count, n_live, ctx) + switch[:, None] * self.cost.switch
         ratio = jnp.where(count <= n_live * sizes[:, None], (n_live + gain) / cost, -jnp.inf)
         best = jnp.argmax(ratio, axis=1)  # [T] the first j of each tier's best ratio
         tier = jnp.argmax(jnp.max(ratio, axis=1)).astype(jnp.int32)

@@ -93,6 +93,29 @@ def test_choose_is_the_best_ratio_and_prefix_closed():
             assert p[chosen].min() >= p[~chosen & (np.arange(n) < tiers[tier])].max(initial=0) - 1e-6
 
 
+def test_step_seconds_of_every_tier_equal_numpy_interp():
+    """CostModel.all_step_seconds (every tier in one pass: segments' rises summed) against np.interp per tier, in
+    float64: random curves of 1 to 8 points (padded tiers repeat their last point), tokens below, inside and beyond
+    each curve and exactly at its points."""
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        tiers = tuple(sorted(rng.choice(np.arange(1, 200), rng.integers(1, 5), replace=False).tolist()))
+        pts = [[(float(x), float(rng.uniform(1e-3, 5e-2))) for x in np.unique(rng.integers(1, 300, rng.integers(1, 9)))]
+               for _ in tiers]
+        cost = CostModel.from_points(tiers, 2, pts, per_context=float(rng.uniform(0, 1e-6)),
+                                     context=float(rng.uniform(0, 5000)))
+        tok, sec = np.asarray(cost.tokens, np.float64), np.asarray(cost.seconds, np.float64)
+        m = np.concatenate([rng.uniform(-10, 400, (len(tiers), 30)), tok], axis=1).astype(np.float32)
+        live, ctx = 2.0, float(rng.uniform(0, 1e4))
+        got = np.asarray(cost.all_step_seconds(jnp.asarray(m), jnp.float32(live), jnp.float32(ctx)), np.float64)
+        for t in range(len(tiers)):
+            base = np.interp(m[t].astype(np.float64), tok[t], sec[t])
+            want = np.maximum(base + float(cost.per_context) * (ctx - live * float(cost.context)), 0.01 * base)
+            assert np.all(np.isfinite(got[t])) and np.max(np.abs(got[t] - want) / want) < 1e-5, (trial, t)
+            one = np.asarray(cost.step_seconds(t, jnp.asarray(m[t]), jnp.float32(live), jnp.float32(ctx)))
+            np.testing.assert_array_equal(one, got[t].astype(np.float32))
+
+
 def test_forced_policy_verifies_the_first_nodes():
     b, n = 2, 8
     logits, tree = _random_tree(b, n, 3, 7, 2)
