@@ -426,7 +426,9 @@ def stream_tokens(state: DecodeState, resume: Callable[[DecodeState, jax.Array],
 # --------------------------------------------------------------------------------------------------------------
 
 
-_COMPILED: dict = {}  # compiled executables by function, argument shapes and static arguments
+_COMPILED: dict = {}  # compiled executables by function, argument shapes and static arguments; least recently used first
+COMPILED_KEPT = 32  # executables `run_compiled` keeps: each holds memory and memory mappings (Linux allows a process
+# 65,530 of those; a process that compiles program after program, a sweep in a notebook, would otherwise reach it)
 
 
 def clear_compiled() -> None:
@@ -435,17 +437,20 @@ def clear_compiled() -> None:
 
 
 def run_compiled(fn, args: tuple, static: dict):
-    """Compile fn for these argument shapes (cached), then run it; returns (result, {compile_s, wall_s})."""
+    """Compile fn for these argument shapes (cached: the COMPILED_KEPT most recently used), then run it; returns
+    (result, {compile_s, wall_s})."""
     flat, tree = jax.tree.flatten((args, static), is_leaf=lambda x: isinstance(x, ModelConfig))
     sig = (fn, tree, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) if hasattr(x, "shape") else x
                            for x in flat))
     t0 = time.perf_counter()
-    compiled = _COMPILED.get(sig)
+    compiled = _COMPILED.pop(sig, None)
     if compiled is None:
         cfg = next(a for a in args if isinstance(a, ModelConfig))
         with trace_context(args, cfg):
             compiled = fn.lower(*args, **static).compile()
-        _COMPILED[sig] = compiled
+    _COMPILED[sig] = compiled  # now the most recently used
+    while len(_COMPILED) > COMPILED_KEPT:
+        _COMPILED.pop(next(iter(_COMPILED)))
     t1 = time.perf_counter()
     dyn = tuple(a for a in args if not isinstance(a, ModelConfig))
     result = jax.block_until_ready(compiled(*dyn))

@@ -128,6 +128,29 @@ def test_loop_makes_no_host_transfers(model):
     assert [r[:n].tolist() for r, n in zip(state.out, state.num_out)] == ar[4]
 
 
+def test_compiled_programs_kept_are_the_most_recent(model, monkeypatch):
+    """run_compiled keeps COMPILED_KEPT executables, dropping the least recently used: a process that compiles
+    program after program must not hold them all (each holds memory mappings; Linux allows 65,530)."""
+    from kdtree_jax import decoding
+
+    cfg = model[0]
+    monkeypatch.setattr(decoding, "COMPILED_KEPT", 2)
+    monkeypatch.setattr(decoding, "_COMPILED", {})
+    twice = jax.jit(lambda cfg, x: 2 * x, static_argnames="cfg")
+
+    def call(n):
+        out, timing = run_compiled(twice, (cfg, jnp.arange(n, dtype=jnp.float32)), {})
+        np.testing.assert_array_equal(np.asarray(out), 2 * np.arange(n))
+        return [key[2][-1][0] for key in decoding._COMPILED]  # the shapes kept, least recently used first
+
+    assert call(3) == [(3,)]
+    assert call(4) == [(3,), (4,)]
+    assert call(3) == [(4,), (3,)]  # a hit makes it the most recent
+    assert call(5) == [(3,), (5,)]  # the least recently used, 4, is dropped
+    decoding.clear_compiled()
+    assert decoding._COMPILED == {}
+
+
 def test_bad_speculative_input(model):
     cfg, params, drafter, _ = model
     gen = lambda **kw: kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=4, **kw)
