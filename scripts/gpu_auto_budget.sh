@@ -12,7 +12,9 @@
 #   OUT=/tmp/out KDTREE_COMMIT=<hash> PART=embedded FULL_JSON=scratch/auto_budget_fullscale.json bash scripts/gpu_auto_budget.sh
 # Environment: FULL_LIMIT / EMB_LIMIT (seconds, default 540 / 450), CELL_BUDGET (the full-scale part starts no new
 # cell after this many seconds, default 420), STEPS (k of the full-scale timing, default 4), CONC (full-scale batch
-# sizes, default 1).
+# sizes, default 1), REPORT_LIMIT (seconds, default 300) and BATCHES (the projection's batches per cell, default 12;
+# the report can also run afterwards on another machine, but its prompts come from the running Python's standard
+# library: the same acceptance needs the same Python version).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} KDTREE_JAX_COSTS=${KDTREE_JAX_COSTS:-/tmp/costs}
 OUT=${OUT:-/tmp/out}
@@ -31,7 +33,8 @@ embedded() {
     --commit "$C" 2>&1 | grep -v -i "warn\|donat" > "$OUT/emb.log"
   if [ -n "${FULL_JSON:-}" ]; then
     cp "$FULL_JSON" "$OUT/auto_budget_fullscale.json"
-    CUDA_VISIBLE_DEVICES=$1 timeout -k 5 150 python3 benchmarks/auto_budget.py report --out "$OUT" --commit "$C" 2>&1 |
+    CUDA_VISIBLE_DEVICES=$1 timeout -k 5 "${REPORT_LIMIT:-300}" python3 benchmarks/auto_budget.py report --out "$OUT" \
+      --commit "$C" --batches "${BATCHES:-12}" 2>&1 |
       grep -v -i "warn\|donat" > "$OUT/report.log"
   fi
 }
