@@ -6,6 +6,9 @@
 #   PART=embedded   the embedded-model part, then `report` with the full-scale JSON of an earlier call, where one is
 #                   given (FULL_JSON=path in the carried tree, e.g. scratch/auto_budget_fullscale.json), so that the
 #                   projection's acceptance comes from the same prompts as the embedded table; one H200
+#   PART=fullscale2 the full-scale part at C=1 (GPU 0, under $OUT/c1) and at C=10 (GPU 1, under $OUT/c10) at once, on
+#                   two GPUs (kind nvidia-h200-x2): both parts' steps are GPU-bound (18-100 ms), so sharing the host
+#                   matters less than for the embedded model; CONC is ignored
 #   PART=both       both at once on two GPUs (kind nvidia-h200-x2): quicker, but the two jobs share the host, and the
 #                   embedded model's launch-bound steps are slower while the full-scale part compiles next to it
 # Logs and JSON under $OUT; then, on any machine: python benchmarks/auto_budget.py report --out DIR --commit HASH
@@ -23,10 +26,11 @@ PART=${PART:-both}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/env.txt"
 . "$(dirname "$0")/ffi_env.sh"
-full() {  # $1: the GPU
+full() {  # $1: the GPU, $2: the batch sizes, $3: the output folder
+  mkdir -p "$3"
   CUDA_VISIBLE_DEVICES=$1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 timeout -k 5 "${FULL_LIMIT:-540}" python3 \
-    benchmarks/auto_budget.py fullscale --profile --out "$OUT" --commit "$C" --budget-s "${CELL_BUDGET:-420}" \
-    --steps "${STEPS:-4}" --concurrency "${CONC:-1}" 2>&1 | grep -v -i "warn\|donat" > "$OUT/full.log"
+    benchmarks/auto_budget.py fullscale --profile --out "$3" --commit "$C" --budget-s "${CELL_BUDGET:-420}" \
+    --steps "${STEPS:-4}" --concurrency "$2" 2>&1 | grep -v -i "warn\|donat" > "$3/full.log"
 }
 embedded() {
   CUDA_VISIBLE_DEVICES=$1 timeout -k 5 "${EMB_LIMIT:-450}" python3 benchmarks/auto_budget.py embedded --out "$OUT" \
@@ -39,11 +43,12 @@ embedded() {
   fi
 }
 case "$PART" in
-  fullscale) full 0 ;;
+  fullscale) full 0 "${CONC:-1}" "$OUT" ;;
+  fullscale2) full 0 1 "$OUT/c1" & full 1 10 "$OUT/c10" & wait ;;
   embedded) embedded 0 ;;
-  both) full 0 & embedded 1 & wait ;;
-  *) echo "PART must be fullscale, embedded or both, got $PART"; exit 2 ;;
+  both) full 0 "${CONC:-1}" "$OUT" & embedded 1 & wait ;;
+  *) echo "PART must be fullscale, fullscale2, embedded or both, got $PART"; exit 2 ;;
 esac
-for f in full emb report; do
+for f in full c1/full c10/full emb report; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; grep -v "calibrating" "$OUT/$f.log" | grep -v "^    " | tail -20; }
 done
