@@ -45,7 +45,7 @@ from kdtree_jax import budget as bud  # noqa: E402
 from kdtree_jax.ddtree import speculative  # noqa: E402
 
 FIXED = (8, 16, 32, 64, 128)
-FULL_FIXED = (16, 64, 128, 32)  # most telling first (the part stops starting cells when its time is spent)
+FULL_FIXED = (16, 32, 8, 64, 128)  # most telling first (the part stops starting cells when its time is spent)
 MAX = 128
 CONCURRENCY = (1, 10)
 
@@ -90,7 +90,7 @@ def part_embedded(args) -> dict:
         if kept:  # the cost models an earlier embedded run measured (same model, batch and tiers)
             e = kept[str(c)]
             cost = bud.CostModel.from_points(e["tiers"], c, e["points"], e["per_context"], e["context"],
-                                             e.get("switch", 0.0))
+                                             e.get("switch", 0.0), e.get("replan", 1))
             out["costs"][str(c)] = dict(e, kept_from=args.costs)
         else:
             cost, meta = bud.calibrate(params, cfg, drafter, batch=c, max_budget=MAX, steps=8, log=print)
@@ -237,7 +237,7 @@ def _profile(method, params, cfg, s0, steps: int) -> dict:
 def _cost_of(entry: dict, batch: int) -> bud.CostModel:
     """A measured cost model, the per-context term dropped (the projection holds the context at the calibration's)."""
     return bud.CostModel.from_points(entry["tiers"], batch, entry["points"], 0.0, entry["context"],
-                                     entry.get("switch", 0.0))  # files before the switch term: none
+                                     entry.get("switch", 0.0), entry.get("replan", 1))  # older files: none, 1
 
 
 def equal_step_costs(entry: dict, fixed: dict) -> dict:

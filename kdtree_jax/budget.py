@@ -13,11 +13,15 @@ picks how many of its nodes the target verifies:
   (live rows + chosen nodes), per *tier* (a node count compiled into the loop), plus a term per cached token of the
   live rows, plus a term for a step whose tier differs from the step before. Nodes not chosen are masked: routed to
   no expert (`model.step(active=...)`), so the MoE reads no weights for them, and never accepted. The tiers (by
-  default 4: max/8, max/4, max/2, max) are separate step programs, each in a while loop of its own inside the
-  decoding loop (`decoding.run_steps`), so a step that wants few nodes does not pay for the attention and dense
-  layers of the largest, nor for a conditional.
+  default up to 5: max/16, max/8, max/4, max/2, max, those >= 4) are separate step programs, each in a while loop of
+  its own inside the decoding loop (`decoding.run_steps`), so a step that wants few nodes does not pay for the
+  attention and dense layers of the largest, nor for a conditional.
 * **Choice.** The tier and node count maximizing expected tokens per second, computed in the loop
   (`budget_policy`: `node_scores`, `BudgetPolicy.choose`; this module measures and keeps the cost models).
+* **How often.** The plan (the tree at the largest budget, its scores, the choice) has a cost of its own, measured
+  at calibration against the fixed program of the smallest tier. Where it exceeds 1% of a step (a small model's
+  launch-bound steps), the loop plans every `replan`-th step and runs the planned tier's fixed program between
+  (`choose_replan`).
 
 Lossless as every fixed budget is: the nodes verified are a prefix-closed subtree chosen from the draft alone, and
 every committed token is the target's own choice (docs/ddtree.md). Measured on the H200 it is slower than the best
@@ -46,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .budget_policy import BudgetPolicy, CostModel, check_tiers, default_tiers
+from .budget_policy import BudgetPolicy, CostModel, check_tiers, choose_replan, default_tiers
 from .config import ModelConfig, user_cache_dir
 from .ddtree import speculative
 from .decoding import Sampler, _prefill_chunk, advance, start
@@ -86,9 +90,9 @@ def cost_path(key: dict) -> str:
 
 
 def cost_record(cost: CostModel, meta: dict) -> dict:
-    """The cost model as plain JSON data (tiers, points, per_context, context, switch) with its meta."""
+    """The cost model as plain JSON data (tiers, points, per_context, context, switch, replan) with its meta."""
     return dict(tiers=list(cost.tiers), points=cost.points(), per_context=float(cost.per_context),
-                context=float(cost.context), switch=float(cost.switch), meta=meta)
+                context=float(cost.context), switch=float(cost.switch), replan=cost.replan, meta=meta)
 
 
 def save(cost: CostModel, path: str, meta: dict | None = None) -> None:
@@ -114,7 +118,8 @@ def load(path: str) -> tuple[CostModel, dict]:
         if data.get("version") != COST_VERSION:
             raise ValueError(f"version {data.get('version')!r}, expected {COST_VERSION}")
         cost = CostModel.from_points(data["tiers"], data["batch"], [[tuple(p) for p in pts] for pts in data["points"]],
-                                     data["per_context"], data["context"], data["switch"])
+                                     data["per_context"], data["context"], data["switch"],
+                                     data.get("replan", 1))  # files before the replan term: every step planned
         return cost, data.get("meta", {})
     except OSError:
         raise
@@ -202,7 +207,7 @@ def calibrate(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int,
     t0 = time.perf_counter()
     s0 = state(c0)
     points = []
-    total = sum(len(calibration_nodes(t)) for t in tiers) + 1 + (len(tiers) > 1)
+    total = sum(len(calibration_nodes(t)) for t in tiers) + 2 + (len(tiers) > 1)
     done = 0
     for i, size in enumerate(tiers):
         pts = []
@@ -222,15 +227,24 @@ def calibrate(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int,
         done += 1
         log(f"calibrating budget=auto [{done}/{total}]: tiers {tiers[0]} and {tiers[-1]} in turn: {1e3 * turns:.2f} ms "
             f"per step ({1e3 * switch:.2f} ms per change of tier)")
+    # the plan's own cost: the smallest tier with every node (the plan runs, as it does every planned step) against
+    # the fixed program of that size (no plan), from the same state; it sets how often the loop plans (`replan`)
+    fixed = time_loop(speculative(cfg, "ddtree", drafter, tiers[0]), params, cfg, s0, steps, repeats, marginal)
+    plan_s = points[0][-1][1] - fixed
+    replan = choose_replan(max(plan_s, 0.0), fixed)
+    done += 1
+    log(f"calibrating budget=auto [{done}/{total}]: fixed budget {tiers[0]}: {1e3 * fixed:.2f} ms per step (the plan "
+        f"costs {1e3 * plan_s:.2f} ms: plan every {replan} step{'s' if replan > 1 else ''})")
     del s0  # one prefilled cache at a time (K2 at C=10 x 16k: 12 GB each, and time_loop copies it)
     far = timed(state(c1), policy.forced(len(tiers) - 1, tiers[-1]))
     near = points[-1][-1][1]
     per_context = max(0.0, (far - near) / (batch * (c1 - c0)))
     log(f"calibrating budget=auto [{total}/{total}]: context {c1}: {1e3 * far:.2f} ms per step "
         f"({1e9 * per_context:.2f} ns per row and cached token); {time.perf_counter() - t0:.1f} s in all")
-    cost = CostModel.from_points(tiers, batch, points, per_context, c0, switch)
+    cost = CostModel.from_points(tiers, batch, points, per_context, c0, switch, replan)
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), context=c0, far_context=c1,
-                far_seconds=far, steps=steps, repeats=repeats, marginal=marginal, device=str(jax.devices()[0]))
+                far_seconds=far, fixed_seconds=fixed, plan_seconds=plan_s, steps=steps, repeats=repeats,
+                marginal=marginal, device=str(jax.devices()[0]))
     return cost, meta
 
 

@@ -5,6 +5,7 @@ path probabilities (`node_scores`), and the default tiers. Pure JAX, traced into
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +13,25 @@ import numpy as np
 
 
 def default_tiers(max_budget: int) -> tuple[int, ...]:
-    """The node counts compiled into the loop for `max_budget`: max/8, max/4, max/2 and max (those >= 4), each a
-    separate step program (`decoding.run_steps`)."""
-    tiers = sorted({max_budget // d for d in (8, 4, 2) if max_budget // d >= 4} | {max_budget})
+    """The node counts compiled into the loop for `max_budget`: max/16, max/8, max/4, max/2 and max (those >= 4),
+    each a separate step program (`decoding.run_steps`)."""
+    tiers = sorted({max_budget // d for d in (16, 8, 4, 2) if max_budget // d >= 4} | {max_budget})
     return tuple(tiers)
+
+
+REPLAN_MOST = 16  # the longest run of steps between plans
+REPLAN_SHARE = 0.01  # the plan's cost, spread over the steps between plans, kept within this share of a step
+
+
+def choose_replan(plan_seconds: float, step_seconds: float) -> int:
+    """Steps from one plan to the next (1: plan every step): the fewest that spread a plan's own cost
+    (`plan_seconds`: the auto step at a tier's every node minus the fixed step of that size, both measured) within
+    REPLAN_SHARE of a step, at most REPLAN_MOST. Where the plan is cheap beside the step (full-scale K2.6: a 128-node
+    tree built and scored in a 16 ms step) every step is planned; where the step is a few launches (a small model,
+    0.6 ms steps), the steps between plans run the chosen tier's fixed program."""
+    if not (math.isfinite(plan_seconds) and math.isfinite(step_seconds)) or step_seconds <= 0:
+        raise ValueError(f"plan seconds {plan_seconds} and step seconds {step_seconds} must be finite, the step > 0")
+    return int(min(REPLAN_MOST, max(1, math.ceil(plan_seconds / (REPLAN_SHARE * step_seconds) - 1e-9))))
 
 
 def check_tiers(tiers, max_budget: int) -> tuple[int, ...]:
@@ -49,6 +65,8 @@ class CostModel:
     plus `switch` when the step's tier differs from the one before (the loop leaves one tier's program for
     another's: a few loop conditions read by the host, `decoding.run_steps`). The first step of each compiled call
     (`decoding.advance`) has no step before it and pays no switch.
+    `replan` (static, `choose_replan`): the loop plans every `replan`-th step; the steps between run the planned
+    tier's fixed program (its whole tree, no plan), where planning every step would cost more than 1% of a step.
     The arrays are leaves (traced): a cost model of the same shape reuses the compiled loop.
     """
 
@@ -59,6 +77,7 @@ class CostModel:
     switch: jax.Array  # f32 []       seconds a change of tier adds to a step
     tiers: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     batch: int = dataclasses.field(metadata=dict(static=True))
+    replan: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     def step_seconds(self, tier: int, m: jax.Array, live: jax.Array, ctx: jax.Array) -> jax.Array:
         return self.all_step_seconds(jnp.broadcast_to(m, (len(self.tiers), *jnp.shape(m))), live, ctx)[tier]
@@ -79,7 +98,7 @@ class CostModel:
 
     @staticmethod
     def from_points(tiers, batch: int, points: list[list[tuple[int, float]]], per_context: float = 0.0,
-                    context: float = 0.0, switch: float = 0.0) -> "CostModel":
+                    context: float = 0.0, switch: float = 0.0, replan: int = 1) -> "CostModel":
         """From measured (tokens, seconds) points per tier (any number each: padded to one width by repeating the
         last point). Each curve is replaced by the closest non-decreasing one (least squares: measurement noise
         averaged out where it dips), as a step never gets cheaper with more tokens."""
@@ -97,8 +116,11 @@ class CostModel:
         if not all(np.isfinite(x) and x >= 0 for x in (per_context, context, switch)):
             raise ValueError(f"cost model: per_context {per_context}, context {context} and switch {switch} must be "
                              "finite and >= 0")
+        if isinstance(replan, bool) or not isinstance(replan, (int, np.integer)) or replan < 1:
+            raise ValueError(f"cost model: replan must be an integer >= 1, got {replan!r}")
         return CostModel(tokens=jnp.asarray(tok), seconds=jnp.asarray(sec), per_context=jnp.float32(per_context),
-                         context=jnp.float32(context), switch=jnp.float32(switch), tiers=tiers, batch=int(batch))
+                         context=jnp.float32(context), switch=jnp.float32(switch), tiers=tiers, batch=int(batch),
+                         replan=int(replan))
 
     def points(self) -> list[list[tuple[float, float]]]:
         tok, sec = np.asarray(self.tokens), np.asarray(self.seconds)
@@ -134,11 +156,20 @@ class BudgetPolicy:
         """Forced to `nodes` nodes per row (at most the tier's) at tier index `tier_index` every step."""
         if not 0 <= tier_index < len(self.tiers):  # a tier no loop runs would never end the decoding loop
             raise ValueError(f"tier_index must be in [0, {len(self.tiers)}) for tiers {self.tiers}, got {tier_index}")
-        return BudgetPolicy(self.cost, jnp.int32(tier_index), jnp.int32(_nodes(nodes)))
+        return BudgetPolicy(self.planning_every_step(), jnp.int32(tier_index), jnp.int32(_nodes(nodes)))
 
     def alternating(self, nodes: int) -> "BudgetPolicy":
         """Forced to `nodes` nodes per row, the tier changing every step (first, last, first, ...)."""
-        return BudgetPolicy(self.cost, jnp.int32(-2), jnp.int32(_nodes(nodes)))
+        return BudgetPolicy(self.planning_every_step(), jnp.int32(-2), jnp.int32(_nodes(nodes)))
+
+    def planning_every_step(self) -> CostModel:
+        """The cost model with replan 1: a forced policy holds every step to its nodes, none runs a tier's fixed
+        program between plans."""
+        return dataclasses.replace(self.cost, replan=1)
+
+    @property
+    def replan(self) -> int:
+        return self.cost.replan
 
     def choose(self, scores: jax.Array, visibility: jax.Array, live: jax.Array, context: jax.Array,
                current: int | None = None) -> tuple[jax.Array, jax.Array]:

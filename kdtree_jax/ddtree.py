@@ -156,6 +156,21 @@ class Speculative:
         """Step programs in the loop: one per tier with a budget policy (auto), else 1."""
         return 1 if self.policy is None else len(self.policy.tiers)
 
+    @property
+    def replan(self) -> int:
+        """Steps from one plan to the next (`CostModel.replan`; 1 without a policy): the steps between run the
+        planned tier's fixed program (`fixed_plan`)."""
+        return 1 if self.policy is None else self.policy.replan
+
+    def fixed_plan(self, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler, tier: int) -> "_Plan":
+        """budget="auto", a step between plans: draft -> the tree at tier `tier`'s size, every node of every live row
+        active: the fixed budget of that size, in that tier's program (no scores, no choice)."""
+        with jax.named_scope("draft"):
+            draft_logits = self.propose(params, cfg, s, sampler)
+        with jax.named_scope("tree_build"):
+            tree = ddtree_tree(draft_logits, s.last, self.policy.tiers[tier], cfg.impl("tree_build"))
+        return _Plan(tree, jnp.broadcast_to(~s.done[:, None], tree.tokens.shape))
+
     def plan(self, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler,
              current: int | None = None) -> tuple[jax.Array, "_Plan"]:
         """budget="auto", before a step: draft -> build the largest tree -> choose the tier and the nodes to verify

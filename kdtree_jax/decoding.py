@@ -360,19 +360,30 @@ def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, unti
     while its phase is planned, inside a loop over the phases in turn. The phase is read where every while loop
     reads its condition anyway, so a step costs what its phase's own loop costs; a `lax.switch` per step (the host
     waits for the index, then launches the branch) cost 3.7-4.4 ms per step on full-scale K2.6 (H200,
-    docs/budget.md). A change of phase costs up to `phases` + 1 empty loop conditions. Each call plans one step
+    docs/budget.md). A change of phase costs up to `phases` + 1 empty loop conditions. A method with `replan` > 1
+    plans only every replan-th step: after a planned step, its phase's loop runs up to replan - 1 steps with
+    `method.fixed_plan(params, cfg, state, sampler, phase)` as their data (an inner while loop), then plans. Each call plans one step
     more than it runs (the plan after its last step, at the end of that step), and its first step is planned
     without a phase before it: a run cut into calls (`stream`, the server's chunks) drafts a little more, and with
     a switch term in the cost model may choose other tiers at the cuts than one call would.
     """
     go = lambda s: (s.steps < until) & ~jnp.all(s.done)
-    phases = getattr(method, "phases", 1)
-    if phases == 1:
+    phases, replan = getattr(method, "phases", 1), getattr(method, "replan", 1)
+    if phases == 1 and replan == 1:
         return jax.lax.while_loop(go, lambda s: loop_step(method, params, cfg, s, sampler), state)
+
+    def between(t: int, s: DecodeState) -> DecodeState:
+        """Up to replan - 1 steps of phase t's fixed program (`method.fixed_plan`: no plan) after a planned step."""
+        def body(q):
+            s, i = q
+            return loop_step(method, params, cfg, s, sampler, plan=(t, method.fixed_plan(params, cfg, s, sampler, t))), i + 1
+
+        return jax.lax.while_loop(lambda q: go(q[0]) & (q[1] < replan - 1), body, (s, jnp.int32(0)))[0]
 
     def phase_loop(t: int, c):
         def body(c):
             s = loop_step(method, params, cfg, c[0], sampler, plan=(t, c[2]))
+            s = between(t, s) if replan > 1 else s
             return (s, *method.plan(params, cfg, s, sampler, t))
 
         return jax.lax.while_loop(lambda c: go(c[0]) & (c[1] == t), body, c)

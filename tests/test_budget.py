@@ -33,10 +33,10 @@ def model():
     return cfg, params, drafter, ar
 
 
-def _cost(tiers, batch, slope, step=0.1):
+def _cost(tiers, batch, slope, step=0.1, replan=1):
     """A cost model rising by `slope` seconds per verified token from 1 s, each tier `step` s dearer than the last."""
     return CostModel.from_points(tiers, batch, [[(1, 1.0 + step * i), (1e5, 1.0 + step * i + slope * 1e5)]
-                                                for i in range(len(tiers))])
+                                                for i in range(len(tiers))], replan=replan)
 
 
 def _random_tree(b, n, depth, v, seed):
@@ -151,6 +151,38 @@ def test_auto_is_lossless(model, slope, tiers):
         assert hist[0] > 0  # so costly that some steps verify the root alone
 
 
+@pytest.mark.parametrize("tiers, slope", [((16,), 1.0), ((4, 8, 16), 0.02)])
+def test_auto_planning_every_third_step_is_lossless(model, tiers, slope):
+    """replan 3: a planned step, then up to two steps of the planned tier's fixed program (its every node): exactly
+    the AR tokens, and the histogram shows the two kinds of step."""
+    cfg, params, drafter, ar = model
+    out = kj.generate(params, cfg, PROMPTS, max_new_tokens=24, method="ddtree", drafter=drafter, budget="auto",
+                      max_budget=16, tiers=tiers, cost_model=_cost(tiers, len(PROMPTS), slope, 0.1, replan=3))
+    assert out.tokens == ar
+    h = out.stats["nodes_histogram"]  # bins up to the largest count seen
+    hist = np.zeros(17, int)
+    hist[:len(h)] = h
+    assert hist.sum() == sum(out.stats["tau_histogram"])
+    if tiers == (16,):  # planned: the root alone (every node too dear); between: the whole tree of 16
+        assert hist[0] > 0 and hist[16] > 0 and hist[0] + hist[16] == hist.sum()
+        assert hist[16] <= 2 * hist[0]  # a live row's fixed steps follow its planned step, two at most
+    else:
+        assert hist[[4, 8, 16]].sum() > 0  # steps at a whole tier
+
+
+def test_choose_replan():
+    assert [bud.choose_replan(p, 1.0) for p in (0.0, 0.004, 0.01, 0.025, 0.16, 1.0)] == [1, 1, 1, 3, 16, 16]
+    assert bud.choose_replan(0.05e-3, 16.25e-3) == 1  # full-scale K2.6 at C=1: plan every step
+    assert bud.choose_replan(0.18e-3, 0.6e-3) == 16  # a launch-bound small model
+    for bad in ((float("nan"), 1.0), (0.1, 0.0), (0.1, float("inf"))):
+        with pytest.raises(ValueError, match="finite"):
+            bud.choose_replan(*bad)
+    with pytest.raises(ValueError, match="replan must be"):
+        CostModel.from_points((4,), 1, [[(1, 1.0)]], replan=0)
+    policy = BudgetPolicy.choosing(_cost((4, 8), 1, 0.0, replan=5))
+    assert policy.replan == 5 and policy.forced(0, 4).replan == 1 and policy.alternating(8).replan == 1
+
+
 def test_auto_with_partial_acceptance_is_lossless(model):
     """A noisy oracle drafter (1..8 tokens accepted) and a cost making the choice vary per step and row."""
     cfg, params, _, ar = model
@@ -263,6 +295,7 @@ def test_calibration_is_measured_once_and_reused(model, tmp_path, monkeypatch):
     assert len(files) == 1 and any("calibrating" in line for line in logs)
     data = json.loads(files[0].read_text())
     assert data["tiers"] == [4, 8] and data["batch"] == 2 and len(data["points"]) == 2
+    assert data["replan"] == cost.replan >= 1 and "plan_seconds" in data["meta"] and data["meta"]["fixed_seconds"] > 0
     for pts in cost.points():  # non-decreasing in tokens and seconds, positive
         assert all(a[0] <= b[0] and 0 < a[1] <= b[1] for a, b in zip(pts, pts[1:]))
     monkeypatch.setattr(bud, "calibrate", lambda *a, **k: pytest.fail("measured again"))
