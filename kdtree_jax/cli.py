@@ -171,8 +171,8 @@ def _budget(text: str):
 
 def _auto_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-budget", type=int, default=64,
-                   help="budget auto: the largest tree; tiers of max/8, max/4, max/2 and max nodes are compiled "
-                        "(default: 64)")
+                   help="budget auto: the largest tree; tiers of max/16, max/8, max/4, max/2 and max nodes (those "
+                        ">= 4) are compiled (default: 64)")
     g.add_argument("--cost-model", default=None, metavar="PATH",
                    help="budget auto: use this saved cost model (JSON) instead of the one kept for this setup")
 

@@ -84,7 +84,7 @@ def generate(params: Params | Any, cfg: ModelConfig | None = None, prompts=None,
     `method`: "ar", or "chain" / "ddtree" with a `drafter` and, for ddtree, a node `budget`: a number, or "auto":
     each step verifies the part of a `max_budget`-node tree that maximizes expected tokens per second under a cost
     model measured once for this setup (`kdtree_jax.budget`; `cost_model`: a CostModel or a saved file to use
-    instead; `tiers`: the tree sizes compiled, default max/8, max/4, max/2, max).
+    instead; `tiers`: the tree sizes compiled, default max/16, max/8, max/4, max/2, max, those >= 4).
     `prefill_chunk`: prompts go into the cache in chunks of this many tokens (bounded memory for long prompts);
     None chooses (chunks of 1,024 past 2,048 tokens), 0 forces one pass.
     """
