@@ -6,7 +6,7 @@
               runs after a warm-up). Every row's tokens are checked equal to ar's.
   fullscale   Full-scale K2.6 as one GPU of an ep=8 mesh runs it (61 layers, `full_scale.per_device_model`, the
               K2.5-DFlash-shaped drafter, random weights), context 4,096: the step time of the same decoding loop
-              for fixed budgets 16, 32, 64, 128 (`budget.time_loop`), and auto's cost model (`calibrate`), at C=1 and
+              for fixed budgets 8, 16, 32, 64, 128 (`budget.time_loop`), and auto's cost model (`calibrate`), at C=1 and
               C=10. Collectives are not in these per-device times (the same caveat for every budget).
   project     A projection, every term measured: the embedded model's acceptance, step by step, with the step
               costs of `fullscale`. Fixed budget b: the embedded model's steps at b x the full-scale step of b.
@@ -319,7 +319,8 @@ def report(args) -> None:
     if emb:
         m = emb["meta"]
         lines += [f"## The embedded model ({m['date']}, {m['device']}, commit {m['commit']})", "",
-                  "Greedy, held-out prompts of 128 tokens, 128 new tokens each; auto: max 128 nodes, tiers 16/32/64/128, "
+                  "Greedy, held-out prompts of 128 tokens, 128 new tokens each; auto: max 128 nodes, tiers "
+                  f"{'/'.join(map(str, bud.default_tiers(MAX)))}, "
                   f"its cost model measured first in the same run. Custom calls: {m.get('ffi_ops') or 'none'}.", "",
                   "| C | budget | tokens/s | vs best fixed | tau | nodes / step | = ar |", "|---|---|---|---|---|---|---|"]
         for c in CONCURRENCY:
