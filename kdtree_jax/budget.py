@@ -24,8 +24,8 @@ picks how many of its nodes the target verifies:
   (`choose_replan`).
 
 Lossless as every fixed budget is: the nodes verified are a prefix-closed subtree chosen from the draft alone, and
-every committed token is the target's own choice (docs/ddtree.md). Measured on the H200 it is slower than the best
-fixed budget so far (docs/budget.md).
+every committed token is the target's own choice (docs/ddtree.md). Measured on the H200 (docs/budget.md) it beats
+the best fixed budget only at C=10 in the full-scale projection; at C=1 it is slower.
 
 The cost model is measured once per model shape, mesh, device, batch size and budget (`calibrate`: the same
 compiled step with the node count forced, timed at every tier and several node counts, and at two contexts), saved

@@ -362,8 +362,8 @@ def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, unti
     waits for the index, then launches the branch) cost 3.7-4.4 ms per step on full-scale K2.6 (H200,
     docs/budget.md). A change of phase costs up to `phases` + 1 empty loop conditions. A method with `replan` > 1
     plans only every replan-th step: after a planned step, its phase's loop runs up to replan - 1 steps with
-    `method.fixed_plan(params, cfg, state, sampler, phase)` as their data (an inner while loop), then plans. Each call plans one step
-    more than it runs (the plan after its last step, at the end of that step), and its first step is planned
+    `method.fixed_plan(params, cfg, state, sampler, phase)` as their data (an inner while loop), then plans.
+    Each call plans one step more than it runs (the plan after its last step, at the end of that step), and its first step is planned
     without a phase before it: a run cut into calls (`stream`, the server's chunks) drafts a little more, and with
     a switch term in the cost model may choose other tiers at the cuts than one call would.
     """
@@ -376,7 +376,8 @@ def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, unti
         """Up to replan - 1 steps of phase t's fixed program (`method.fixed_plan`: no plan) after a planned step."""
         def body(q):
             s, i = q
-            return loop_step(method, params, cfg, s, sampler, plan=(t, method.fixed_plan(params, cfg, s, sampler, t))), i + 1
+            fixed = method.fixed_plan(params, cfg, s, sampler, t)
+            return loop_step(method, params, cfg, s, sampler, plan=(t, fixed)), i + 1
 
         return jax.lax.while_loop(lambda q: go(q[0]) & (q[1] < replan - 1), body, (s, jnp.int32(0)))[0]
 
