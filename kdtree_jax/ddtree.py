@@ -162,14 +162,13 @@ class Speculative:
         planned tier's fixed program (`fixed_plan`)."""
         return 1 if self.policy is None else self.policy.replan
 
-    def fixed_plan(self, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler, tier: int) -> "_Plan":
-        """budget="auto", a step between plans: draft -> the tree at tier `tier`'s size, every node of every live row
-        active: the fixed budget of that size, in that tier's program (no scores, no choice)."""
+    def fixed_plan(self, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler, tier: int) -> DraftTree:
+        """budget="auto", a step between plans: draft -> the tree at tier `tier`'s size, which the step verifies
+        whole, unmasked: the fixed budget of that size (no scores, no choice, no mask)."""
         with jax.named_scope("draft"):
             draft_logits = self.propose(params, cfg, s, sampler)
         with jax.named_scope("tree_build"):
-            tree = ddtree_tree(draft_logits, s.last, self.policy.tiers[tier], cfg.impl("tree_build"))
-        return _Plan(tree, jnp.broadcast_to(~s.done[:, None], tree.tokens.shape))
+            return ddtree_tree(draft_logits, s.last, self.policy.tiers[tier], cfg.impl("tree_build"))
 
     def plan(self, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler,
              current: int | None = None) -> tuple[jax.Array, "_Plan"]:
@@ -195,19 +194,32 @@ class Speculative:
                 raise ValueError("budget='auto' steps of several tiers need their plan: run them in the decoding "
                                  "driver's loop (decoding.run_steps), which plans each step's tier")
             plan = (0, self.plan(params, cfg, s, sampler)[1]) if plan is None else plan
+            if isinstance(plan[1], DraftTree):  # a step between plans (`fixed_plan`): the whole tree, unmasked
+                return self._verify_tree(params, cfg, s, plan[1], key, sampler, padded=True)
             return self._step_auto(params, cfg, s, plan[0], plan[1], key, sampler)
         with jax.named_scope("draft"):
             draft_logits = self.propose(params, cfg, s, sampler)  # [B, L, V]
         with jax.named_scope("tree_build"):
             tree = self.build(cfg, draft_logits, s.last)
+        return self._verify_tree(params, cfg, s, tree, key, sampler)
+
+    def _verify_tree(self, params, cfg: ModelConfig, s: DecodeState, tree: DraftTree, key, sampler: Sampler,
+                     padded: bool = False) -> Committed:
+        """verify -> accept -> keep of every node of `tree`; padded (auto's steps between plans): the accepted path
+        padded to the drafter's block and the nodes counted, as `_step_auto` returns them."""
         with jax.named_scope("verify"):
             target, res = verify(params, cfg, tree, s.cache, key, sampler)  # [B, N]
+        width = self.tokens_per_step
         with jax.named_scope("accept"):
-            path = accept(cfg, tree, target, min(tree.tokens.shape[1], self.tokens_per_step))
+            path = accept(cfg, tree, target, min(tree.tokens.shape[1], width))
+        nodes = None
+        if padded:
+            path = _padded(path, width)
+            nodes = jnp.full(path.length.shape, tree.tokens.shape[1] - 1, jnp.int32)
         with jax.named_scope("compact"):
             cache, draft = self.keep(cfg, res, s.draft, s.cache.lengths, path)
         return Committed(tokens=path.tokens, count=path.length, cache=cache, draft=draft,
-                         nonfinite=nonfinite_rows(res.logits))
+                         nonfinite=nonfinite_rows(res.logits), nodes=nodes)
 
     def _step_auto(self, params, cfg: ModelConfig, s: DecodeState, tier: int, plan: "_Plan", key,
                    sampler: Sampler) -> Committed:
@@ -223,14 +235,19 @@ class Speculative:
         root = jnp.arange(n)[None, :] == 0
         with jax.named_scope("accept"):
             path = accept(cfg, tree._replace(tokens=jnp.where(active | root, tree.tokens, -1)), target, min(n, width))
-        pad = width - path.nodes.shape[1]
-        path = Path(nodes=jnp.pad(path.nodes, ((0, 0), (0, pad)), constant_values=-1), length=path.length,
-                    tokens=jnp.pad(path.tokens, ((0, 0), (0, pad))))
+        path = _padded(path, width)
         with jax.named_scope("compact"):
             cache, draft = self.keep(cfg, res, s.draft, s.cache.lengths, path)
         return Committed(tokens=path.tokens, count=path.length, cache=cache, draft=draft,
                          nonfinite=nonfinite_rows(res.logits, active),
                          nodes=jnp.sum(active[:, 1:], axis=1, dtype=jnp.int32))
+
+
+def _padded(path: Path, width: int) -> Path:
+    """The path padded to `width` nodes (every auto step returns the same shapes, whatever its tier)."""
+    pad = width - path.nodes.shape[1]
+    return Path(nodes=jnp.pad(path.nodes, ((0, 0), (0, pad)), constant_values=-1), length=path.length,
+                tokens=jnp.pad(path.tokens, ((0, 0), (0, pad))))
 
 
 class _Plan(NamedTuple):
