@@ -3,12 +3,16 @@
 #   PART=fullscale  the full-scale part (61 layers as one GPU of ep=8, ~80 GB; with kernel profiles of auto's tier-16
 #                   step vs fixed 16), one H200 (kind nvidia-h200), timed marginally (runs of 2 STEPS minus runs of
 #                   STEPS); one concurrency per call: CONC=1 (~5.5 min), CONC=10 (longer: pass CELL_BUDGET/FULL_LIMIT)
-#   PART=embedded   the embedded-model part, then `report` with the full-scale JSON of an earlier call, where one is
+#   PART=embedded   the embedded-model part (batch sizes EMB_CONC, default 1,10; budgets EMB_BUDGETS, default all), then `report` with the full-scale JSON of an earlier call, where one is
 #                   given (FULL_JSON=path in the carried tree, e.g. scratch/auto_budget_fullscale.json), so that the
 #                   projection's acceptance comes from the same prompts as the embedded table; one H200
 #   PART=fullscale2 the full-scale part at C=1 (GPU 0, under $OUT/c1) and at C=10 (GPU 1, under $OUT/c10) at once, on
 #                   two GPUs (kind nvidia-h200-x2): both parts' steps are GPU-bound (18-100 ms), so sharing the host
 #                   matters less than for the embedded model; CONC is ignored
+#   PART=embedded2  the embedded-model part at C=1 (GPU 0, under $OUT/c1) and at C=10 (GPU 1, under $OUT/c10) at once
+#                   (kind nvidia-h200-x2), budgets EMB_BUDGETS1 / EMB_BUDGETS10 (default: every budget); no report.
+#                   auto and the fixed budgets of one concurrency run side by side in one process; the other job
+#                   shares the host, so compare within a concurrency, not across the two
 #   PART=both       both at once on two GPUs (kind nvidia-h200-x2): quicker, but the two jobs share the host, and the
 #                   embedded model's launch-bound steps are slower while the full-scale part compiles next to it
 # Logs and JSON under $OUT; then, on any machine: python benchmarks/auto_budget.py report --out DIR --commit HASH
@@ -32,9 +36,12 @@ full() {  # $1: the GPU, $2: the batch sizes, $3: the output folder
     benchmarks/auto_budget.py fullscale --profile --out "$3" --commit "$C" --budget-s "${CELL_BUDGET:-420}" \
     --steps "${STEPS:-4}" --concurrency "$2" 2>&1 | grep -v -i "warn\|donat" > "$3/full.log"
 }
-embedded() {
-  CUDA_VISIBLE_DEVICES=$1 timeout -k 5 "${EMB_LIMIT:-450}" python3 benchmarks/auto_budget.py embedded --out "$OUT" \
-    --commit "$C" 2>&1 | grep -v -i "warn\|donat" > "$OUT/emb.log"
+embedded() {  # $1: the GPU; $2, $3, $4 (optional): the batch sizes, the budgets, the output folder
+  local out=${4:-$OUT}
+  mkdir -p "$out"
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 5 "${EMB_LIMIT:-450}" python3 benchmarks/auto_budget.py embedded --out "$out" \
+    --commit "$C" --concurrency "${2:-1,10}" --budgets "${3:-8,16,32,64,128,auto}" 2>&1 |
+    grep -v -i "warn\|donat" > "$out/emb.log"
   if [ -n "${FULL_JSON:-}" ]; then
     cp "$FULL_JSON" "$OUT/auto_budget_fullscale.json"
     CUDA_VISIBLE_DEVICES=$1 timeout -k 5 "${REPORT_LIMIT:-300}" python3 benchmarks/auto_budget.py report --out "$OUT" \
@@ -45,10 +52,12 @@ embedded() {
 case "$PART" in
   fullscale) full 0 "${CONC:-1}" "$OUT" ;;
   fullscale2) full 0 1 "$OUT/c1" & full 1 10 "$OUT/c10" & wait ;;
-  embedded) embedded 0 ;;
+  embedded) embedded 0 "${EMB_CONC:-1,10}" "${EMB_BUDGETS:-8,16,32,64,128,auto}" ;;
+  embedded2) embedded 0 1 "${EMB_BUDGETS1:-8,16,32,64,128,auto}" "$OUT/c1" &
+    embedded 1 10 "${EMB_BUDGETS10:-8,16,32,64,128,auto}" "$OUT/c10" & wait ;;
   both) full 0 "${CONC:-1}" "$OUT" & embedded 1 & wait ;;
-  *) echo "PART must be fullscale, fullscale2, embedded or both, got $PART"; exit 2 ;;
+  *) echo "PART must be fullscale, fullscale2, embedded, embedded2 or both, got $PART"; exit 2 ;;
 esac
-for f in full c1/full c10/full emb report; do
+for f in full c1/full c10/full emb c1/emb c10/emb report; do
   [ -f "$OUT/$f.log" ] && { echo "--- $f"; grep -v "calibrating" "$OUT/$f.log" | grep -v "^    " | tail -20; }
 done
