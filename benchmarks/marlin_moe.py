@@ -127,7 +127,10 @@ def variant_fn(name: str, m: int, e: int):
     base, *mods = name.split("+")
     flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "serial": mm.FLAG_SERIAL, "deep": mm.FLAG_DEEP}[x]
                 for x in mods)
-    bm = {"after": None, "stream": mm.block_size(m, TOPK, E), "tile64": 64, "tile128": 128,
+    if base in ("tile16", "tile32"):  # the tile path's narrow tiles (FLAG_TILE), with the tile path's flags
+        flags |= mm.FLAG_TILE | mm.TILE_FLAGS
+    bm = {"after": None, "stream": mm.block_size(m, TOPK, E), "tile16": 16, "tile32": 32, "tile64": 64,
+          "tile128": 128,
           "local": mm.choose_block_m(m, TOPK, e, True)}[base]  # local: the block size chosen by e (before 2026-12-01)
     shown = bm or mm.choose_block_m(m, TOPK, E, True)
     if base in ("after", "local"):  # the defaults (path, block_m, flags), plus any flags named

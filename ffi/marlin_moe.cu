@@ -88,6 +88,7 @@ constexpr int64_t kFlagSync = 1;        // tile path: mma.sync + ldmatrix instea
 constexpr int64_t kFlagL2Prefetch = 2;  // weight copies ask L2 for 256-byte lines
 constexpr int64_t kFlagDeep = 8;        // tile path (wgmma): 4 k-steps in flight instead of 2
 constexpr int64_t kFlagSerial = 16;     // stream path: plain launches instead of programmatic dependent ones
+constexpr int64_t kFlagTile = 32;       // BM = 16 or 32: the tile path's narrow tiles instead of the stream path
 
 // ------------------------------------------------------------------------------------------------------------------
 // Small helpers
@@ -810,7 +811,7 @@ constexpr int kTileW = 16 * 4 * kTileThreads;  // stage bytes of weights: 4 rows
 constexpr int kTileS = 8 * kTileThreads;       // stage bytes of scales: 4 groups of one row per thread
 constexpr int kTileX = kTileW + kTileS;        // tokens: two 128B-swizzled panels [BM rows x 64 inputs]
 
-__host__ __device__ constexpr int TileStages(int bt) { return bt <= 64 ? 6 : 4; }
+__host__ __device__ constexpr int TileStages(int bt) { return bt <= 32 ? 4 : bt <= 64 ? 6 : 4; }
 __host__ __device__ constexpr int TileStageBytes(int bt) { return kTileX + 256 * bt; }
 constexpr int TileSmem(int bt) { return TileStages(bt) * TileStageBytes(bt) + 1024; }  // + room to align the base
 
@@ -1043,11 +1044,13 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
   }
 }
 
-template <bool kGated, bool kSync, int kDepth>
-__global__ void __launch_bounds__(kTileThreads, 1) TileKernel(const TileParams p) {
+// kMaxN: the largest token tile the instance holds (128; 32 for the narrow tiles of BM = 16 or 32, whose instances
+// fit in 128 registers, so that two blocks share an SM).
+template <bool kGated, bool kSync, int kDepth, int kMaxN>
+__global__ void __launch_bounds__(kTileThreads, kMaxN <= 32 ? 2 : 1) TileKernel(const TileParams p) {
   extern __shared__ __align__(16) unsigned char tile_smem[];
-  __shared__ int s_src[kMaxTile];  // B row of each token (slot / k or slot)
-  __shared__ int s_dst[kMaxTile];  // output row (slot) of each token (-1: padding)
+  __shared__ int s_src[kMaxN];  // B row of each token (slot / k or slot)
+  __shared__ int s_dst[kMaxN];  // output row (slot) of each token (-1: padding)
   const int tid = threadIdx.x;
   const int tile = blockIdx.x / p.row_tiles, rt = blockIdx.x - tile * p.row_tiles;
   const int e = p.block_expert[tile];
@@ -1065,20 +1068,22 @@ __global__ void __launch_bounds__(kTileThreads, 1) TileKernel(const TileParams p
     TileBlock<8, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
   } else if (ntok <= 16) {
     TileBlock<16, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
-  } else if (ntok <= 32) {
+  } else if (kMaxN <= 32 || ntok <= 32) {
     TileBlock<32, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
-  } else if (ntok <= 48) {
-    TileBlock<48, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
-  } else if (ntok <= 64) {
-    TileBlock<64, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
-  } else if (ntok <= 80) {
-    TileBlock<80, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
-  } else if (ntok <= 96) {
-    TileBlock<96, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
-  } else if (ntok <= 112) {
-    TileBlock<112, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
-  } else {
-    TileBlock<128, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+  } else if constexpr (kMaxN > 32) {
+    if (ntok <= 48) {
+      TileBlock<48, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+    } else if (ntok <= 64) {
+      TileBlock<64, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+    } else if (ntok <= 80) {
+      TileBlock<80, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+    } else if (ntok <= 96) {
+      TileBlock<96, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+    } else if (ntok <= 112) {
+      TileBlock<112, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+    } else {
+      TileBlock<128, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+    }
   }
 }
 
@@ -1260,21 +1265,32 @@ ffi::Error LaunchStream(cudaStream_t stream, const GemmParams& g1, const GemmPar
                     : LaunchGemms<4, kL2>(stream, g1, g2, max_blocks, pdl);
 }
 
-template <bool kGated, bool kSync, int kDepth>
+template <bool kGated, bool kSync, int kDepth, int kMaxN>
 ffi::Error LaunchTile(cudaStream_t stream, const TileParams& p, int64_t tiles, const char* what) {
   const int bytes = TileSmem(p.bt);
-  auto kernel = TileKernel<kGated, kSync, kDepth>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) {
+  auto kernel = TileKernel<kGated, kSync, kDepth, kMaxN>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared) != cudaSuccess) {
     return LastError("raising the tile kernel's shared-memory limit");
   }
   kernel<<<static_cast<unsigned>(tiles * p.row_tiles), kTileThreads, bytes, stream>>>(p);
   return LastError(what);
 }
 
+template <bool kSync, int kDepth, int kMaxN>
+ffi::Error LaunchTilesOf(cudaStream_t stream, const TileParams& g1, const TileParams& g2, int64_t tiles) {
+  if (ffi::Error e = LaunchTile<true, kSync, kDepth, kMaxN>(stream, g1, tiles, "tile gate/up launch"); e.failure()) {
+    return e;
+  }
+  return LaunchTile<false, kSync, kDepth, kMaxN>(stream, g2, tiles, "tile down launch");
+}
+
+// BM = 16 or 32: the narrow instances (two blocks per SM); 64 or 128: the wide ones.
 template <bool kSync, int kDepth>
 ffi::Error LaunchTiles(cudaStream_t stream, const TileParams& g1, const TileParams& g2, int64_t tiles) {
-  if (ffi::Error e = LaunchTile<true, kSync, kDepth>(stream, g1, tiles, "tile gate/up launch"); e.failure()) return e;
-  return LaunchTile<false, kSync, kDepth>(stream, g2, tiles, "tile down launch");
+  return g1.bt <= 32 ? LaunchTilesOf<kSync, kDepth, 32>(stream, g1, g2, tiles)
+                     : LaunchTilesOf<kSync, kDepth, kMaxTile>(stream, g1, g2, tiles);
 }
 
 template <typename T>
@@ -1344,13 +1360,15 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
   const bool bf16 = t == ffi::DataType::BF16;
   const bool blocks_ok = align_warps > 0 && max_blocks * bm == static_cast<int64_t>(sorted->element_count()) &&
                          max_blocks <= INT32_MAX / 256;
+  const bool narrow = (flags & kFlagTile) && (bm == 16 || bm == 32);  // the tile path at BM = 16 / 32
+  const bool tile_bm = bm == 64 || bm == 128 || narrow;
   const bool stream_ok = bf16 && D % kChunk == 0 && F % kChunk == 0 && gg == 32 && dg == 32 && blocks_ok &&
-                         (bm == 8 || bm == 16 || bm == 32);
-  const bool tile_ok = bf16 && D % 256 == 0 && F % 128 == 0 && gg == 32 && dg == 32 && blocks_ok &&
-                       (bm == 64 || bm == 128) && static_cast<int64_t>(S) * D < (int64_t{1} << 40);
-  if ((bm == 64 || bm == 128) && !tile_ok) {
-    return ffi::Error::InvalidArgument("marlin_moe: blocks of 64 or 128 slots (the tile path) need bf16, D a "
-                                       "multiple of 256, F of 128 and group size 32");
+                         (bm == 8 || bm == 16 || bm == 32) && !narrow;
+  const bool tile_ok = bf16 && D % 256 == 0 && F % 128 == 0 && gg == 32 && dg == 32 && blocks_ok && tile_bm &&
+                       static_cast<int64_t>(S) * D < (int64_t{1} << 40);
+  if (tile_bm && !tile_ok) {
+    return ffi::Error::InvalidArgument("marlin_moe: the tile path (blocks of 64 or 128 slots, or 16 or 32 with the "
+                                       "tile flag) needs bf16, D a multiple of 256, F of 128 and group size 32");
   }
   const auto* xq = reinterpret_cast<const uint32_t*>(gate_q.typed_data());
   const auto* uqp = reinterpret_cast<const uint32_t*>(up_q.typed_data());

@@ -14,7 +14,8 @@ import pytest
 
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
-from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_L2_256, FLAG_SERIAL, FLAG_SYNC, TILE_128_MIN_M, TILE_MIN_M,
+from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_L2_256, FLAG_SERIAL, FLAG_SYNC, FLAG_TILE, TILE_128_MIN_M,
+                                           TILE_MIN_M,
                                            _cuda_call, block_size, choose_block_m, marlin_moe, marlin_moe_ref,
                                            max_blocks, moe_align, moe_experts_ref, tile_eligible)
 from kdtree_jax.model import forward
@@ -298,6 +299,8 @@ def test_bad_impl_and_block_m():
         marlin_moe(**_bad(), block_m=12)
     with pytest.raises(ValueError, match="tile path"):  # float32, D = 64: not for the tile path
         marlin_moe(**_bad(), block_m=64)
+    with pytest.raises(ValueError, match="tile path"):  # the narrow tiles too
+        marlin_moe(**_bad(), block_m=32, flags=FLAG_TILE)
 
 
 def test_model_ffi_equals_xla():
@@ -363,7 +366,8 @@ def test_gpu_align_stage_equals_moe_align(m, k, e, bm, kind):
 
 # (M, k, E, routing, block_m, flags): decode and tree-verify sizes up to 2048 tokens on K2-sized experts, both paths
 # (block_m None: the default for M; 8 / 16 / 32 the stream path, 64 / 128 the tile path), the tile path's mma.sync
-# variant, the L2 prefetch flag and the stream path's plain launches
+# variant, the L2 prefetch flag, the stream path's plain launches and the tile path's narrow tiles (16 / 32 with
+# FLAG_TILE)
 K2_CASES = [
     (1, 8, 16, "uniform", None, None), (7, 8, 16, "sentinel", None, None), (64, 8, 16, "uniform", None, None),
     (3, 8, 16, "one_expert", None, FLAG_SERIAL), (96, 8, 16, "repeat", 16, FLAG_SERIAL | FLAG_L2_256),
@@ -372,6 +376,8 @@ K2_CASES = [
     (1024, 8, 16, "sentinel", 128, 0), (128, 8, 16, "repeat", 64, FLAG_L2_256 | FLAG_DEEP),
     (1024, 8, 16, "uniform", 64, FLAG_SYNC), (700, 8, 16, "one_expert", 128, FLAG_DEEP),
     (600, 8, 16, "uniform", None, FLAG_L2_256 | FLAG_DEEP),
+    (1024, 8, 16, "uniform", 32, FLAG_TILE | FLAG_L2_256), (256, 8, 16, "few", 16, FLAG_TILE),
+    (700, 8, 16, "one_expert", 32, FLAG_TILE), (300, 8, 16, "sentinel", 32, FLAG_TILE | FLAG_SYNC),
 ]
 
 
@@ -404,7 +410,8 @@ def test_gpu_fast_path_k2_shapes(k2_experts, m, k, e, kind, bm, flags):
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("bm, flags", [(128, 0), (64, FLAG_L2_256), (128, FLAG_SYNC), (64, FLAG_SYNC),
-                                       (128, FLAG_DEEP | FLAG_L2_256), (64, FLAG_DEEP)])
+                                       (128, FLAG_DEEP | FLAG_L2_256), (64, FLAG_DEEP), (32, FLAG_TILE | FLAG_L2_256),
+                                       (16, FLAG_TILE), (32, FLAG_TILE | FLAG_SYNC), (16, FLAG_TILE | FLAG_DEEP)])
 def test_gpu_tile_path_every_tile_width(bm, flags):
     """Experts with 1 to 300 slots: full and partial tiles of every width the tile path instantiates (the slot count
     rounded up to 8, 16, 32, 48, ..., 128), experts with no slot, and one slot of each token sent to no expert;

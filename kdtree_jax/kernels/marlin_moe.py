@@ -57,6 +57,8 @@ FLAG_SYNC = 1  # tile path: mma.sync + ldmatrix instead of wgmma
 FLAG_L2_256 = 2  # weight copies ask L2 for whole 256-byte lines
 FLAG_DEEP = 8  # tile path (wgmma): 4 k-steps in flight instead of 2
 FLAG_SERIAL = 16  # stream path: plain launches instead of programmatic dependent ones
+FLAG_TILE = 32  # block_m 16 or 32: the tile path's narrow tiles (two blocks per SM) instead of the stream path
+NARROW_TILE_BLOCKS = (16, 32)  # the block sizes FLAG_TILE applies to
 TILE_FLAGS = FLAG_L2_256  # the tile path's default flags (H200: the 256-byte L2 lines gain ~5% at M = 1,024)
 STREAM_FLAGS = 0  # the stream path's (the L2 hint changes nothing there)
 
@@ -214,7 +216,8 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
     if block_m is not None and block_m not in BLOCK_SIZES:
         raise ValueError(f"marlin_moe: block_m must be one of {BLOCK_SIZES}, got {block_m!r}")
     tile_ok = tile_eligible(d, f, we_gate.group_size, we_down.group_size, x.dtype)
-    if block_m in TILE_BLOCKS and not tile_ok:
+    narrow = block_m in NARROW_TILE_BLOCKS and flags is not None and bool(flags & FLAG_TILE)
+    if (block_m in TILE_BLOCKS or narrow) and not tile_ok:
         raise ValueError(f"marlin_moe: block_m={block_m} (the tile path) needs bfloat16 x, D % 256 == 0, F % 128 == 0 "
                          f"and group size 32; got {x.dtype}, D = {d}, F = {f}, groups {we_gate.group_size} / "
                          f"{we_down.group_size}")
