@@ -89,8 +89,7 @@ def part_embedded(args) -> dict:
         prompts = _prompts(model.tokenizer, c, 128)
         if kept:  # the cost models an earlier embedded run measured (same model, batch and tiers)
             e = kept[str(c)]
-            cost = bud.CostModel.from_points(e["tiers"], c, e["points"], e["per_context"], e["context"],
-                                             e.get("switch", 0.0), e.get("replan", 1))
+            cost = bud.from_record(e, c)
             out["costs"][str(c)] = dict(e, kept_from=args.costs)
         else:
             cost, meta = bud.calibrate(params, cfg, drafter, batch=c, max_budget=MAX, steps=8, log=print)
@@ -234,10 +233,13 @@ def _profile(method, params, cfg, s0, steps: int) -> dict:
                 top_all=[(k, n / steps, us / steps) for k, n, us in top_kernels(prof, 10 ** 6)])
 
 
-def _cost_of(entry: dict, batch: int) -> bud.CostModel:
-    """A measured cost model, the per-context term dropped (the projection holds the context at the calibration's)."""
-    return bud.CostModel.from_points(entry["tiers"], batch, entry["points"], 0.0, entry["context"],
-                                     entry.get("switch", 0.0), entry.get("replan", 1))  # older files: none, 1
+def _cost_of(entry: dict, batch: int, fixed: dict | None = None) -> bud.CostModel:
+    """A measured cost model, the per-context term dropped (the projection holds the context at the calibration's);
+    `fixed` {budget: seconds}: the fixed budgets' measured steps as its tiers' fixed programs, where the record has
+    none and every tier was measured."""
+    if fixed and "fixed" not in entry and all(t in fixed for t in entry["tiers"]):
+        entry = dict(entry, fixed=[fixed[t] for t in entry["tiers"]])
+    return bud.from_record(entry, batch, per_context=0.0)
 
 
 def equal_step_costs(entry: dict, fixed: dict) -> dict:
@@ -286,12 +288,12 @@ def part_project(args, emb: dict, full: dict) -> dict:
     out = dict(meta=dict(_meta(args), ffi_ops=args.ffi_ops, batches=args.batches,
                          predict_equal_steps=args.predict_equal_steps), rows=[])
     for c in CONCURRENCY:
-        if str(c) not in full["costs"]:
+        if str(c) not in full["costs"] or c not in args.concurrency:
             continue
         prompts = _prompts(model.tokenizer, c * args.batches, 128)
         fixed = {f["budget"]: f["step_s"] for f in full["fixed"] if f["concurrency"] == c}
         entry = full["costs"][str(c)]
-        cost = _cost_of(equal_step_costs(entry, fixed) if args.predict_equal_steps else entry, c)
+        cost = _cost_of(equal_step_costs(entry, fixed) if args.predict_equal_steps else entry, c, fixed)
         for b in [b for b in FIXED if b in fixed] + ["auto"]:
             total, seconds, steps, hist = 0, 0.0, 0, 0
             for i in range(args.batches):

@@ -90,9 +90,19 @@ def cost_path(key: dict) -> str:
 
 
 def cost_record(cost: CostModel, meta: dict) -> dict:
-    """The cost model as plain JSON data (tiers, points, per_context, context, switch, replan) with its meta."""
+    """The cost model as plain JSON data (tiers, points, per_context, context, switch, replan, fixed) with its
+    meta."""
     return dict(tiers=list(cost.tiers), points=cost.points(), per_context=float(cost.per_context),
-                context=float(cost.context), switch=float(cost.switch), replan=cost.replan, meta=meta)
+                context=float(cost.context), switch=float(cost.switch), replan=cost.replan,
+                fixed=[float(f) for f in np.asarray(cost.fixed)], meta=meta)
+
+
+def from_record(data: dict, batch: int, per_context: float | None = None) -> CostModel:
+    """The cost model of a `cost_record` (per_context: instead of the record's). Records written before a term
+    existed get its neutral value: switch 0, replan 1 (every step planned), fixed the curves at every node."""
+    return CostModel.from_points(data["tiers"], batch, [[tuple(p) for p in pts] for pts in data["points"]],
+                                 data["per_context"] if per_context is None else per_context, data["context"],
+                                 data.get("switch", 0.0), data.get("replan", 1), data.get("fixed"))
 
 
 def save(cost: CostModel, path: str, meta: dict | None = None) -> None:
@@ -117,10 +127,7 @@ def load(path: str) -> tuple[CostModel, dict]:
             data = json.load(f)
         if data.get("version") != COST_VERSION:
             raise ValueError(f"version {data.get('version')!r}, expected {COST_VERSION}")
-        cost = CostModel.from_points(data["tiers"], data["batch"], [[tuple(p) for p in pts] for pts in data["points"]],
-                                     data["per_context"], data["context"], data["switch"],
-                                     data.get("replan", 1))  # files before the replan term: every step planned
-        return cost, data.get("meta", {})
+        return from_record(data, data["batch"]), data.get("meta", {})
     except OSError:
         raise
     except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
@@ -229,19 +236,30 @@ def calibrate(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int,
             f"per step ({1e3 * switch:.2f} ms per change of tier)")
     # the plan's own cost: the smallest tier with every node (the plan runs, as it does every planned step) against
     # the fixed program of that size (no plan), from the same state; it sets how often the loop plans (`replan`)
-    fixed = time_loop(speculative(cfg, "ddtree", drafter, tiers[0]), params, cfg, s0, steps, repeats, marginal)
+    fixed_time = lambda size: time_loop(speculative(cfg, "ddtree", drafter, size), params, cfg, s0, steps, repeats,
+                                        marginal)
+    fixed = fixed_time(tiers[0])
     plan_s = points[0][-1][1] - fixed
     replan = choose_replan(max(plan_s, 0.0), fixed)
     done += 1
     log(f"calibrating budget=auto [{done}/{total}]: fixed budget {tiers[0]}: {1e3 * fixed:.2f} ms per step (the plan "
         f"costs {1e3 * plan_s:.2f} ms: plan every {replan} step{'s' if replan > 1 else ''})")
+    fixed_all = None
+    if replan > 1:  # most steps run a tier's fixed program: what each costs (the choice weighs them, `choose`)
+        fixed_all = [fixed]
+        total += len(tiers) - 1
+        for size in tiers[1:]:
+            fixed_all.append(fixed_time(size))
+            done += 1
+            log(f"calibrating budget=auto [{done}/{total}]: fixed budget {size}: {1e3 * fixed_all[-1]:.2f} ms per "
+                "step")
     del s0  # one prefilled cache at a time (K2 at C=10 x 16k: 12 GB each, and time_loop copies it)
     far = timed(state(c1), policy.forced(len(tiers) - 1, tiers[-1]))
     near = points[-1][-1][1]
     per_context = max(0.0, (far - near) / (batch * (c1 - c0)))
     log(f"calibrating budget=auto [{total}/{total}]: context {c1}: {1e3 * far:.2f} ms per step "
         f"({1e9 * per_context:.2f} ns per row and cached token); {time.perf_counter() - t0:.1f} s in all")
-    cost = CostModel.from_points(tiers, batch, points, per_context, c0, switch, replan)
+    cost = CostModel.from_points(tiers, batch, points, per_context, c0, switch, replan, fixed_all)
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), context=c0, far_context=c1,
                 far_seconds=far, fixed_seconds=fixed, plan_seconds=plan_s, steps=steps, repeats=repeats,
                 marginal=marginal, device=str(jax.devices()[0]))

@@ -66,7 +66,8 @@ class CostModel:
     another's: a few loop conditions read by the host, `decoding.run_steps`). The first step of each compiled call
     (`decoding.advance`) has no step before it and pays no switch.
     `replan` (static, `choose_replan`): the loop plans every `replan`-th step; the steps between run the planned
-    tier's fixed program (its whole tree, no plan), where planning every step would cost more than 1% of a step.
+    tier's fixed program (its whole tree, no plan), where planning every step would cost more than 1% of a step;
+    `fixed` is what one of those costs per tier (measured where replan > 1; else each curve at every node).
     The arrays are leaves (traced): a cost model of the same shape reuses the compiled loop.
     """
 
@@ -75,6 +76,7 @@ class CostModel:
     per_context: jax.Array  # f32 []  seconds per live row and cached token, beyond `context`
     context: jax.Array  # f32 []      the context of the calibration
     switch: jax.Array  # f32 []       seconds a change of tier adds to a step
+    fixed: jax.Array  # f32 [T]       seconds of each tier's fixed program (its whole tree, no plan) at `context`
     tiers: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     batch: int = dataclasses.field(metadata=dict(static=True))
     replan: int = dataclasses.field(default=1, metadata=dict(static=True))
@@ -96,12 +98,18 @@ class CostModel:
         base = y[:, :1].reshape(x.shape[0], *extra) + jnp.sum(share * rise, axis=-1)
         return jnp.maximum(base + self.per_context * (ctx - live * self.context), 0.01 * base)
 
+    def fixed_step_seconds(self, live: jax.Array, ctx: jax.Array) -> jax.Array:
+        """f32 [T]: a step of each tier's fixed program (every node of every row), `ctx` cached tokens over the
+        live rows."""
+        return jnp.maximum(self.fixed + self.per_context * (ctx - live * self.context), 0.01 * self.fixed)
+
     @staticmethod
     def from_points(tiers, batch: int, points: list[list[tuple[int, float]]], per_context: float = 0.0,
-                    context: float = 0.0, switch: float = 0.0, replan: int = 1) -> "CostModel":
+                    context: float = 0.0, switch: float = 0.0, replan: int = 1, fixed=None) -> "CostModel":
         """From measured (tokens, seconds) points per tier (any number each: padded to one width by repeating the
         last point). Each curve is replaced by the closest non-decreasing one (least squares: measurement noise
-        averaged out where it dips), as a step never gets cheaper with more tokens."""
+        averaged out where it dips), as a step never gets cheaper with more tokens. fixed: seconds of each tier's
+        fixed program (None: each curve at the tier's every node of `batch` rows)."""
         tiers = tuple(int(t) for t in tiers)
         if len(points) != len(tiers) or any(not p for p in points):
             raise ValueError(f"cost model: {len(tiers)} tiers need as many non-empty point lists, got {len(points)}")
@@ -118,9 +126,15 @@ class CostModel:
                              "finite and >= 0")
         if isinstance(replan, bool) or not isinstance(replan, (int, np.integer)) or replan < 1:
             raise ValueError(f"cost model: replan must be an integer >= 1, got {replan!r}")
+        if fixed is None:  # each tier with every node of every row, on its curve
+            fixed = np.array([np.interp(batch * (1.0 + t), tok[i], sec[i]) for i, t in enumerate(tiers)])
+        fixed = np.asarray(fixed, np.float64)
+        if fixed.shape != (len(tiers),) or not np.all(np.isfinite(fixed)) or np.any(fixed <= 0):
+            raise ValueError(f"cost model: fixed must hold {len(tiers)} finite seconds > 0 (one per tier), got "
+                             f"{fixed.tolist()}")
         return CostModel(tokens=jnp.asarray(tok), seconds=jnp.asarray(sec), per_context=jnp.float32(per_context),
-                         context=jnp.float32(context), switch=jnp.float32(switch), tiers=tiers, batch=int(batch),
-                         replan=int(replan))
+                         context=jnp.float32(context), switch=jnp.float32(switch),
+                         fixed=jnp.asarray(fixed, jnp.float32), tiers=tiers, batch=int(batch), replan=int(replan))
 
     def points(self) -> list[list[tuple[float, float]]]:
         tok, sec = np.asarray(self.tokens), np.asarray(self.seconds)
@@ -177,7 +191,9 @@ class BudgetPolicy:
         nodes' log path probabilities (root first, non-increasing along every path), visibility bool [B, N+1, N+1]
         (ancestors), live bool [B] (rows still decoding: the others verify nothing), context int32 [B] (cached
         tokens), current: the tier index of the step before (static; None: none, no tier pays the switch). The
-        active nodes of a row are prefix-closed and lie in the first tiers[tier] nodes."""
+        active nodes of a row are prefix-closed and lie in the first tiers[tier] nodes. The choice maximizes
+        expected tokens per second: with replan r > 1, over this step and the r - 1 steps of the tier's fixed
+        program after it (each expected to gain what the tier's whole tree would now, at `CostModel.fixed`)."""
         b, n1 = scores.shape
         n = n1 - 1
         tiers = self.tiers
@@ -196,7 +212,12 @@ class BudgetPolicy:
         gain = jnp.concatenate([zero, jnp.cumsum(jnp.where(inside, p[order], 0.0), axis=1)], axis=1)  # expected
         switch = np.array([0.0 if current in (None, t) else 1.0 for t in range(len(tiers))], np.float32)
         cost = self.cost.all_step_seconds(n_live + count, n_live, ctx) + switch[:, None] * self.cost.switch
-        ratio = jnp.where(count <= n_live * sizes[:, None], (n_live + gain) / cost, -jnp.inf)
+        tokens = n_live + gain
+        r = self.replan
+        if r > 1:  # this step and the r - 1 steps of the tier's fixed program after it (every node): their rate
+            cost = cost + (r - 1) * self.cost.fixed_step_seconds(n_live, ctx)[:, None]
+            tokens = tokens + (r - 1) * (n_live + gain[:, -1:])
+        ratio = jnp.where(count <= n_live * sizes[:, None], tokens / cost, -jnp.inf)
         best = jnp.argmax(ratio, axis=1)  # [T] the first j of each tier's best ratio
         tier = jnp.argmax(jnp.max(ratio, axis=1)).astype(jnp.int32)
         picked = (jnp.arange(b * n) < best[tier]) & inside[tier]  # in sorted order

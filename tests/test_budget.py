@@ -33,10 +33,10 @@ def model():
     return cfg, params, drafter, ar
 
 
-def _cost(tiers, batch, slope, step=0.1, replan=1):
+def _cost(tiers, batch, slope, step=0.1, replan=1, fixed=None):
     """A cost model rising by `slope` seconds per verified token from 1 s, each tier `step` s dearer than the last."""
     return CostModel.from_points(tiers, batch, [[(1, 1.0 + step * i), (1e5, 1.0 + step * i + slope * 1e5)]
-                                                for i in range(len(tiers))], replan=replan)
+                                                for i in range(len(tiers))], replan=replan, fixed=fixed)
 
 
 def _random_tree(b, n, depth, v, seed):
@@ -56,13 +56,17 @@ def test_choose_is_the_best_ratio_and_prefix_closed():
     live = jnp.array([True, False, True])
     ctx = jnp.array([10, 20, 30])
     rng = np.random.default_rng(1)
-    for trial in range(12):
+    for trial in range(18):
         tiers = (4, n)
         pts = [sorted((float(m), float(t)) for m, t in zip(rng.uniform(1, 40, 4), rng.uniform(0.5, 3, 4)))
                for _ in tiers]
         switch = rng.uniform(0, 1) if trial % 2 else 0.0
         current = (None, 0, 1)[trial % 3]
-        cost = CostModel.from_points(tiers, b, pts, per_context=rng.uniform(0, 0.01), context=12.0, switch=switch)
+        # from trial 6: plans every `replan`-th step, the fixed programs' costs measured (or the curves' ends)
+        replan = 1 if trial < 6 else int(rng.integers(2, 8))
+        fixed = rng.uniform(0.3, 3, len(tiers)) if trial % 4 else None
+        cost = CostModel.from_points(tiers, b, pts, per_context=rng.uniform(0, 0.01), context=12.0, switch=switch,
+                                     replan=replan, fixed=fixed)
         choose = jax.jit(BudgetPolicy.choosing(cost).choose, static_argnames="current")
         tier, active = choose(scores, tree.visibility, live, ctx, current=current)
         tier, active = int(tier), np.asarray(active)
@@ -78,7 +82,12 @@ def test_choose_is_the_best_ratio_and_prefix_closed():
             base = np.interp(n_live + m, tok, sec)
             c = np.maximum(base + float(cost.per_context) * (ctx_sum - n_live * 12.0), 0.01 * base)
             c = c + (np.float32(switch) if current not in (None, t) else 0.0)  # a change of tier
-            ratio = np.where(m <= n_live * size, (n_live + gain) / c, -np.inf)
+            tokens = n_live + gain
+            if replan > 1:  # the replan - 1 steps of the tier's fixed program after this one: every node
+                f = float(cost.fixed[t])
+                c = c + (replan - 1) * max(f + float(cost.per_context) * (ctx_sum - n_live * 12.0), 0.01 * f)
+                tokens = tokens + (replan - 1) * (n_live + gain[-1])
+            ratio = np.where(m <= n_live * size, tokens / c, -np.inf)
             best.append((ratio.max(), int(ratio.argmax())))
         want_tier = int(np.argmax([r for r, _ in best]))
         assert tier == want_tier, trial
@@ -156,8 +165,9 @@ def test_auto_planning_every_third_step_is_lossless(model, tiers, slope):
     """replan 3: a planned step, then up to two steps of the planned tier's fixed program (its every node): exactly
     the AR tokens, and the histogram shows the two kinds of step."""
     cfg, params, drafter, ar = model
+    fixed = [0.01] * len(tiers)  # the fixed steps between plans cheap: a planned step's nodes must pay for themselves
     out = kj.generate(params, cfg, PROMPTS, max_new_tokens=24, method="ddtree", drafter=drafter, budget="auto",
-                      max_budget=16, tiers=tiers, cost_model=_cost(tiers, len(PROMPTS), slope, 0.1, replan=3))
+                      max_budget=16, tiers=tiers, cost_model=_cost(tiers, len(PROMPTS), slope, 0.1, 3, fixed))
     assert out.tokens == ar
     h = out.stats["nodes_histogram"]  # bins up to the largest count seen
     hist = np.zeros(17, int)
@@ -181,6 +191,32 @@ def test_choose_replan():
         CostModel.from_points((4,), 1, [[(1, 1.0)]], replan=0)
     policy = BudgetPolicy.choosing(_cost((4, 8), 1, 0.0, replan=5))
     assert policy.replan == 5 and policy.forced(0, 4).replan == 1 and policy.alternating(8).replan == 1
+
+
+def test_choice_between_plans_weighs_the_fixed_programs():
+    """Planned steps of both tiers cost the same, so planning every step takes the larger tier (it gains more); the
+    larger tier's fixed program costs 3x the smaller's, so with a plan every 4th step (3 fixed steps after each) the
+    smaller tier wins."""
+    b, n = 2, 8
+    logits, tree = _random_tree(b, n, 3, 7, 5)
+    scores = node_scores(logits, tree.tokens, tree.depths, tree.visibility)
+    live, ctx = jnp.array([True, True]), jnp.zeros(2)
+    pts = [[(1, 1.0), (100, 1.0)]] * 2
+    for replan, want in ((1, 1), (4, 0)):
+        cost = CostModel.from_points((4, 8), b, pts, replan=replan, fixed=(1.0, 3.0))
+        tier, active = BudgetPolicy.choosing(cost).choose(scores, tree.visibility, live, ctx)
+        assert int(tier) == want, replan
+        if want == 1:
+            assert np.asarray(active)[:, 1:].sum() == 2 * n  # equal costs: every node is worth verifying
+    np.testing.assert_allclose(np.asarray(_cost((4, 8), b, 1e-3).fixed), [1.009, 1.117], rtol=1e-5)  # every node
+    for bad in ((1.0,), (1.0, 0.0), (1.0, float("nan"))):
+        with pytest.raises(ValueError, match="fixed must hold 2"):
+            CostModel.from_points((4, 8), b, pts, fixed=bad)
+    record = bud.cost_record(CostModel.from_points((4, 8), b, pts, replan=4, fixed=(1.0, 3.0)), {})
+    back = bud.from_record(json.loads(json.dumps(record)), b)
+    assert back.replan == 4 and np.asarray(back.fixed).tolist() == [1.0, 3.0]
+    old = {k: v for k, v in record.items() if k not in ("fixed", "replan", "switch")}  # a file of an older version
+    assert bud.from_record(old, b).replan == 1 and np.asarray(bud.from_record(old, b).fixed).tolist() == [1.0, 1.0]
 
 
 def test_auto_with_partial_acceptance_is_lossless(model):
@@ -296,6 +332,10 @@ def test_calibration_is_measured_once_and_reused(model, tmp_path, monkeypatch):
     data = json.loads(files[0].read_text())
     assert data["tiers"] == [4, 8] and data["batch"] == 2 and len(data["points"]) == 2
     assert data["replan"] == cost.replan >= 1 and "plan_seconds" in data["meta"] and data["meta"]["fixed_seconds"] > 0
+    assert len(data["fixed"]) == 2 and all(f > 0 for f in data["fixed"])
+    if cost.replan > 1:  # the fixed programs were timed: the smallest is the plan's reference
+        assert data["fixed"][0] == pytest.approx(data["meta"]["fixed_seconds"], rel=1e-6)
+        assert sum("calibrating" in line and "fixed budget" in line for line in logs) == 2
     for pts in cost.points():  # non-decreasing in tokens and seconds, positive
         assert all(a[0] <= b[0] and 0 < a[1] <= b[1] for a, b in zip(pts, pts[1:]))
     monkeypatch.setattr(bud, "calibrate", lambda *a, **k: pytest.fail("measured again"))
