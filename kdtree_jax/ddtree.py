@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .budget_policy import BudgetPolicy, node_scores
+from .budget_policy import BudgetPolicy, node_scores, reliability_counts
 from .config import ModelConfig
 from .decoding import Committed, DecodeState, Sampler, nonfinite_rows
 from .drafter import DrafterProtocol
@@ -182,8 +182,9 @@ class Speculative:
             tree = self.build(cfg, draft_logits, s.last)
         with jax.named_scope("choose_budget"):
             scores = node_scores(draft_logits, tree.tokens, tree.depths, tree.visibility)
-            tier, active = self.policy.choose(scores, tree.visibility, ~s.done, s.cache.lengths, current)
-        return tier, _Plan(tree, active)
+            tier, active = self.policy.choose(scores, tree.visibility, ~s.done, s.cache.lengths, current,
+                                              s.reliability)
+        return tier, _Plan(tree, active, scores)
 
     def step(self, params, cfg, s: DecodeState, key, sampler: Sampler, plan=None) -> Committed:
         """draft -> build -> verify -> accept -> keep, for every row. With a budget policy (auto), `plan` is
@@ -235,12 +236,14 @@ class Speculative:
         root = jnp.arange(n)[None, :] == 0
         with jax.named_scope("accept"):
             path = accept(cfg, tree._replace(tokens=jnp.where(active | root, tree.tokens, -1)), target, min(n, width))
+        accepted = jnp.any(path.nodes[:, :, None] == jnp.arange(n)[None, None, :], axis=1)  # [B, n]
         path = _padded(path, width)
         with jax.named_scope("compact"):
             cache, draft = self.keep(cfg, res, s.draft, s.cache.lengths, path)
         return Committed(tokens=path.tokens, count=path.length, cache=cache, draft=draft,
                          nonfinite=nonfinite_rows(res.logits, active),
-                         nodes=jnp.sum(active[:, 1:], axis=1, dtype=jnp.int32))
+                         nodes=jnp.sum(active[:, 1:], axis=1, dtype=jnp.int32),
+                         reliability=reliability_counts(plan.scores[:, :n], active, accepted))
 
 
 def _padded(path: Path, width: int) -> Path:
@@ -255,6 +258,7 @@ class _Plan(NamedTuple):
 
     tree: DraftTree
     active: jax.Array  # bool [B, N+1]  prefix-closed per row, within the tier's first nodes; root: live rows
+    scores: jax.Array  # f32 [B, N+1]   the nodes' log path probabilities under the draft (`node_scores`)
 
 
 def speculative(cfg: ModelConfig, method: str, drafter, budget, policy: BudgetPolicy | None = None) -> Speculative:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .budget_policy import RELIABILITY_BINS
 from .config import ModelConfig
 from .distributed import to_host
 from .model import KVCache, Params, init_cache, prefill_last, pytree_dataclass, step
@@ -246,6 +247,8 @@ class DecodeState:
     accepted: jax.Array  # int32 [B, K + 1]  histogram: steps of row b that committed i tokens (K: most per step)
     nonfinite: jax.Array  # bool [B]    the target gave this row a NaN or inf logit (an error, not token 0)
     nodes: jax.Array  # int32 [B, N + 1]   histogram: steps of row b that verified i draft nodes (N: the method's most)
+    reliability: jax.Array  # f32 [B, 2, K]  budget="auto": per bin of path probability, the drafter's predicted and
+    # the target's accepted nodes of row b so far (`budget_policy.reliability_counts`); zeros for other methods
 
 
 class Committed(NamedTuple):
@@ -257,6 +260,7 @@ class Committed(NamedTuple):
     draft: Any  # the method's new state
     nonfinite: jax.Array  # bool [B]   the target's logits of the row held a NaN or an inf
     nodes: jax.Array | None = None  # int32 [B]  draft nodes the target verified for the row (None: all of them)
+    reliability: jax.Array | None = None  # f32 [B, 2, K]  this step's `reliability_counts` (None: none)
 
 
 class Method(Protocol):
@@ -327,7 +331,13 @@ def initial_state(method: Method, params, cfg: ModelConfig, tokens, lengths, key
     return DecodeState(cache=cache, draft=draft, out=out, num_out=num_out, done=done, last=first, key=key,
                        eos_id=jnp.asarray(eos_id, jnp.int32), steps=jnp.zeros((), jnp.int32),
                        accepted=jnp.zeros((b, method.tokens_per_step + 1), jnp.int32),
-                       nonfinite=nonfinite_rows(last_logits), nodes=jnp.zeros((b, method.max_nodes + 1), jnp.int32))
+                       nonfinite=nonfinite_rows(last_logits), nodes=jnp.zeros((b, method.max_nodes + 1), jnp.int32),
+                       reliability=no_reliability(b))
+
+
+def no_reliability(batch: int) -> jax.Array:
+    """DecodeState.reliability before any step: nothing predicted, nothing accepted."""
+    return jnp.zeros((batch, 2, RELIABILITY_BINS), jnp.float32)
 
 
 def loop_step(method: Method, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler, plan=None) -> DecodeState:
@@ -346,7 +356,9 @@ def loop_step(method: Method, params, cfg: ModelConfig, s: DecodeState, sampler:
                        key=key, eos_id=s.eos_id, steps=s.steps + 1,
                        accepted=s.accepted.at[rows, c.count].add(active.astype(jnp.int32)),
                        nonfinite=s.nonfinite | (active & c.nonfinite),
-                       nodes=s.nodes.at[rows, nodes].add(active.astype(jnp.int32)))
+                       nodes=s.nodes.at[rows, nodes].add(active.astype(jnp.int32)),
+                       reliability=s.reliability if c.reliability is None else
+                       s.reliability + jnp.where(active[:, None, None], c.reliability, 0.0))
 
 
 def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, until, sampler) -> DecodeState:
@@ -490,11 +502,15 @@ def _histogram(counts: np.ndarray) -> tuple[float, list[int]]:
 def step_stats(state: DecodeState) -> dict:
     """steps, tau (tokens committed per row and step, the bonus included) and tau_histogram of a loop state; nodes
     (draft nodes verified per row and step) and nodes_histogram (for budget="auto": how often each budget was
-    chosen)."""
+    chosen); draft_reliability (budget="auto", planned steps: per bin k of path probability, 2^-(k+1) < p <= 2^-k,
+    the acceptances the drafter predicted and the nodes the target accepted; zeros for other methods)."""
     tau, tau_hist = _histogram(to_host(state.accepted))
     nodes, nodes_hist = _histogram(to_host(state.nodes))
+    rel = to_host(state.reliability).sum(axis=0)
     return {"steps": int(to_host(state.steps)), "tau": tau, "tau_histogram": tau_hist, "nodes": nodes,
-            "nodes_histogram": nodes_hist}
+            "nodes_histogram": nodes_hist,
+            "draft_reliability": {"predicted": [round(float(v), 4) for v in rel[0]],
+                                  "accepted": [round(float(v), 4) for v in rel[1]]}}
 
 
 def finish(state: DecodeState, timing: dict, method: str, budget: int | None) -> GenerateOutput:

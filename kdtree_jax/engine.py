@@ -43,7 +43,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .ddtree import Speculative
-from .decoding import DecodeState, Method, Sampler, commit, initial_state, prepare, run_steps
+from .decoding import DecodeState, Method, Sampler, commit, initial_state, no_reliability, prepare, run_steps
 from .generate import make_method
 from .model import init_cache
 from .sharding import trace_context
@@ -181,7 +181,8 @@ def _empty_state(method: Method, cfg: ModelConfig, key, *, batch: int, cache_len
                        done=jnp.ones((batch,), bool), last=jnp.zeros((batch,), jnp.int32), key=key,
                        eos_id=jnp.full((batch, 1), -1, jnp.int32), steps=jnp.zeros((), jnp.int32),
                        accepted=jnp.zeros((batch, method.tokens_per_step + 1), jnp.int32),
-                       nonfinite=jnp.zeros((batch,), bool), nodes=jnp.zeros((batch, method.max_nodes + 1), jnp.int32))
+                       nonfinite=jnp.zeros((batch,), bool), nodes=jnp.zeros((batch, method.max_nodes + 1), jnp.int32),
+                       reliability=no_reliability(batch))
 
 
 _empty_state_jit = jax.jit(_empty_state, static_argnames=("cfg", "batch", "cache_len"))

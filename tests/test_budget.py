@@ -14,7 +14,8 @@ import kdtree_jax as kj
 from conftest import filtered_probs, rel_err
 from kdtree_jax import budget as bud
 from kdtree_jax.budget import BudgetPolicy, CostModel
-from kdtree_jax.budget_policy import node_scores
+from kdtree_jax.budget_policy import (RELIABILITY_BINS, RELIABILITY_PRIOR, node_scores, reliability, reliability_bin,
+                                      reliability_counts)
 from kdtree_jax.ddtree import ddtree_tree, speculative
 from kdtree_jax.decoding import Sampler, advance, start
 from kdtree_jax.drafter import OracleDrafter
@@ -371,3 +372,59 @@ def test_bad_cost_points_are_clear_errors():
         CostModel.from_points((4, 8), 1, [[(1, 1.0)]])
     dips = CostModel.from_points((4,), 1, [[(1, 2.0), (5, 1.0), (9, 3.0)]])  # noise: never cheaper with more
     np.testing.assert_allclose(np.asarray(dips.seconds)[0], [1.5, 1.5, 3.0])  # the closest non-decreasing curve
+
+
+def test_reliability_counts_and_bins_equal_numpy():
+    rng = np.random.default_rng(11)
+    b, n = 3, 20
+    scores = np.concatenate([np.zeros((b, 1)), -rng.exponential(3.0, (b, n))], axis=1).astype(np.float32)
+    scores[0, 1:4] = [0.0, np.log(0.5), np.log(0.25)]  # bin edges: p = 1, 1/2, 1/4 -> bins 0, 1, 2
+    verified, accepted = rng.random((b, n + 1)) < 0.7, rng.random((b, n + 1)) < 0.3
+    got = np.asarray(reliability_counts(jnp.asarray(scores), jnp.asarray(verified), jnp.asarray(accepted)))
+    p = np.exp(scores[:, 1:].astype(np.float64))
+    k = np.clip(np.floor(-np.log2(p)), 0, RELIABILITY_BINS - 1).astype(int)
+    assert k[0, :3].tolist() == [0, 1, 2] and np.asarray(reliability_bin(jnp.asarray(p[0, :3]))).tolist() == [0, 1, 2]
+    want = np.zeros((b, 2, RELIABILITY_BINS))
+    for r in range(b):
+        for i in range(n):
+            if verified[r, i + 1]:
+                want[r, 0, k[r, i]] += p[r, i]
+                want[r, 1, k[r, i]] += accepted[r, i + 1]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    rel = np.asarray(reliability(jnp.asarray(got)))
+    total = want.sum(axis=0)
+    np.testing.assert_allclose(rel, (total[1] + RELIABILITY_PRIOR) / (total[0] + RELIABILITY_PRIOR), rtol=1e-5)
+    assert np.all(np.asarray(reliability(jnp.zeros((b, 2, RELIABILITY_BINS)))) == 1.0)  # nothing seen: the drafter
+
+
+def test_choice_with_reliability():
+    """A drafter the target bears out half as often as it predicts (every bin): the choice is the one for
+    probabilities halved; one it never bears out: no node is worth a cost that grows with the nodes."""
+    b, n = 2, 12
+    logits, tree = _random_tree(b, n, 4, 9, 3)
+    scores = node_scores(logits, tree.tokens, tree.depths, tree.visibility)
+    live, ctx = jnp.array([True, True]), jnp.zeros(2)
+    policy = BudgetPolicy.choosing(_cost((4, 12), b, 0.002))
+    half = jnp.broadcast_to(jnp.stack([jnp.full(RELIABILITY_BINS, 2e6), jnp.full(RELIABILITY_BINS, 1e6)]),
+                            (b, 2, RELIABILITY_BINS))
+    tier, active = policy.choose(scores, tree.visibility, live, ctx, counts=half)
+    tier2, active2 = policy.choose(scores + jnp.log(0.5) * (jnp.arange(n + 1) > 0), tree.visibility, live, ctx)
+    assert int(tier) == int(tier2) and np.asarray(active).sum() == np.asarray(active2).sum()
+    plain = np.asarray(policy.choose(scores, tree.visibility, live, ctx)[1]).sum()
+    assert np.asarray(active).sum() <= plain  # less trust, no more nodes
+    never = half.at[:, 1].set(0.0)
+    _, active = policy.choose(scores, tree.visibility, live, ctx, counts=never)
+    assert np.asarray(active).tolist() == [[True] + [False] * n] * b  # the roots alone
+
+
+def test_auto_reports_the_drafters_reliability(model):
+    cfg, params, drafter, ar = model
+    out = kj.generate(params, cfg, PROMPTS, max_new_tokens=24, method="ddtree", drafter=OracleDrafter(8, 4.0, 4.0),
+                      budget="auto", max_budget=16, cost_model=_cost(bud.default_tiers(16), len(PROMPTS), 0.001))
+    assert out.tokens == ar
+    rel = out.stats["draft_reliability"]
+    assert len(rel["predicted"]) == len(rel["accepted"]) == RELIABILITY_BINS and sum(rel["predicted"]) > 0
+    accepted_nodes = sum(n * c for n, c in enumerate(out.stats["tau_histogram"])) - sum(out.stats["tau_histogram"])
+    assert 0 < sum(rel["accepted"]) <= accepted_nodes  # planned steps only (every step here: replan 1)
+    fixed = kj.generate(params, cfg, PROMPTS, max_new_tokens=24, method="ddtree", drafter=drafter, budget=8)
+    assert sum(fixed.stats["draft_reliability"]["predicted"]) == 0  # a fixed budget keeps none

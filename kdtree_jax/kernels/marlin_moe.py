@@ -28,7 +28,8 @@ picks the path, by M at trace time (`choose_block_m`):
 - tile path (block_m 64, 128; M >= TILE_MIN_M; D a multiple of 256, F of 128, group 32): a block owns up to
   block_m slots of one expert and 128 rows of gate and up (256 of down), so every dequantized weight tile serves
   all of the expert's slots (up to block_m) at once; wgmma with the weights from registers and the slots from
-  shared memory.
+  shared memory. With FLAG_TILE, block_m 16 or 32 runs it too, in narrow tiles (at most 32 slots, two blocks per
+  SM): a variant for benchmarks and tests, not chosen by `choose_block_m` (not yet measured).
 
 The sorted slots, the block experts and the bf16 intermediates h [M k, F] and ys [M k, D] are extra outputs of the
 call (scratch; nothing in them needs clearing). Float32 activations and other shapes run a generic CUDA-core
