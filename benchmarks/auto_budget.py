@@ -294,7 +294,7 @@ def part_project(args, emb: dict, full: dict) -> dict:
         fixed = {f["budget"]: f["step_s"] for f in full["fixed"] if f["concurrency"] == c}
         entry = full["costs"][str(c)]
         cost = _cost_of(equal_step_costs(entry, fixed) if args.predict_equal_steps else entry, c, fixed)
-        for b in [b for b in FIXED if b in fixed] + ["auto"]:
+        for b in [b for b in FIXED if b in fixed and b in args.budgets] + ["auto"] * ("auto" in args.budgets):
             total, seconds, steps, hist = 0, 0.0, 0, 0
             for i in range(args.batches):
                 t, sec, st, h = _project_one(params, cfg, drafter, prompts[i * c:(i + 1) * c], args.new_tokens, b, cost,
@@ -433,7 +433,8 @@ def main() -> None:
                     help="fullscale, diagnose: k of the timed runs (fullscale: runs of 2k minus runs of k steps)")
     ap.add_argument("--concurrency", default="1,10", help="embedded, fullscale: the batch sizes (comma-separated)")
     ap.add_argument("--budgets", default=",".join(map(str, FIXED)) + ",auto",
-                    help="embedded: the ddtree budgets to run after ar (comma-separated; 'auto' included)")
+                    help="embedded: the ddtree budgets to run after ar; report: the projection's budgets "
+                         "(comma-separated; 'auto' included)")
     ap.add_argument("--costs", help="embedded: take auto's cost models from an earlier run's auto_budget_embedded.json "
                                     "(or a report's auto_budget.json) instead of calibrating")
     ap.add_argument("--step-repeats", type=int, default=2, help="fullscale, diagnose: timed runs per cell (median)")

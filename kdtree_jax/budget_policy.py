@@ -35,7 +35,6 @@ def choose_replan(plan_seconds: float, step_seconds: float) -> int:
 
 
 RELIABILITY_BINS = 16  # bins of a node's path probability p: bin k holds 2^-(k+1) < p <= 2^-k (the last, the rest)
-RELIABILITY_PRIOR = 1.0  # predicted acceptances a bin starts with, at the drafter's word (accepted = predicted)
 
 
 def reliability_bin(p: jax.Array) -> jax.Array:
@@ -53,14 +52,6 @@ def reliability_counts(scores: jax.Array, verified: jax.Array, accepted: jax.Arr
     predicted = jnp.sum(onehot * p[:, :, None], axis=1)
     hits = jnp.sum(onehot * accepted[:, 1:, None].astype(jnp.float32), axis=1)
     return jnp.stack([predicted, hits], axis=1)
-
-
-def reliability(counts: jax.Array) -> jax.Array:
-    """f32 [K]: accepted / predicted per bin over every row of counts [B, 2, K] (`reliability_counts` summed over
-    the steps so far), each bin starting at 1 with RELIABILITY_PRIOR predicted acceptances (so an unseen bin keeps
-    the drafter's probabilities)."""
-    total = jnp.sum(counts, axis=0)
-    return (total[1] + RELIABILITY_PRIOR) / (total[0] + RELIABILITY_PRIOR)
 
 
 def check_tiers(tiers, max_budget: int) -> tuple[int, ...]:
@@ -215,25 +206,19 @@ class BudgetPolicy:
         return self.cost.replan
 
     def choose(self, scores: jax.Array, visibility: jax.Array, live: jax.Array, context: jax.Array,
-               current: int | None = None, counts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+               current: int | None = None) -> tuple[jax.Array, jax.Array]:
         """(tier index int32 [], active bool [B, N+1]) for a tree of N nodes below the root: scores f32 [B, N+1] the
         nodes' log path probabilities (root first, non-increasing along every path), visibility bool [B, N+1, N+1]
         (ancestors), live bool [B] (rows still decoding: the others verify nothing), context int32 [B] (cached
         tokens), current: the tier index of the step before (static; None: none, no tier pays the switch). The
         active nodes of a row are prefix-closed and lie in the first tiers[tier] nodes. The choice maximizes
         expected tokens per second: with replan r > 1, over this step and the r - 1 steps of the tier's fixed
-        program after it (each expected to gain what the tier's whole tree would now, at `CostModel.fixed`).
-        counts f32 [B, 2, K] (`reliability_counts` of the steps so far; None: none): each node's p is scaled by its
-        bin's `reliability`, the rate at which the target has accepted such nodes against the drafter's word."""
+        program after it (each expected to gain what the tier's whole tree would now, at `CostModel.fixed`)."""
         b, n1 = scores.shape
         n = n1 - 1
         tiers = self.tiers
         idx = jnp.arange(n)
-        p = jnp.exp(scores)
-        if counts is not None:  # the drafter's probabilities as the target has borne them out so far, never above
-            p = jnp.minimum(p * reliability(counts)[reliability_bin(p)], 1.0)  # an ancestor's (prefix-closed sets)
-            p = jnp.minimum(p, jnp.min(jnp.where(visibility, p[:, None, :], 1.0), axis=2))
-        p = jnp.where(live[:, None], p[:, 1:], 0.0).reshape(-1)  # [B N]
+        p = jnp.where(live[:, None], jnp.exp(scores[:, 1:]), 0.0).reshape(-1)  # [B N]
         n_live = jnp.sum(live).astype(jnp.float32)
         ctx = jnp.sum(jnp.where(live, context, 0)).astype(jnp.float32)
         # one sort for every tier: a tier's m best nodes are its first m among all nodes by probability (ties:

@@ -182,8 +182,7 @@ class Speculative:
             tree = self.build(cfg, draft_logits, s.last)
         with jax.named_scope("choose_budget"):
             scores = node_scores(draft_logits, tree.tokens, tree.depths, tree.visibility)
-            tier, active = self.policy.choose(scores, tree.visibility, ~s.done, s.cache.lengths, current,
-                                              s.reliability)
+            tier, active = self.policy.choose(scores, tree.visibility, ~s.done, s.cache.lengths, current)
         return tier, _Plan(tree, active, scores)
 
     def step(self, params, cfg, s: DecodeState, key, sampler: Sampler, plan=None) -> Committed:

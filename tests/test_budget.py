@@ -14,8 +14,7 @@ import kdtree_jax as kj
 from conftest import filtered_probs, rel_err
 from kdtree_jax import budget as bud
 from kdtree_jax.budget import BudgetPolicy, CostModel
-from kdtree_jax.budget_policy import (RELIABILITY_BINS, RELIABILITY_PRIOR, node_scores, reliability, reliability_bin,
-                                      reliability_counts)
+from kdtree_jax.budget_policy import RELIABILITY_BINS, node_scores, reliability_bin, reliability_counts
 from kdtree_jax.ddtree import ddtree_tree, speculative
 from kdtree_jax.decoding import Sampler, advance, start
 from kdtree_jax.drafter import OracleDrafter
@@ -391,30 +390,6 @@ def test_reliability_counts_and_bins_equal_numpy():
                 want[r, 0, k[r, i]] += p[r, i]
                 want[r, 1, k[r, i]] += accepted[r, i + 1]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    rel = np.asarray(reliability(jnp.asarray(got)))
-    total = want.sum(axis=0)
-    np.testing.assert_allclose(rel, (total[1] + RELIABILITY_PRIOR) / (total[0] + RELIABILITY_PRIOR), rtol=1e-5)
-    assert np.all(np.asarray(reliability(jnp.zeros((b, 2, RELIABILITY_BINS)))) == 1.0)  # nothing seen: the drafter
-
-
-def test_choice_with_reliability():
-    """A drafter the target bears out half as often as it predicts (every bin): the choice is the one for
-    probabilities halved; one it never bears out: no node is worth a cost that grows with the nodes."""
-    b, n = 2, 12
-    logits, tree = _random_tree(b, n, 4, 9, 3)
-    scores = node_scores(logits, tree.tokens, tree.depths, tree.visibility)
-    live, ctx = jnp.array([True, True]), jnp.zeros(2)
-    policy = BudgetPolicy.choosing(_cost((4, 12), b, 0.002))
-    half = jnp.broadcast_to(jnp.stack([jnp.full(RELIABILITY_BINS, 2e6), jnp.full(RELIABILITY_BINS, 1e6)]),
-                            (b, 2, RELIABILITY_BINS))
-    tier, active = policy.choose(scores, tree.visibility, live, ctx, counts=half)
-    tier2, active2 = policy.choose(scores + jnp.log(0.5) * (jnp.arange(n + 1) > 0), tree.visibility, live, ctx)
-    assert int(tier) == int(tier2) and np.asarray(active).sum() == np.asarray(active2).sum()
-    plain = np.asarray(policy.choose(scores, tree.visibility, live, ctx)[1]).sum()
-    assert np.asarray(active).sum() <= plain  # less trust, no more nodes
-    never = half.at[:, 1].set(0.0)
-    _, active = policy.choose(scores, tree.visibility, live, ctx, counts=never)
-    assert np.asarray(active).tolist() == [[True] + [False] * n] * b  # the roots alone
 
 
 def test_auto_reports_the_drafters_reliability(model):
