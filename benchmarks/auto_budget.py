@@ -254,7 +254,8 @@ def equal_step_costs(entry: dict, fixed: dict) -> dict:
 
 
 def _project_one(params, cfg, drafter, prompts, new_tokens: int, budget, cost, fixed_s):
-    """(tokens, seconds, steps, node histogram) of one batch of prompts decoded greedily to the end."""
+    """(tokens, seconds, steps, node histogram) of one batch of prompts decoded greedily to the end; auto runs a
+    window (a planned step and the replan - 1 fixed steps after it) per call, as the loop runs them."""
     from kdtree_jax.decoding import advance, start
     from kdtree_jax.generate import _request, _start_args
 
@@ -264,20 +265,28 @@ def _project_one(params, cfg, drafter, prompts, new_tokens: int, budget, cost, f
     a, static = _start_args(m, params, cfg, req, 0)
     state = start(*a, **static)
     seconds, hist, last_tier = 0.0, np.zeros_like(np.asarray(state.nodes)), None
+    window = cost.replan if budget == "auto" else 1  # a call runs one planned step and the fixed steps after it
     while not bool(np.all(np.asarray(state.done))):
-        live = ~np.asarray(state.done)
-        state = advance(m, params, cfg, state, state.steps + 1, sampler=req.sampler)
+        live, before = ~np.asarray(state.done), int(state.steps)
+        state = advance(m, params, cfg, state, state.steps + window, sampler=req.sampler)
         now = np.asarray(state.nodes)
-        nodes = np.argmax(now - hist, axis=1)  # the bin each live row's step landed in
-        hist = now
-        if budget == "auto":
-            m_tok = float(np.sum(1 + nodes[live]))
-            tier = next(i for i, t in enumerate(cost.tiers) if t >= nodes[live].max())
-            seconds += float(np.interp(m_tok, np.asarray(cost.tokens[tier]), np.asarray(cost.seconds[tier])))
-            seconds += float(cost.switch) if last_tier not in (None, tier) else 0.0
-            last_tier = tier
-        else:
-            seconds += fixed_s
+        diff, hist = now - hist, now  # [B, N + 1]: the window's steps of each row by the nodes they verified
+        k = int(state.steps) - before
+        if budget != "auto":
+            seconds += k * fixed_s
+            continue
+        counts = np.arange(diff.shape[1])
+        top = int(max(counts[diff[r] > 0].max() for r in np.flatnonzero(live)))
+        # the fixed steps after a plan verify their tier's whole tree, so a window of several steps names its tier;
+        # a single (planned) step is costed at the smallest tier that holds its nodes
+        tier = next(i for i, t in enumerate(cost.tiers) if t >= top)
+        row_steps, row_nodes = diff.sum(axis=1), (diff * counts).sum(axis=1)
+        planned = np.where(live, row_nodes - np.maximum(row_steps - 1, 0) * cost.tiers[tier], 0)  # the planned step
+        m_tok = float(np.sum(live) + np.sum(np.maximum(planned, 0)))
+        seconds += float(np.interp(m_tok, np.asarray(cost.tokens[tier]), np.asarray(cost.seconds[tier])))
+        seconds += (k - 1) * float(cost.fixed[tier])  # the fixed programs run every row, live or not
+        seconds += float(cost.switch) if last_tier not in (None, tier) else 0.0
+        last_tier = tier
     return int(np.asarray(state.num_out).sum()), seconds, int(state.steps), hist.sum(axis=0)
 
 
@@ -360,8 +369,9 @@ def report(args) -> None:
         lines += [f"## Projection: the embedded model's acceptance at the full-scale step times (acceptance run on "
                   f"{pm['device']}, {pm['date']}, commit {pm['commit']})", "",
                   "Fixed b: the embedded model's steps at budget b x the full-scale step of b. Auto: the embedded "
-                  "model decoding with the full-scale cost model, each step costed at the nodes it verified (and the "
-                  "switch term where its tier changed). A "
+                  "model decoding with the full-scale cost model, each planned step costed at the nodes it verified "
+                  "(and the switch term where its tier changed), each step between plans (replan > 1) at its tier's "
+                  "fixed program. A "
                   "projection: collectives excluded, the context held at 4,096. "
                   f"Each cell decodes {pm.get('batches', 1)} batch(es) of C held-out prompts, one after another."]
         if pm.get("predict_equal_steps"):
