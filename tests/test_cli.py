@@ -7,7 +7,7 @@ from kdtree_jax.cli import DEFAULT_PROMPT, main, parse_mesh, stats_line
 
 # generate's stats, the same for every method and for the CLI's streamed ar (README "Stats")
 _STATS_KEYS = {"method", "budget", "new_tokens", "steps", "tau", "tau_histogram", "nodes", "nodes_histogram",
-               "compile_s", "wall_s", "tokens_per_s"}
+               "draft_reliability", "compile_s", "wall_s", "tokens_per_s"}
 
 
 @pytest.mark.parametrize("method, prompt, sampling", [("ar", None, []), ("ddtree", "import os\n", []),
