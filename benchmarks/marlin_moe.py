@@ -118,12 +118,12 @@ def baseline_call(x, ids, weights, we_gate, we_up, we_down):
 
 
 def variant_fn(name: str, m: int, e: int):
-    """(callable(x, ids, w, gate, up, down) -> out, block_m) of a variant, for M tokens and e (local) experts of the
+    """(callable(x, ids, w, gate, up, down) -> out, block_m, path "stream" / "tile") of a variant, for M tokens and e (local) experts of the
     model's E: called as the model calls it (experts_total=E, the block size from the whole routing's density)."""
     mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")  # (the package re-exports the function's name)
 
     if name == "before":
-        return baseline_call, mm.block_size(m, TOPK, e)
+        return baseline_call, mm.block_size(m, TOPK, e), "stream"
     base, *mods = name.split("+")
     flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "serial": mm.FLAG_SERIAL, "deep": mm.FLAG_DEEP}[x]
                 for x in mods)
@@ -132,10 +132,13 @@ def variant_fn(name: str, m: int, e: int):
     bm = {"after": None, "stream": mm.block_size(m, TOPK, E), "tile16": 16, "tile32": 32, "tile64": 64,
           "tile128": 128,
           "local": mm.choose_block_m(m, TOPK, e, True)}[base]  # local: the block size chosen by e (before 2026-12-01)
-    shown = bm or mm.choose_block_m(m, TOPK, E, True)
+    chosen_bm, chosen_flags = mm.choose_path(m, TOPK, E if base == "after" else e, True)
+    shown = bm or chosen_bm
     if base in ("after", "local"):  # the defaults (path, block_m, flags), plus any flags named
-        flags = None if not mods else flags | (mm.TILE_FLAGS if shown in mm.TILE_BLOCKS else mm.STREAM_FLAGS)
-    return (lambda *a: mm.marlin_moe(*a, block_m=bm, flags=flags, experts_total=E)), shown
+        flags = None if not mods else flags | chosen_flags
+    used = chosen_flags if flags is None else flags
+    path = "tile" if shown in mm.TILE_BLOCKS or (shown in mm.NARROW_TILE_BLOCKS and used & mm.FLAG_TILE) else "stream"
+    return (lambda *a: mm.marlin_moe(*a, block_m=bm, flags=flags, experts_total=E)), shown, path
 
 
 def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with_xla: bool) -> list[dict]:
@@ -157,7 +160,7 @@ def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with
         except jax.errors.JaxRuntimeError as e:  # out of memory: it dequantizes every expert per call
             print(f"XLA reference failed at M={m}: {str(e).splitlines()[0][:160]}", flush=True)
     for name in variants:
-        fn, bm = variant_fn(name, m, local or E)
+        fn, bm, path = variant_fn(name, m, local or E)
         ker = jax.jit(lambda st, ex, fn=fn: [fn(*a, *ex) for a in st])
         try:
             ker_s, ker_out = timed(ker, (sets, weights), len(sets), min_batch=0.05, samples=5)
@@ -165,7 +168,7 @@ def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with
             print(f"{shape} M={m} {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
             continue
         outs[name] = np.asarray(ker_out[0], np.float32)
-        rows.append(dict(shape=shape, m=m, variant=name, time_s=ker_s, block_m=bm))
+        rows.append(dict(shape=shape, m=m, variant=name, time_s=ker_s, block_m=bm, path=path))
     want = outs.get("after", outs.get("xla"))
     for r in rows:
         r.update(touched=statistics.mean(touched), routed=statistics.mean(routed), floor_s=floor,
@@ -214,7 +217,7 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], sweep=None) -> None
             e_ab = "-" if b is None or b.get("rel_err") is None else f"{b['rel_err']:.1e}"
             lines.append(f"| {m:,} | {ref['touched']:.1f} | {us(ref['floor_s'])} | {us(ref['flops_floor_s'])} | "
                          f"{us(b and b['time_s'])} | {pct(b)} | {us(a and a['time_s'])} | {pct(a)} | "
-                         f"{us(a and a['time_s'] / m)} | {speed} | {a['block_m'] if a else '-'} | {e_ab} |")
+                         f"{us(a and a['time_s'] / m)} | {speed} | {(str(a['block_m']) + ' ' + a.get('path', '')).strip() if a else '-'} | {e_ab} |")
         others = sorted({r["variant"] for r in sr} - {"after", "before"})
         if others:
             lines += ["", f"Other variants ({titles[shape]}): time µs (% of floor; rel err vs after)", "",
@@ -348,7 +351,7 @@ def main() -> None:
             for r in got:
                 print(f"{shape} M={m} {r['variant']:>14}: {r['time_s'] * 1e6:10,.1f} us "
                       f"({100 * r['floor_s'] / r['time_s']:3.0f}% of floor {r['floor_s'] * 1e6:,.0f} us, FLOPs floor "
-                      f"{r['flops_floor_s'] * 1e6:,.0f} us) block_m {r['block_m']} err {r['rel_err']}", flush=True)
+                      f"{r['flops_floor_s'] * 1e6:,.0f} us) block_m {r['block_m']} {r.get('path', '')} err {r['rel_err']}", flush=True)
             write_report(args.out, meta, rows)  # partial results survive a timeout
         del weights
     write_report(args.out, meta, rows)

@@ -6,6 +6,7 @@ kernels, K2-sized experts included, against float64, the CPU kernel and the refe
 
 import dataclasses
 import importlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +15,9 @@ import pytest
 
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
-from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_L2_256, FLAG_SERIAL, FLAG_SYNC, FLAG_TILE, TILE_128_MIN_M,
-                                           TILE_MIN_M,
-                                           _cuda_call, block_size, choose_block_m, marlin_moe, marlin_moe_ref,
+from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_L2_256, FLAG_SERIAL, FLAG_SYNC, FLAG_TILE, NARROW_SLOTS,
+                                           STREAM_FLAGS, TILE_128_MIN_M, TILE_FLAGS, TILE_MIN_M, _cuda_call,
+                                           block_size, choose_block_m, choose_path, marlin_moe, marlin_moe_ref,
                                            max_blocks, moe_align, moe_experts_ref, tile_eligible)
 from kdtree_jax.model import forward
 from kdtree_jax.quant import Int4Array, quantize_int4, unpack_int4
@@ -133,17 +134,33 @@ def test_block_size_and_bound():
     assert max_blocks(32768, 384, 32) == (32768 + 384 * 31) // 32
 
 
-def test_choose_block_m_picks_the_path_by_m():
-    """The stream path's block_size below TILE_MIN_M tokens, the tile path's 64 and then 128 slots above, where the
-    shapes allow the tile path (bf16, D % 256, F % 128, group 32)."""
+def test_choose_path_by_slots_per_expert_and_m():
+    """The stream path's block_size below the narrow tiles' range of slots per expert (M k / E), the tile path's
+    narrow 32-slot tiles (FLAG_TILE) inside it, the 64-slot tiles from TILE_MIN_M tokens past it and 128 from
+    TILE_128_MIN_M, where the shapes allow the tile path (bf16, D % 256, F % 128, group 32); e is the model's
+    experts, so a shard's call picks what the whole model's density picks."""
     assert tile_eligible(7168, 2048, 32, 32, jnp.bfloat16) and tile_eligible(256, 128, 32, 32, jnp.bfloat16)
     assert not tile_eligible(7168, 2048, 32, 32, jnp.float32) and not tile_eligible(128, 128, 32, 32, jnp.bfloat16)
     assert not tile_eligible(7168, 2048, 64, 32, jnp.bfloat16) and not tile_eligible(256, 64, 32, 32, jnp.bfloat16)
-    for m in (1, 16, 64, TILE_MIN_M - 1):
+    lo, hi = NARROW_SLOTS
+    first, last = math.ceil(lo * 384 / 8), math.floor(hi * 384 / 8)  # K2: top-8 of 384 -> M = 384 .. 1,152
+    assert (first, last) == (384, 1152)
+    for m in (1, 16, 64, 256, first - 1):
+        assert choose_path(m, 8, 384, True) == (block_size(m, 8, 384), STREAM_FLAGS)
         assert choose_block_m(m, 8, 384, True) == block_size(m, 8, 384)
-    assert choose_block_m(TILE_MIN_M, 8, 384, True) == 64 and choose_block_m(TILE_128_MIN_M - 1, 8, 48, True) == 64
-    assert choose_block_m(TILE_128_MIN_M, 8, 384, True) == 128 and choose_block_m(8192, 8, 384, True) == 128
+    for m in (first, 512, 1024, last):
+        assert choose_path(m, 8, 384, True) == (32, TILE_FLAGS | FLAG_TILE)
+        assert choose_path(m, 8, 384, False) == (block_size(m, 8, 384), STREAM_FLAGS)  # no tile path: stream
+    assert choose_path(last + 1, 8, 384, True) == (64, TILE_FLAGS)
+    assert choose_path(TILE_128_MIN_M - 1, 8, 384, True) == (64, TILE_FLAGS)
+    assert choose_path(TILE_128_MIN_M, 8, 384, True) == (128, TILE_FLAGS) == choose_path(8192, 8, 384, True)
+    assert choose_path(TILE_128_MIN_M, 8, 48 * 8 * 4, True)[0] == 128  # sparse routing, M large: wide tiles
     assert choose_block_m(4096, 8, 384, False) == block_size(4096, 8, 384) == 32
+    # sparse routing (fewer slots per expert than the narrow range) from TILE_MIN_M tokens: the 64-slot tiles
+    assert choose_path(TILE_MIN_M, 8, 1536, True) == (64, TILE_FLAGS)
+    assert choose_path(TILE_MIN_M - 1, 8, 1536, True) == (block_size(TILE_MIN_M - 1, 8, 1536), STREAM_FLAGS)
+    # a tiny config (top-2 of 8): the same density rule, and the narrow range never takes M past TILE_128_MIN_M
+    assert choose_path(32, 2, 8, True) == (32, TILE_FLAGS | FLAG_TILE) and choose_path(16, 2, 8, True) == (8, STREAM_FLAGS)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -239,8 +256,8 @@ def test_expert_parallel_shards_choose_the_block_size_of_the_whole_routing(monke
         pytest.skip("needs 8 devices")
     mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")  # (the package re-exports the function's name)
     seen = []
-    real = mm.choose_block_m
-    monkeypatch.setattr(mm, "choose_block_m", lambda m, k, e, ok: seen.append((m, k, e)) or real(m, k, e, ok))
+    real = mm.choose_path
+    monkeypatch.setattr(mm, "choose_path", lambda m, k, e, ok: seen.append((m, k, e)) or real(m, k, e, ok))
     cfg = kj.configs.tiny(kernels="ffi")
     mesh = kj.make_mesh(ep=4, dp=2)
     params = kj.init_params(cfg, jax.random.key(0), mesh=mesh)
@@ -378,7 +395,8 @@ K2_CASES = [
     (600, 8, 16, "uniform", None, FLAG_L2_256 | FLAG_DEEP),
     (1024, 8, 16, "uniform", 32, FLAG_TILE | FLAG_L2_256), (256, 8, 16, "few", 16, FLAG_TILE),
     (700, 8, 16, "one_expert", 32, FLAG_TILE), (300, 8, 16, "sentinel", 32, FLAG_TILE | FLAG_SYNC),
-]
+    (24, 8, 16, "uniform", None, None), (40, 8, 16, "few", None, FLAG_DEEP),  # 12 / 20 slots per expert: the
+]  # default path is the narrow tiles (`choose_path`)
 
 
 @pytest.fixture(scope="module")

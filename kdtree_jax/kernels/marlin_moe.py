@@ -50,6 +50,7 @@ TILE_BLOCKS = (64, 128)  # slots per tile of the tile path
 BLOCK_SIZES = STREAM_BLOCKS + TILE_BLOCKS
 TILE_MIN_M = 512  # tokens from which the tile path runs (where it is eligible); H200: the stream path is faster at 256
 TILE_128_MIN_M = 2048  # tokens from which its tiles hold 128 slots rather than 64
+NARROW_SLOTS = (8.0, 24.0)  # slots per expert (M k / E) where the tile path's narrow 32-slot tiles run by default
 TARGET = "kdtree_marlin_moe"
 IMPLS = ("ffi", "xla", "dense")
 
@@ -79,14 +80,24 @@ def tile_eligible(d: int, f: int, gate_group: int, down_group: int, dtype) -> bo
             and down_group == 32)
 
 
-def choose_block_m(m: int, k: int, e: int, tile_ok: bool) -> int:
-    """block_m (and so the CUDA path) for M tokens routed to k of e experts (e: all of the model's, also for one
+def choose_path(m: int, k: int, e: int, tile_ok: bool) -> tuple[int, int]:
+    """(block_m, flags) of the CUDA path for M tokens routed to k of e experts (e: all of the model's, also for one
     expert-parallel shard's call, whose slots of other shards' experts go nowhere: M k / e is the slots per expert
-    on every shard, M k / e_local would overstate it ep-fold): the tile path's 64 from TILE_MIN_M tokens and 128
-    from TILE_128_MIN_M where the shapes allow it, the stream path's `block_size` otherwise."""
+    on every shard, M k / e_local would overstate it ep-fold), where the shapes allow the tile path: its narrow
+    32-slot tiles while an average expert has NARROW_SLOTS slots (K2: M = 384 .. 1,152; H200, 2026-12-01: 1.19-1.26x
+    the 64-slot tiles and the stream path at M = 512 .. 1,024), else its 64 from TILE_MIN_M tokens and 128 from
+    TILE_128_MIN_M; the stream path's `block_size` otherwise."""
+    spe = m * k / max(e, 1)
+    if tile_ok and NARROW_SLOTS[0] <= spe <= NARROW_SLOTS[1] and m < TILE_128_MIN_M:
+        return 32, TILE_FLAGS | FLAG_TILE
     if tile_ok and m >= TILE_MIN_M:
-        return TILE_BLOCKS[1] if m >= TILE_128_MIN_M else TILE_BLOCKS[0]
-    return block_size(m, k, e)
+        return (TILE_BLOCKS[1] if m >= TILE_128_MIN_M else TILE_BLOCKS[0]), TILE_FLAGS
+    return block_size(m, k, e), STREAM_FLAGS
+
+
+def choose_block_m(m: int, k: int, e: int, tile_ok: bool) -> int:
+    """The block_m of `choose_path` (32 may be the stream path's or the narrow tiles': its flags tell)."""
+    return choose_path(m, k, e, tile_ok)[0]
 
 
 def max_blocks(slots: int, e: int, bm: int) -> int:
@@ -191,9 +202,10 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
 
     impl="ffi" runs the custom call (C++ on CPU, CUDA on GPU, the reference on other platforms); impl="xla" runs
     `marlin_moe_ref`, impl="dense" `moe_experts_dense` (`ModelConfig.impl` picks one). block_m overrides
-    `choose_block_m` on CUDA (benchmarks, tests): 8, 16 or 32 run the stream path, 64 or 128 the tile path (bf16,
-    D % 256 == 0, F % 128 == 0, group 32 only). flags: FLAG_* bits for benchmarks and tests (None: TILE_FLAGS or
-    STREAM_FLAGS). experts_total: the experts of the whole model when these E are one expert-parallel shard's (the
+    `choose_path` on CUDA (benchmarks, tests): 8, 16 or 32 run the stream path (16 or 32 with FLAG_TILE the tile
+    path's narrow tiles), 64 or 128 the tile path (bf16, D % 256 == 0, F % 128 == 0, group 32 only). flags: FLAG_*
+    bits for benchmarks and tests (None: the chosen path's; with block_m None, given flags replace the chosen
+    path's other bits, and the path stays the chosen one). experts_total: the experts of the whole model when these E are one expert-parallel shard's (the
     ids of the other shards' experts mapped to E): the M k slots spread over experts_total experts, of which a shard
     gets about M k / experts_total per expert, so the block size is chosen from that density (default: E). No host
     sync: usable under jit, vmap, shard_map and inside loops.
@@ -225,9 +237,12 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
     if m == 0 or k == 0:
         return jnp.zeros((m, d), x.dtype)
     _registry.register()
-    bm = block_m or choose_block_m(m, k, experts_total or e, tile_ok)
-    if flags is None:
-        flags = TILE_FLAGS if bm in TILE_BLOCKS else STREAM_FLAGS
+    if block_m is None:
+        bm, chosen = choose_path(m, k, experts_total or e, tile_ok)
+        flags = chosen if flags is None else flags | (chosen & FLAG_TILE)  # the chosen path, the given flags
+    else:
+        bm = block_m
+        flags = (TILE_FLAGS if bm in TILE_BLOCKS else STREAM_FLAGS) if flags is None else flags
 
     def cpu(*args):
         return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, d), x.dtype), vmap_method="sequential")(*args)
