@@ -20,6 +20,8 @@
     python benchmarks/auto_budget.py fullscale --small --out /tmp/x  # CPU smoke run of the full-scale part
     python benchmarks/auto_budget.py diagnose --profile --out DIR    # where a step's time goes: fixed 16 and 128,
                                                              # one-tier and two-tier auto forced, kernel profiles
+    python benchmarks/auto_budget.py overhead --costs DIR/auto_budget_embedded.json --concurrency 1 --budgets 16,auto
+                                                             # per call vs per step of generate (embedded model)
 """
 
 from __future__ import annotations
@@ -213,6 +215,50 @@ def part_diagnose(args) -> dict:
         print(f"--- {row['name']} minus fixed 16, per step (kernel, launches, us):", flush=True)
         for k, dn, dus in diff:
             print(f"    {k[:70]:70s} {dn:+8.1f} {dus:+9.1f}", flush=True)
+    return out
+
+
+def part_overhead(args) -> dict:
+    """What one `generate` call pays besides its steps, auto vs the fixed budgets, on the embedded model: the wall of
+    calls of several lengths (--lengths, median of --repeats) fitted as a + b x steps (a: per call, b: per step), and
+    a profile of one call of --new-tokens tokens per method (GPU busy, span, launches; the host events that differ
+    most). Auto takes its cost model from --costs (an auto_budget_embedded.json)."""
+    from profile_tools import profile_calls
+
+    model, params, cfg, drafter = _embedded(args)
+    out = dict(meta=dict(_meta(args), ffi_ops=args.ffi_ops), rows=[], fits=[], profiles=[])
+    data = json.load(open(args.costs))
+    for c in args.concurrency:
+        cost = bud.from_record((data["costs"] if "costs" in data else data["embedded"]["costs"])[str(c)], c)
+        prompts = _prompts(model.tokenizer, c, 128)
+        for b in args.budgets:
+            go = lambda n, b=b: kj.generate(params, cfg, prompts, max_new_tokens=n, method="ddtree", drafter=drafter,
+                                            budget=b, max_budget=MAX, cost_model=cost)
+            pts = []
+            for n in args.lengths:
+                go(n)
+                outs = [go(n) for _ in range(args.repeats)]
+                wall = statistics.median(o.stats["wall_s"] for o in outs)
+                pts.append((outs[0].stats["steps"], wall))
+                out["rows"].append(dict(concurrency=c, budget=b, new_tokens=n, steps=pts[-1][0], wall_s=wall,
+                                        tau=outs[0].stats["tau"]))
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            mx, my = statistics.mean(xs), statistics.mean(ys)
+            slope = sum((x - mx) * (y - my) for x, y in pts) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
+            fit = dict(concurrency=c, budget=b, per_call_s=my - slope * mx, per_step_s=slope, points=pts)
+            out["fits"].append(fit)
+            print(f"C={c} budget {b}: {1e3 * fit['per_call_s']:.2f} ms per call + {1e3 * slope:.3f} ms per step "
+                  f"({', '.join(f'{n} steps {1e3 * w:.1f} ms' for n, w in pts)})", flush=True)
+            prof = profile_calls(lambda _: go(args.new_tokens).tokens, (None,), 2)
+            launches = sum(n for n, _ in prof["kernels"].values())
+            host = sorted(prof["host"].items(), key=lambda kv: -kv[1][1])[:60]
+            out["profiles"].append(dict(concurrency=c, budget=b, busy_us=prof["busy_us"], span_us=prof["span_us"],
+                                        launches=launches, host=host))
+            print(f"    profile, {args.new_tokens} tokens: GPU busy {prof['busy_us'] / 1e3:.2f} ms, span "
+                  f"{prof['span_us'] / 1e3:.2f} ms, {launches:.0f} launches", flush=True)
+            for k, (n, us) in host[:30]:
+                print(f"      host {k[:80]:80s} {n:8.1f} {us / 1e3:8.2f} ms", flush=True)
+            _save(args.out, "overhead", out)
     return out
 
 
@@ -432,12 +478,13 @@ def _plot(out: str, emb, proj) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=("embedded", "fullscale", "diagnose", "report"))
+    ap.add_argument("part", choices=("embedded", "fullscale", "diagnose", "overhead", "report"))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
     ap.add_argument("--small", action="store_true", help="fullscale: a tiny config (CPU smoke run)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lengths", default="32,128,512", help="overhead: the new tokens of the fitted calls")
     ap.add_argument("--budget-s", type=float, default=1e9, help="fullscale: start no new cell after this many s")
     ap.add_argument("--steps", type=int, default=4,
                     help="fullscale, diagnose: k of the timed runs (fullscale: runs of 2k minus runs of k steps)")
@@ -460,6 +507,7 @@ def main() -> None:
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.budgets = [b if b == "auto" else int(b) for b in args.budgets.split(",")]
+    args.lengths = [int(n) for n in args.lengths.split(",")]
     if args.batches < 1:
         ap.error("--batches must be >= 1")
     if args.part == "embedded":
@@ -468,6 +516,10 @@ def main() -> None:
         part_fullscale(args)
     elif args.part == "diagnose":
         part_diagnose(args)
+    elif args.part == "overhead":
+        if not args.costs:
+            ap.error("overhead needs --costs (an auto_budget_embedded.json)")
+        part_overhead(args)
     else:
         report(args)
 
