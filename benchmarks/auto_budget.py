@@ -226,29 +226,38 @@ def part_overhead(args) -> dict:
     from profile_tools import profile_calls
 
     model, params, cfg, drafter = _embedded(args)
-    out = dict(meta=dict(_meta(args), ffi_ops=args.ffi_ops), rows=[], fits=[], profiles=[])
+    out = dict(meta=dict(_meta(args), ffi_ops=args.ffi_ops, xla_flags=os.environ.get("XLA_FLAGS", "")), rows=[],
+               fits=[], profiles=[])
     data = json.load(open(args.costs))
     for c in args.concurrency:
         cost = bud.from_record((data["costs"] if "costs" in data else data["embedded"]["costs"])[str(c)], c)
         prompts = _prompts(model.tokenizer, c, 128)
+        ar = {}
         for b in args.budgets:
-            go = lambda n, b=b: kj.generate(params, cfg, prompts, max_new_tokens=n, method="ddtree", drafter=drafter,
-                                            budget=b, max_budget=MAX, cost_model=cost)
+            go = lambda n, b=b: kj.generate(params, cfg, prompts, max_new_tokens=n, drafter=drafter,
+                                            method="ar" if b == "ar" else "ddtree", budget=64 if b == "ar" else b,
+                                            max_budget=MAX, cost_model=cost)
             pts = []
             for n in args.lengths:
                 go(n)
                 outs = [go(n) for _ in range(args.repeats)]
                 wall = statistics.median(o.stats["wall_s"] for o in outs)
                 pts.append((outs[0].stats["steps"], wall))
+                ar = {**ar, n: outs[0].tokens} if b == "ar" else ar
                 out["rows"].append(dict(concurrency=c, budget=b, new_tokens=n, steps=pts[-1][0], wall_s=wall,
-                                        tau=outs[0].stats["tau"]))
+                                        tau=outs[0].stats["tau"],
+                                        equal_ar=outs[0].tokens == ar[n] if n in ar else None))
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             mx, my = statistics.mean(xs), statistics.mean(ys)
-            slope = sum((x - mx) * (y - my) for x, y in pts) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
-            fit = dict(concurrency=c, budget=b, per_call_s=my - slope * mx, per_step_s=slope, points=pts)
+            spread = sum((x - mx) ** 2 for x in xs)
+            slope = sum((x - mx) * (y - my) for x, y in pts) / spread if spread > 0 else my / max(mx, 1)
+            call = my - slope * mx if spread > 0 else None  # one length (or equal steps): no per-call term
+            fit = dict(concurrency=c, budget=b, per_call_s=call, per_step_s=slope, points=pts)
             out["fits"].append(fit)
-            print(f"C={c} budget {b}: {1e3 * fit['per_call_s']:.2f} ms per call + {1e3 * slope:.3f} ms per step "
-                  f"({', '.join(f'{n} steps {1e3 * w:.1f} ms' for n, w in pts)})", flush=True)
+            same = [r["equal_ar"] for r in out["rows"][-len(pts):]]
+            head = "(one length: wall / steps) " if call is None else f"{1e3 * call:.2f} ms per call + "
+            print(f"C={c} budget {b}: {head}{1e3 * slope:.3f} ms per step "
+                  f"({', '.join(f'{n} steps {1e3 * w:.1f} ms' for n, w in pts)}); = ar {same}", flush=True)
             prof = profile_calls(lambda _: go(args.new_tokens).tokens, (None,), 2)
             launches = sum(n for n, _ in prof["kernels"].values())
             host = sorted(prof["host"].items(), key=lambda kv: -kv[1][1])[:60]
@@ -506,7 +515,9 @@ def main() -> None:
                     help="embedded and report: the custom calls used (default: the tree kernels; '' for pure JAX)")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.budgets = [b if b == "auto" else int(b) for b in args.budgets.split(",")]
+    args.budgets = [b if b in ("auto", "ar") else int(b) for b in args.budgets.split(",")]
+    if "ar" in args.budgets and args.part != "overhead":
+        ap.error("--budgets: 'ar' is for the overhead part (the other parts run ar first anyway)")
     args.lengths = [int(n) for n in args.lengths.split(",")]
     if args.batches < 1:
         ap.error("--batches must be >= 1")

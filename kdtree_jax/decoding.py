@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from functools import partial
 from typing import Any, Callable, Iterator, NamedTuple, Protocol, Sequence
@@ -407,7 +408,34 @@ def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, unti
         return c
 
     first = (state, *method.plan(params, cfg, state, sampler, None))
+    if auto_loop() == "switch":  # one while loop, each window's tier a lax.switch (see `auto_loop`)
+        def window(t: int, s: DecodeState, data):
+            s = loop_step(method, params, cfg, s, sampler, plan=(t, data))
+            s = between(t, s) if replan > 1 else s
+            return (s, *method.plan(params, cfg, s, sampler, t))
+
+        branches = [partial(window, t) for t in range(phases)]
+        return jax.lax.while_loop(lambda c: go(c[0]), lambda c: jax.lax.switch(c[1], branches, c[0], c[2]),
+                                  first)[0]
     return jax.lax.while_loop(lambda c: go(c[0]), sweep, first)[0]
+
+
+AUTO_LOOPS = ("phases", "switch")
+
+
+def auto_loop() -> str:
+    """How `run_steps` dispatches the steps of a method of several phases, read when the loop is traced from
+    $KDTREE_JAX_AUTO_LOOP: "phases" (default) one while loop per phase inside a loop over the phases, the phase read
+    where the loops read their conditions; "switch" (an experiment) one while loop whose body is a `lax.switch`
+    over the phases, one window (planned step and the steps between plans) per iteration. On a GPU XLA runs a
+    switch by reading its index on the host unless conditionals are captured in CUDA graphs (XLA_FLAGS
+    --xla_gpu_enable_command_buffer with CONDITIONAL and WHILE), which is what this option is there to measure.
+    Programs already traced keep their loop: a change in one process needs `clear_compiled()` and
+    `jax.clear_caches()`."""
+    chosen = os.environ.get("KDTREE_JAX_AUTO_LOOP", "phases")
+    if chosen not in AUTO_LOOPS:
+        raise ValueError(f"KDTREE_JAX_AUTO_LOOP must be one of {AUTO_LOOPS}, got {chosen!r}")
+    return chosen
 
 
 start = jax.jit(initial_state, static_argnames=("cfg", "sampler", "cache_len", "max_new", "chunk"))

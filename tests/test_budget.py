@@ -228,6 +228,37 @@ def test_auto_with_partial_acceptance_is_lossless(model):
     assert sum(h > 0 for h in out.stats["nodes_histogram"]) >= 3 and out.stats["tau_histogram"][1] > 0
 
 
+@pytest.mark.parametrize("replan", [1, 3])
+def test_switch_loop_makes_the_same_steps_as_the_phase_loops(model, monkeypatch, replan):
+    """KDTREE_JAX_AUTO_LOOP=switch (one while loop, a lax.switch per window) runs the same steps as the default
+    loops (one per tier): the AR tokens, and the same nodes per step, for a choice that changes tiers; an unknown
+    value is a clear error."""
+    cfg, params, drafter, ar = model
+    tiers = (4, 8, 16)
+    cost = _cost(tiers, len(PROMPTS), 0.02, 0.1, replan, [0.01] * len(tiers) if replan > 1 else None)
+    traced, real = [], kj.decoding.auto_loop
+    monkeypatch.setattr(kj.decoding, "auto_loop", lambda: traced.append(real()) or traced[-1])
+
+    def run(loop, new=24):
+        monkeypatch.setenv("KDTREE_JAX_AUTO_LOOP", loop)
+        kj.decoding.clear_compiled()
+        jax.clear_caches()  # the loop is read when the program is traced, and jax keeps traced programs too
+        return kj.generate(params, cfg, PROMPTS, max_new_tokens=new, method="ddtree", drafter=drafter,
+                           budget="auto", max_budget=16, tiers=tiers, cost_model=cost)
+
+    runs = {}
+    for loop in ("phases", "switch"):
+        out = run(loop)
+        assert out.tokens == ar and traced[-1] == loop, (loop, traced)
+        runs[loop] = out.stats["nodes_histogram"], out.stats["steps"]
+    assert runs["switch"] == runs["phases"] and sum(h > 0 for h in runs["phases"][0]) >= 2  # several sizes ran
+    with pytest.raises(ValueError, match="KDTREE_JAX_AUTO_LOOP must be one of"):
+        run("unrolled", 4)
+    monkeypatch.delenv("KDTREE_JAX_AUTO_LOOP")
+    kj.decoding.clear_compiled()
+    jax.clear_caches()
+
+
 def test_auto_changing_tier_every_step_is_lossless(model):
     """The loop leaves one tier's program for another's at every step (forced to alternate), or when the switch
     term makes it worth it: still exactly the AR tokens, and the loop ends."""
