@@ -7,7 +7,8 @@
 #   OUT=/tmp/out KDTREE_COMMIT=<hash> bash scripts/gpu_cmdbuf.sh
 # Environment: COSTS (auto's cost model, default the committed C=1 one of aec89a4), LENGTHS (new tokens of the
 # fitted calls, default 128,512), EACH (seconds per setting, default 150), CMDBUF (the flag value, default
-# +WHILE,+CONDITIONAL: XLA's defaults plus those two).
+# +WHILE,+CONDITIONAL: XLA's defaults plus those two), ALL=1 (also the switch loop with the default command buffers;
+# past one call's 10 minutes with the defaults above).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}
@@ -25,4 +26,4 @@ GRAPH="--xla_gpu_enable_command_buffer=${CMDBUF:-+WHILE,+CONDITIONAL}"
 run default_phases "" phases ar,16,auto
 run graph_phases "$GRAPH" phases ar,16,auto
 run graph_switch "$GRAPH" switch ar,auto
-run default_switch "" switch ar,auto
+[ -n "${ALL:-}" ] && run default_switch "" switch ar,auto  # a host read of the switch index per window: ALL=1
