@@ -229,8 +229,12 @@ def part_overhead(args) -> dict:
     out = dict(meta=dict(_meta(args), ffi_ops=args.ffi_ops, xla_flags=os.environ.get("XLA_FLAGS", "")), rows=[],
                fits=[], profiles=[])
     data = json.load(open(args.costs))
+    kept = data["costs"] if "costs" in data else data["embedded"]["costs"]
+    missing = [c for c in args.concurrency if str(c) not in kept]
+    if missing:
+        raise SystemExit(f"overhead: {args.costs} has cost models for C = {sorted(kept)}, not for C = {missing}")
     for c in args.concurrency:
-        cost = bud.from_record((data["costs"] if "costs" in data else data["embedded"]["costs"])[str(c)], c)
+        cost = bud.from_record(kept[str(c)], c)
         prompts = _prompts(model.tokenizer, c, 128)
         ar = {}
         for b in args.budgets:
@@ -246,7 +250,7 @@ def part_overhead(args) -> dict:
                 ar = {**ar, n: outs[0].tokens} if b == "ar" else ar
                 out["rows"].append(dict(concurrency=c, budget=b, new_tokens=n, steps=pts[-1][0], wall_s=wall,
                                         tau=outs[0].stats["tau"],
-                                        equal_ar=outs[0].tokens == ar[n] if n in ar else None))
+                                        equal_ar=outs[0].tokens == ar[n] if n in ar and b != "ar" else None))
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             mx, my = statistics.mean(xs), statistics.mean(ys)
             spread = sum((x - mx) ** 2 for x in xs)
@@ -255,7 +259,7 @@ def part_overhead(args) -> dict:
             fit = dict(concurrency=c, budget=b, per_call_s=call, per_step_s=slope, points=pts)
             out["fits"].append(fit)
             same = [r["equal_ar"] for r in out["rows"][-len(pts):]]
-            head = "(one length: wall / steps) " if call is None else f"{1e3 * call:.2f} ms per call + "
+            head = "(one step count: wall / steps) " if call is None else f"{1e3 * call:.2f} ms per call + "
             print(f"C={c} budget {b}: {head}{1e3 * slope:.3f} ms per step "
                   f"({', '.join(f'{n} steps {1e3 * w:.1f} ms' for n, w in pts)}); = ar {same}", flush=True)
             prof = profile_calls(lambda _: go(args.new_tokens).tokens, (None,), 2)
@@ -497,10 +501,11 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=1e9, help="fullscale: start no new cell after this many s")
     ap.add_argument("--steps", type=int, default=4,
                     help="fullscale, diagnose: k of the timed runs (fullscale: runs of 2k minus runs of k steps)")
-    ap.add_argument("--concurrency", default="1,10", help="embedded, fullscale: the batch sizes (comma-separated)")
+    ap.add_argument("--concurrency", default="1,10", help="embedded, fullscale, overhead: the batch sizes (comma-separated)")
     ap.add_argument("--budgets", default=",".join(map(str, FIXED)) + ",auto",
-                    help="embedded: the ddtree budgets to run after ar; report: the projection's budgets "
-                         "(comma-separated; 'auto' included)")
+                    help="embedded: the ddtree budgets to run after ar; report: the projection's budgets; overhead: "
+                         "the budgets fitted, 'ar' for ar (first, to check the others' tokens) (comma-separated; "
+                         "'auto' included)")
     ap.add_argument("--costs", help="embedded: take auto's cost models from an earlier run's auto_budget_embedded.json "
                                     "(or a report's auto_budget.json) instead of calibrating")
     ap.add_argument("--step-repeats", type=int, default=2, help="fullscale, diagnose: timed runs per cell (median)")

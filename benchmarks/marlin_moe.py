@@ -134,8 +134,10 @@ def variant_fn(name: str, m: int, e: int):
           "local": mm.choose_block_m(m, TOPK, e, True)}[base]  # local: the block size chosen by e (before 2026-12-01)
     chosen_bm, chosen_flags = mm.choose_path(m, TOPK, E if base == "after" else e, True)
     shown = bm or chosen_bm
-    if base in ("after", "local"):  # the defaults (path, block_m, flags), plus any flags named
+    if base == "after":  # the defaults (path, block_m, flags), plus any flags named
         flags = None if not mods else flags | chosen_flags
+    elif base == "local":  # block_m given: the chosen flags passed too, so the path is the one chosen by e
+        flags |= chosen_flags
     used = chosen_flags if flags is None else flags
     path = "tile" if shown in mm.TILE_BLOCKS or (shown in mm.NARROW_TILE_BLOCKS and used & mm.FLAG_TILE) else "stream"
     return (lambda *a: mm.marlin_moe(*a, block_m=bm, flags=flags, experts_total=E)), shown, path

@@ -376,6 +376,7 @@ def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, unti
     docs/budget.md). A change of phase costs up to `phases` + 1 empty loop conditions. A method with `replan` > 1
     plans only every replan-th step: after a planned step, its phase's loop runs up to replan - 1 steps with
     `method.fixed_plan(params, cfg, state, sampler, phase)` as their data (an inner while loop), then plans.
+    With $KDTREE_JAX_AUTO_LOOP=switch (`auto_loop`) the phases are one while loop and a `lax.switch` per window.
     Each call plans one step more than it runs (the plan after its last step, at the end of that step), and its first step is planned
     without a phase before it: a run cut into calls (`stream`, the server's chunks) drafts a little more, and with
     a switch term in the cost model may choose other tiers at the cuts than one call would.

@@ -20,10 +20,14 @@ run() {  # $1: name, $2: XLA_FLAGS, $3: auto loop, $4: budgets
   KDTREE_JAX_AUTO_LOOP=$3 XLA_FLAGS="$2" timeout -k 5 "${EACH:-150}" python3 benchmarks/auto_budget.py overhead \
     --costs "$COSTS" --concurrency 1 --budgets "$4" --lengths "${LENGTHS:-128,512}" --new-tokens 128 --repeats 5 \
     --out "$OUT/$1" --commit "$C" 2>&1 | grep -v -i "warn\|donat" > "$OUT/$1.log"
-  echo "--- $1 (XLA_FLAGS='$2', loop $3)"; grep -E "budget|profile|Error|error" "$OUT/$1.log" | head -12
+  local rc=${PIPESTATUS[0]}
+  echo "--- $1 (XLA_FLAGS='$2', loop $3): rc $rc$([ "$rc" = 124 ] && echo ', timed out')"
+  grep -E "budget|profile|Error|error" "$OUT/$1.log" | head -12
 }
 GRAPH="--xla_gpu_enable_command_buffer=${CMDBUF:-+WHILE,+CONDITIONAL}"
 run default_phases "" phases ar,16,auto
 run graph_phases "$GRAPH" phases ar,16,auto
 run graph_switch "$GRAPH" switch ar,auto
-[ -n "${ALL:-}" ] && run default_switch "" switch ar,auto  # a host read of the switch index per window: ALL=1
+if [ -n "${ALL:-}" ]; then  # a host read of the switch index per window
+  run default_switch "" switch ar,auto
+fi

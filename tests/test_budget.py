@@ -228,14 +228,14 @@ def test_auto_with_partial_acceptance_is_lossless(model):
     assert sum(h > 0 for h in out.stats["nodes_histogram"]) >= 3 and out.stats["tau_histogram"][1] > 0
 
 
-@pytest.mark.parametrize("replan", [1, 3])
-def test_switch_loop_makes_the_same_steps_as_the_phase_loops(model, monkeypatch, replan):
+def test_switch_loop_makes_the_same_steps_as_the_phase_loops(model, monkeypatch):
     """KDTREE_JAX_AUTO_LOOP=switch (one while loop, a lax.switch per window) runs the same steps as the default
-    loops (one per tier): the AR tokens, and the same nodes per step, for a choice that changes tiers; an unknown
-    value is a clear error."""
+    loops (one per tier): the AR tokens and the same nodes per step, planning every third step (windows of a planned
+    step and the tier's fixed steps) and with a policy forced to change tiers at every step; an unknown value is a
+    clear error."""
     cfg, params, drafter, ar = model
     tiers = (4, 8, 16)
-    cost = _cost(tiers, len(PROMPTS), 0.02, 0.1, replan, [0.01] * len(tiers) if replan > 1 else None)
+    cost = _cost(tiers, len(PROMPTS), 0.02, 0.1, 3, [0.01] * len(tiers))
     traced, real = [], kj.decoding.auto_loop
     monkeypatch.setattr(kj.decoding, "auto_loop", lambda: traced.append(real()) or traced[-1])
 
@@ -252,6 +252,21 @@ def test_switch_loop_makes_the_same_steps_as_the_phase_loops(model, monkeypatch,
         assert out.tokens == ar and traced[-1] == loop, (loop, traced)
         runs[loop] = out.stats["nodes_histogram"], out.stats["steps"]
     assert runs["switch"] == runs["phases"] and sum(h > 0 for h in runs["phases"][0]) >= 2  # several sizes ran
+    # a tier change at every step (forced to alternate between the first and the last tier; replan 1)
+    m = speculative(cfg, "ddtree", drafter, 16, BudgetPolicy.choosing(cost).alternating(16))
+    req = kj.decoding.prepare(cfg, PROMPTS, 24, extra_slots=m.extra_slots)
+    for loop in ("phases", "switch"):
+        monkeypatch.setenv("KDTREE_JAX_AUTO_LOOP", loop)
+        jax.clear_caches()
+        st = start(m, params, cfg, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(0),
+                   jnp.int32(-1), sampler=Sampler(), cache_len=req.cache_len, max_new=req.max_new)
+        st = advance(m, params, cfg, st, jnp.int32(100), sampler=Sampler())
+        assert traced[-1] == loop
+        assert [np.asarray(st.out)[i, :int(st.num_out[i])].tolist() for i in range(len(PROMPTS))] == ar
+        hist = np.asarray(st.nodes).sum(axis=0)
+        assert hist[4] > 0 and hist[16] > 0 and hist[4] + hist[16] == hist.sum()
+        runs[loop] = hist.tolist()
+    assert runs["switch"] == runs["phases"]
     with pytest.raises(ValueError, match="KDTREE_JAX_AUTO_LOOP must be one of"):
         run("unrolled", 4)
     monkeypatch.delenv("KDTREE_JAX_AUTO_LOOP")

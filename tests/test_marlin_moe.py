@@ -154,13 +154,35 @@ def test_choose_path_by_slots_per_expert_and_m():
     assert choose_path(last + 1, 8, 384, True) == (64, TILE_FLAGS)
     assert choose_path(TILE_128_MIN_M - 1, 8, 384, True) == (64, TILE_FLAGS)
     assert choose_path(TILE_128_MIN_M, 8, 384, True) == (128, TILE_FLAGS) == choose_path(8192, 8, 384, True)
-    assert choose_path(TILE_128_MIN_M, 8, 48 * 8 * 4, True)[0] == 128  # sparse routing, M large: wide tiles
+    assert choose_path(TILE_128_MIN_M, 8, 48 * 8 * 4, True)[0] == 128  # 10.7 slots per expert but M past the limit
     assert choose_block_m(4096, 8, 384, False) == block_size(4096, 8, 384) == 32
-    # sparse routing (fewer slots per expert than the narrow range) from TILE_MIN_M tokens: the 64-slot tiles
+    # sparse routing (2.7 slots per expert, below the narrow range) from TILE_MIN_M tokens: the 64-slot tiles
     assert choose_path(TILE_MIN_M, 8, 1536, True) == (64, TILE_FLAGS)
     assert choose_path(TILE_MIN_M - 1, 8, 1536, True) == (block_size(TILE_MIN_M - 1, 8, 1536), STREAM_FLAGS)
     # a tiny config (top-2 of 8): the same density rule, and the narrow range never takes M past TILE_128_MIN_M
     assert choose_path(32, 2, 8, True) == (32, TILE_FLAGS | FLAG_TILE) and choose_path(16, 2, 8, True) == (8, STREAM_FLAGS)
+
+
+@pytest.mark.parametrize("m, dtype, flags, want", [
+    (16, jnp.bfloat16, None, (32, TILE_FLAGS | FLAG_TILE)),  # 8 slots per expert: the narrow tiles, their flags
+    (16, jnp.bfloat16, FLAG_DEEP, (32, FLAG_DEEP | FLAG_TILE)),  # given flags, the chosen path kept
+    (8, jnp.bfloat16, FLAG_DEEP | FLAG_TILE, (8, FLAG_DEEP)),  # 4 slots: the stream path, a given FLAG_TILE dropped
+    (16, jnp.float32, None, (16, STREAM_FLAGS)),  # no tile path for float32: the stream path's block_size
+])
+def test_the_chosen_path_reaches_the_cuda_call(monkeypatch, m, dtype, flags, want):
+    """block_m left to `choose_path`: the CUDA call gets the chosen block_m and FLAG_TILE bit with the other flags
+    as given (seen when the call is traced, on any platform), and the result is the reference's."""
+    mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")
+    seen, real = [], mm._cuda_call
+    monkeypatch.setattr(mm, "_cuda_call", lambda a, *dims: seen.append(dims[-2:]) or real(a, *dims))
+    rng = np.random.default_rng(m + 5)
+    experts = make_experts(rng, 4, 256, 128)
+    ids, weights = make_routing(rng, m, 2, 4)
+    x = jnp.asarray(rng.standard_normal((m, 256)), dtype)
+    out = run(x, ids, weights, experts, flags=flags)
+    assert seen and set(seen) == {want}, seen
+    ref = marlin_moe_ref(x, ids, weights, *experts)
+    assert np.all(np.isfinite(np.asarray(out, np.float32))) and rel_err(out, ref) <= TOL[dtype]
 
 
 # ------------------------------------------------------------------------------------------------------------------

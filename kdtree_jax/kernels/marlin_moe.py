@@ -17,9 +17,9 @@ CUDA fast paths (bf16 activations, D and F multiples of 128, group 32, as Kimi K
 expert on the device into blocks of `block_m` slots of one expert (the `moe_align` of this module, as a kernel),
 then gate+up with the SiLU-and-multiply fused, then down, each streaming every touched expert's INT4 weights once
 (bf16 tensor cores, fp32 accumulation), then a fixed-order sum over the top-k with the routing weights. `block_m`
-picks the path, by M at trace time (`choose_block_m`):
+(and the FLAG_TILE bit) picks the path, by M and the slots per expert at trace time (`choose_path`):
 
-- stream path (block_m 8, 16, 32; small M): mma.sync with the weights as the 16-row operand and 8 slots as the
+- stream path (block_m 8, 16, 32; fewer than 8 slots per expert, or no tile path): mma.sync with the weights as the 16-row operand and 8 slots as the
   other; a block owns 16 rows of gate and up (or 32 of down) and one block of slots; every mma step lies in one
   quantization group, so the INT4 values go to the tensor cores exactly (one lop3 per pair, offset by 136 and
   corrected with an mma of the tokens) and the group's scale multiplies the fp32 sums: the weights are not rounded
@@ -29,7 +29,7 @@ picks the path, by M at trace time (`choose_block_m`):
   block_m slots of one expert and 128 rows of gate and up (256 of down), so every dequantized weight tile serves
   all of the expert's slots (up to block_m) at once; wgmma with the weights from registers and the slots from
   shared memory. With FLAG_TILE, block_m 16 or 32 runs it too, in narrow tiles (at most 32 slots, two blocks per
-  SM): a variant for benchmarks and tests, not chosen by `choose_block_m` (not yet measured).
+  SM): block_m 32 is the default at 8-24 slots per expert (`NARROW_SLOTS`), 16 a variant for benchmarks and tests.
 
 The sorted slots, the block experts and the bf16 intermediates h [M k, F] and ys [M k, D] are extra outputs of the
 call (scratch; nothing in them needs clearing). Float32 activations and other shapes run a generic CUDA-core
@@ -84,8 +84,9 @@ def choose_path(m: int, k: int, e: int, tile_ok: bool) -> tuple[int, int]:
     """(block_m, flags) of the CUDA path for M tokens routed to k of e experts (e: all of the model's, also for one
     expert-parallel shard's call, whose slots of other shards' experts go nowhere: M k / e is the slots per expert
     on every shard, M k / e_local would overstate it ep-fold), where the shapes allow the tile path: its narrow
-    32-slot tiles while an average expert has NARROW_SLOTS slots (K2: M = 384 .. 1,152; H200, 2026-12-01: 1.19-1.26x
-    the 64-slot tiles and the stream path at M = 512 .. 1,024), else its 64 from TILE_MIN_M tokens and 128 from
+    32-slot tiles while an average expert has NARROW_SLOTS slots (K2: M = 384 .. 1,152; H200, 2026-12-01: 1.17-1.27x
+    the 64-slot tiles at M = 384 .. 1,152, 1.17x the stream path at 384 and 1.26-2.0x above; the stream path wins at
+    M = 256, 5.3 slots), else its 64 from TILE_MIN_M tokens and 128 from
     TILE_128_MIN_M; the stream path's `block_size` otherwise."""
     spe = m * k / max(e, 1)
     if tile_ok and NARROW_SLOTS[0] <= spe <= NARROW_SLOTS[1] and m < TILE_128_MIN_M:
@@ -239,7 +240,8 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
     _registry.register()
     if block_m is None:
         bm, chosen = choose_path(m, k, experts_total or e, tile_ok)
-        flags = chosen if flags is None else flags | (chosen & FLAG_TILE)  # the chosen path, the given flags
+        # the chosen path (its FLAG_TILE bit), the given flags' other bits
+        flags = chosen if flags is None else (flags & ~FLAG_TILE) | (chosen & FLAG_TILE)
     else:
         bm = block_m
         flags = (TILE_FLAGS if bm in TILE_BLOCKS else STREAM_FLAGS) if flags is None else flags
