@@ -11,6 +11,17 @@ nbclient = pytest.importorskip("nbclient")
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
+@pytest.fixture(autouse=True)
+def patient_heartbeat(monkeypatch):
+    """The client's heartbeat waits an hour, not 1 s, for the kernel's reply. On a loaded machine (2 cores, a JAX
+    compile in the kernel) a late reply counts as heart failure, the client makes a new heartbeat socket, and at
+    shutdown its thread can block forever sending on it to the kernel already gone, so `execute` never returns
+    (seen in a local CI run: jupyter_client 8.10, HBChannel.stop joining that thread). The heartbeat decides
+    nothing here: nbclient watches the kernel process and the cell timeout."""
+    channels = pytest.importorskip("jupyter_client.channels")
+    monkeypatch.setattr(channels.HBChannel, "time_to_dead", 3600.0)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, tmp_path):
     nb = nbformat.read(path, as_version=4)
