@@ -501,7 +501,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=1e9, help="fullscale: start no new cell after this many s")
     ap.add_argument("--steps", type=int, default=4,
                     help="fullscale, diagnose: k of the timed runs (fullscale: runs of 2k minus runs of k steps)")
-    ap.add_argument("--concurrency", default="1,10", help="embedded, fullscale, overhead: the batch sizes (comma-separated)")
+    ap.add_argument("--concurrency", default="1,10",
+                    help="embedded, fullscale, overhead: the batch sizes (comma-separated)")
     ap.add_argument("--budgets", default=",".join(map(str, FIXED)) + ",auto",
                     help="embedded: the ddtree budgets to run after ar; report: the projection's budgets; overhead: "
                          "the budgets fitted, 'ar' for ar (first, to check the others' tokens) (comma-separated; "

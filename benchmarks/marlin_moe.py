@@ -118,7 +118,8 @@ def baseline_call(x, ids, weights, we_gate, we_up, we_down):
 
 
 def variant_fn(name: str, m: int, e: int):
-    """(callable(x, ids, w, gate, up, down) -> out, block_m, path "stream" / "tile") of a variant, for M tokens and e (local) experts of the
+    """(callable(x, ids, w, gate, up, down) -> out, block_m, path "stream" / "tile") of a variant, for M tokens and e
+    (local) experts of the
     model's E: called as the model calls it (experts_total=E, the block size from the whole routing's density)."""
     mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")  # (the package re-exports the function's name)
 
@@ -183,6 +184,11 @@ def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with
     return rows
 
 
+def shown_path(row: dict | None) -> str:
+    """A row's block_m and path ("32 tile"), "-" for no row."""
+    return "-" if row is None else f"{row['block_m']} {row.get('path', '')}".strip()
+
+
 def write_report(out_dir: str, meta: dict, rows: list[dict], sweep=None) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "marlin_moe.json"), "w") as f:
@@ -219,7 +225,7 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], sweep=None) -> None
             e_ab = "-" if b is None or b.get("rel_err") is None else f"{b['rel_err']:.1e}"
             lines.append(f"| {m:,} | {ref['touched']:.1f} | {us(ref['floor_s'])} | {us(ref['flops_floor_s'])} | "
                          f"{us(b and b['time_s'])} | {pct(b)} | {us(a and a['time_s'])} | {pct(a)} | "
-                         f"{us(a and a['time_s'] / m)} | {speed} | {(str(a['block_m']) + ' ' + a.get('path', '')).strip() if a else '-'} | {e_ab} |")
+                         f"{us(a and a['time_s'] / m)} | {speed} | {shown_path(a)} | {e_ab} |")
         others = sorted({r["variant"] for r in sr} - {"after", "before"})
         if others:
             lines += ["", f"Other variants ({titles[shape]}): time µs (% of floor; rel err vs after)", "",
@@ -353,7 +359,7 @@ def main() -> None:
             for r in got:
                 print(f"{shape} M={m} {r['variant']:>14}: {r['time_s'] * 1e6:10,.1f} us "
                       f"({100 * r['floor_s'] / r['time_s']:3.0f}% of floor {r['floor_s'] * 1e6:,.0f} us, FLOPs floor "
-                      f"{r['flops_floor_s'] * 1e6:,.0f} us) block_m {r['block_m']} {r.get('path', '')} err {r['rel_err']}", flush=True)
+                      f"{r['flops_floor_s'] * 1e6:,.0f} us) block_m {shown_path(r)} err {r['rel_err']}", flush=True)
             write_report(args.out, meta, rows)  # partial results survive a timeout
         del weights
     write_report(args.out, meta, rows)

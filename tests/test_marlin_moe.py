@@ -160,7 +160,8 @@ def test_choose_path_by_slots_per_expert_and_m():
     assert choose_path(TILE_MIN_M, 8, 1536, True) == (64, TILE_FLAGS)
     assert choose_path(TILE_MIN_M - 1, 8, 1536, True) == (block_size(TILE_MIN_M - 1, 8, 1536), STREAM_FLAGS)
     # a tiny config (top-2 of 8): the same density rule, and the narrow range never takes M past TILE_128_MIN_M
-    assert choose_path(32, 2, 8, True) == (32, TILE_FLAGS | FLAG_TILE) and choose_path(16, 2, 8, True) == (8, STREAM_FLAGS)
+    assert choose_path(32, 2, 8, True) == (32, TILE_FLAGS | FLAG_TILE)
+    assert choose_path(16, 2, 8, True) == (8, STREAM_FLAGS)
 
 
 @pytest.mark.parametrize("m, dtype, flags, want", [

@@ -19,12 +19,12 @@ then gate+up with the SiLU-and-multiply fused, then down, each streaming every t
 (bf16 tensor cores, fp32 accumulation), then a fixed-order sum over the top-k with the routing weights. `block_m`
 (and the FLAG_TILE bit) picks the path, by M and the slots per expert at trace time (`choose_path`):
 
-- stream path (block_m 8, 16, 32; fewer than 8 slots per expert, or no tile path): mma.sync with the weights as the 16-row operand and 8 slots as the
-  other; a block owns 16 rows of gate and up (or 32 of down) and one block of slots; every mma step lies in one
-  quantization group, so the INT4 values go to the tensor cores exactly (one lop3 per pair, offset by 136 and
-  corrected with an mma of the tokens) and the group's scale multiplies the fp32 sums: the weights are not rounded
-  to bf16 as the reference rounds them (the difference is below bf16 rounding). Its kernels are launched as
-  programmatic dependents, so each starts while the one before it ends;
+- stream path (block_m 8, 16, 32; fewer than 8 slots per expert, or no tile path): mma.sync with the weights as the
+  16-row operand and 8 slots as the other; a block owns 16 rows of gate and up (or 32 of down) and one block of
+  slots; every mma step lies in one quantization group, so the INT4 values go to the tensor cores exactly (one lop3
+  per pair, offset by 136 and corrected with an mma of the tokens) and the group's scale multiplies the fp32 sums:
+  the weights are not rounded to bf16 as the reference rounds them (the difference is below bf16 rounding). Its
+  kernels are launched as programmatic dependents, so each starts while the one before it ends;
 - tile path (block_m 64, 128; M >= TILE_MIN_M; D a multiple of 256, F of 128, group 32): a block owns up to
   block_m slots of one expert and 128 rows of gate and up (256 of down), so every dequantized weight tile serves
   all of the expert's slots (up to block_m) at once; wgmma with the weights from registers and the slots from
@@ -86,8 +86,8 @@ def choose_path(m: int, k: int, e: int, tile_ok: bool) -> tuple[int, int]:
     on every shard, M k / e_local would overstate it ep-fold), where the shapes allow the tile path: its narrow
     32-slot tiles while an average expert has NARROW_SLOTS slots (K2: M = 384 .. 1,152; H200, 2026-12-01: 1.17-1.27x
     the 64-slot tiles at M = 384 .. 1,152, 1.17x the stream path at 384 and 1.26-2.0x above; the stream path wins at
-    M = 256, 5.3 slots), else its 64 from TILE_MIN_M tokens and 128 from
-    TILE_128_MIN_M; the stream path's `block_size` otherwise."""
+    M = 256, 5.3 slots), else its 64 from TILE_MIN_M tokens and 128 from TILE_128_MIN_M; the stream path's
+    `block_size` otherwise."""
     spe = m * k / max(e, 1)
     if tile_ok and NARROW_SLOTS[0] <= spe <= NARROW_SLOTS[1] and m < TILE_128_MIN_M:
         return 32, TILE_FLAGS | FLAG_TILE
@@ -205,11 +205,11 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
     `marlin_moe_ref`, impl="dense" `moe_experts_dense` (`ModelConfig.impl` picks one). block_m overrides
     `choose_path` on CUDA (benchmarks, tests): 8, 16 or 32 run the stream path (16 or 32 with FLAG_TILE the tile
     path's narrow tiles), 64 or 128 the tile path (bf16, D % 256 == 0, F % 128 == 0, group 32 only). flags: FLAG_*
-    bits for benchmarks and tests (None: the chosen path's; with block_m None, given flags replace the chosen
-    path's other bits, and the path stays the chosen one). experts_total: the experts of the whole model when these E are one expert-parallel shard's (the
-    ids of the other shards' experts mapped to E): the M k slots spread over experts_total experts, of which a shard
-    gets about M k / experts_total per expert, so the block size is chosen from that density (default: E). No host
-    sync: usable under jit, vmap, shard_map and inside loops.
+    bits for benchmarks and tests (None: the chosen path's; with block_m None, given flags replace the chosen path's
+    other bits, and the path stays the chosen one). experts_total: the experts of the whole model when these E are
+    one expert-parallel shard's (the ids of the other shards' experts mapped to E): the M k slots spread over
+    experts_total experts, of which a shard gets about M k / experts_total per expert, so the block size is chosen
+    from that density (default: E). No host sync: usable under jit, vmap, shard_map and inside loops.
     """
     if impl not in IMPLS:
         raise ValueError(f"marlin_moe: impl must be one of {IMPLS}, got {impl!r}")
