@@ -395,13 +395,14 @@ def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, unti
 
         return jax.lax.while_loop(lambda q: go(q[0]) & (q[1] < replan - 1), body, (s, jnp.int32(0)))[0]
 
-    def phase_loop(t: int, c):
-        def body(c):
-            s = loop_step(method, params, cfg, c[0], sampler, plan=(t, c[2]))
-            s = between(t, s) if replan > 1 else s
-            return (s, *method.plan(params, cfg, s, sampler, t))
+    def window(t: int, s: DecodeState, data):
+        """Phase t's planned step, the steps between plans, then the next plan: (state, phase, data)."""
+        s = loop_step(method, params, cfg, s, sampler, plan=(t, data))
+        s = between(t, s) if replan > 1 else s
+        return (s, *method.plan(params, cfg, s, sampler, t))
 
-        return jax.lax.while_loop(lambda c: go(c[0]) & (c[1] == t), body, c)
+    def phase_loop(t: int, c):
+        return jax.lax.while_loop(lambda c: go(c[0]) & (c[1] == t), lambda c: window(t, c[0], c[2]), c)
 
     def sweep(c):
         for t in range(phases):
@@ -410,11 +411,6 @@ def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, unti
 
     first = (state, *method.plan(params, cfg, state, sampler, None))
     if auto_loop() == "switch":  # one while loop, each window's tier a lax.switch (see `auto_loop`)
-        def window(t: int, s: DecodeState, data):
-            s = loop_step(method, params, cfg, s, sampler, plan=(t, data))
-            s = between(t, s) if replan > 1 else s
-            return (s, *method.plan(params, cfg, s, sampler, t))
-
         branches = [partial(window, t) for t in range(phases)]
         return jax.lax.while_loop(lambda c: go(c[0]), lambda c: jax.lax.switch(c[1], branches, c[0], c[2]),
                                   first)[0]
