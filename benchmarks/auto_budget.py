@@ -359,8 +359,10 @@ def part_project(args, emb: dict, full: dict) -> dict:
         if str(c) not in full["costs"] or c not in args.concurrency:
             continue
         prompts = _prompts(model.tokenizer, c * args.batches, 128)
-        fixed = {f["budget"]: f["step_s"] for f in full["fixed"] if f["concurrency"] == c}
         entry = full["costs"][str(c)]
+        fixed = {f["budget"]: f["step_s"] for f in full["fixed"] if f["concurrency"] == c}
+        if not fixed and "fixed" in entry:  # no fixed cells run: the fixed programs its calibration timed
+            fixed = dict(zip(entry["tiers"], entry["fixed"]))
         cost = _cost_of(equal_step_costs(entry, fixed) if args.predict_equal_steps else entry, c, fixed)
         for b in [b for b in FIXED if b in fixed and b in args.budgets] + ["auto"] * ("auto" in args.budgets):
             total, seconds, steps, hist = 0, 0.0, 0, 0

@@ -4,6 +4,7 @@ results/<name>.{json,md,png}, stamped with the date, the device and the commit. 
 the benchmark's prompt lengths before it serves (`Engine(warmup=...)`), so that no timed request waits for one.
 
     JAX_PLATFORMS=cpu python benchmarks/bench_serve.py --name bench_serve_cpu
+    python3 benchmarks/bench_serve.py --methods ar,ddtree --budget 16,auto --name bench_serve_auto   # auto as well
     python3 benchmarks/bench_serve.py --name bench_serve_h200 --ffi-ops tree_build,tree_accept   # scripts/gpu_serve.sh
 """
 
@@ -20,7 +21,13 @@ from kdtree_jax.serve import BackgroundServer, create_app
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="ar,ddtree", help="comma-separated, from ar, chain, ddtree (default: both)")
-    ap.add_argument("--budget", type=int, default=16, help="ddtree node budget (default: 16)")
+    ap.add_argument("--budget", default="16",
+                    help="ddtree node budgets, comma-separated, 'auto' among them for budget='auto' (one run each; "
+                         "default: 16)")
+    ap.add_argument("--max-budget", type=int, default=64, help="budget auto: the largest tree (default: 64)")
+    ap.add_argument("--cost-model", default=None, metavar="PATH",
+                    help="budget auto: a saved cost model for --max-batch rows (default: the one kept for this setup, "
+                         "else measured when the engine starts)")
     ap.add_argument("--max-batch", type=int, default=10, help="server slots (default: 10)")
     ap.add_argument("--chunk-steps", type=int, default=4, help="decoding steps per compiled call (default: 4)")
     ap.add_argument("--max-context", type=int, default=512, help="cache slots per request (default: 512)")
@@ -43,13 +50,17 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = bench_serve.heldout_prompts(max(levels) * args.rounds, args.prompt_chars, 0)  # those `run` sends
     warmup = tuple(sorted({len(model.tokenizer.encode(p)) for p in prompts}))
+    budgets = [b if b == "auto" else int(b) for b in args.budget.split(",")]
+    jobs = [(m, b) for m in args.methods.split(",") for b in (budgets if m == "ddtree" else budgets[:1])]
     runs, loads = [], []
-    for method in args.methods.split(","):
-        print(f"## {method}", flush=True)
-        loads.append(f"{os.getloadavg()[0]:.1f} before {method}")
-        with Engine(model.params, cfg, method=method, drafter=model.drafter, budget=args.budget,
-                    max_batch=args.max_batch, max_context=args.max_context, chunk_steps=args.chunk_steps,
-                    eos_id=model.tokenizer.eos_id, warmup=warmup) as engine:
+    for method, budget in jobs:
+        name = f"{method} {budget}" if method == "ddtree" else method
+        print(f"## {name}", flush=True)
+        loads.append(f"{os.getloadavg()[0]:.1f} before {name}")
+        with Engine(model.params, cfg, method=method, drafter=model.drafter, budget=budget,
+                    max_budget=args.max_budget, cost_model=args.cost_model, max_batch=args.max_batch,
+                    max_context=args.max_context, chunk_steps=args.chunk_steps, eos_id=model.tokenizer.eos_id,
+                    warmup=warmup) as engine:
             server = BackgroundServer(create_app(engine, model.tokenizer, "builtin"))
             try:
                 runs.append(bench_serve.run(server.url, levels, rounds=args.rounds, max_tokens=args.max_tokens,

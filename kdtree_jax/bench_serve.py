@@ -14,6 +14,7 @@ import asyncio
 import datetime
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -89,6 +90,27 @@ def summarize(concurrency: int, results: list[dict], wall: float) -> dict:
                 ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)))
 
 
+def _counters(url: str, timeout: float) -> dict[str, float]:
+    """The server's request-step counters from /metrics (a kdtree-jax server; empty for other servers)."""
+    with httpx.Client(base_url=url, timeout=timeout) as c:
+        r = c.get("/metrics")
+    if r.status_code != 200:
+        return {}
+    names = ("row_steps_total", "step_tokens_total", "verified_nodes_total")
+    found = {m.group(1): float(m.group(2)) for m in re.finditer(r"^kdtree_(\w+) (\S+)$", r.text, re.M)}
+    return {n: found[n] for n in names if n in found}
+
+
+def _steps(before: dict, after: dict) -> dict:
+    """tau (tokens per request-step) and draft nodes verified per request-step between two readings of the
+    counters; nothing where the server does not count them."""
+    steps = after.get("row_steps_total", 0) - before.get("row_steps_total", 0)
+    if steps <= 0 or "verified_nodes_total" not in after:
+        return {}
+    return dict(tau=(after["step_tokens_total"] - before["step_tokens_total"]) / steps,
+                nodes_per_step=(after["verified_nodes_total"] - before["verified_nodes_total"]) / steps)
+
+
 def _commit() -> str | None:
     """The commit of the source tree this package runs from: $KDTREE_COMMIT when set (a copy whose git metadata
     is stale), else git's answer when it is a checkout."""
@@ -114,20 +136,24 @@ def run(url: str, concurrencies: list[int], *, rounds: int = 2, max_tokens: int 
     log("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
     rows = []
     for c in concurrencies:
+        before = _counters(url, timeout)
         results, wall = asyncio.run(_level(url, model, prompts[:c * rounds], c, max_tokens, timeout))
-        rows.append(summarize(c, results, wall))
+        rows.append(dict(summarize(c, results, wall), **_steps(before, _counters(url, timeout))))
         log(format_row(rows[-1]))
     setup = dict(url=url, model=model, server=server, rounds=rounds, max_tokens=max_tokens, prompt_chars=prompt_chars,
                  seed=seed, date=datetime.date.today().isoformat(), commit=_commit())
     return dict(setup=setup, rows=rows)
 
 
-COLUMNS = ("concurrency", "aggregate tok/s", "per-request tok/s", "TTFT p50 ms", "TTFT p99 ms", "tokens", "wall s")
+COLUMNS = ("concurrency", "aggregate tok/s", "per-request tok/s", "TTFT p50 ms", "TTFT p99 ms", "tokens", "wall s",
+           "tau", "nodes / step")
 
 
 def format_row(r: dict) -> str:
+    per_step = (f"{r['tau']:.2f} | {r['nodes_per_step']:.1f}" if "tau" in r else "- | -")
     return (f"| {r['concurrency']} | {r['aggregate_tok_s']:.1f} | {r['per_request_tok_s']:.1f} | "
-            f"{1e3 * r['ttft_p50_s']:.0f} | {1e3 * r['ttft_p99_s']:.0f} | {r['tokens']} | {r['wall_s']:.2f} |")
+            f"{1e3 * r['ttft_p50_s']:.0f} | {1e3 * r['ttft_p99_s']:.0f} | {r['tokens']} | {r['wall_s']:.2f} | "
+            f"{per_step} |")
 
 
 def markdown(runs: list[dict], title: str, note: str = "") -> str:
@@ -139,7 +165,8 @@ def markdown(runs: list[dict], title: str, note: str = "") -> str:
                   f"{s['date']}, {srv.get('device')}, commit {s['commit']}. Model {s['model']}, max_batch "
                   f"{srv.get('max_batch')}, chunk_steps {srv.get('chunk_steps')}; {s['rounds']} requests per client, "
                   f"{s['max_tokens']} tokens each (greedy, ignore_eos), held-out prompts of {s['prompt_chars']} "
-                  "characters; TTFT = time to the first streamed text.", "",
+                  "characters; TTFT = time to the first streamed text; tau and nodes / step: tokens committed and "
+                  "draft nodes verified per request per decoding step (the server's counters).", "",
                   "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += [format_row(r) for r in run_["rows"]]
         lines.append("")

@@ -124,7 +124,11 @@ def _parser() -> argparse.ArgumentParser:
                               "\"max_tokens\": 64, \"temperature\": 0}'")
     s.add_argument("--method", choices=("ar", "chain", "ddtree"), default="ddtree",
                    help="ar: one token per step; chain: DFlash linear draft; ddtree: DDTree draft tree (default)")
-    s.add_argument("--budget", type=int, default=64, help="ddtree: draft tree nodes per step (default: 64)")
+    s.add_argument("--budget", type=_budget, default=64,
+                   help="ddtree: draft tree nodes per step, or 'auto': chosen every step for the live requests from "
+                        "a cost model measured once for --max-batch slots (saved, reused; greedy answers unchanged, "
+                        "but a seeded sampled answer then depends on what else runs) (default: 64)")
+    _auto_args(s)
     s.add_argument("--max-batch", type=int, default=8, help="slots: requests decoded together (default: 8)")
     s.add_argument("--max-context", type=int, default=None,
                    help="cache slots per request, a power of two: prompt + max_tokens (+ the draft tree) must fit. "
@@ -132,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a slot; past it requests get 429 (default: 64)")
     s.add_argument("--chunk-steps", type=int, default=4,
-                   help="decoding steps per compiled call; new tokens are streamed after each (default: 4)")
+                   help="decoding steps per compiled call; new tokens are streamed after each (default: 4; budget "
+                        "auto rounds it up to whole windows of the steps between its plans)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -494,9 +499,9 @@ def serve_command(args) -> int:
                          "convert one with --drafter)")
     checkpoint = args.model if args.model not in (None, "builtin") else None
     name = args.served_model_name or (os.path.basename(os.path.normpath(checkpoint)) if checkpoint else "builtin")
-    with Engine(params, cfg, method=args.method, drafter=drafter, budget=args.budget, max_batch=args.max_batch,
-                max_context=args.max_context, max_queue=args.max_queue, chunk_steps=args.chunk_steps,
-                eos_id=tok.eos_id, seed=args.seed) as engine:
+    with Engine(params, cfg, method=args.method, drafter=drafter, budget=args.budget, max_budget=args.max_budget,
+                cost_model=args.cost_model, max_batch=args.max_batch, max_context=args.max_context,
+                max_queue=args.max_queue, chunk_steps=args.chunk_steps, eos_id=tok.eos_id, seed=args.seed) as engine:
         _log(f"compiling {args.method} for {args.max_batch} slots of {engine.max_context} tokens (a warm-up request) "
              "...")
         t0 = time.perf_counter()

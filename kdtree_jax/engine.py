@@ -44,7 +44,7 @@ import numpy as np
 from .config import ModelConfig
 from .ddtree import Speculative
 from .decoding import DecodeState, Method, Sampler, commit, initial_state, no_reliability, prepare, run_steps
-from .generate import make_method
+from .generate import auto_method, check_auto, make_method
 from .model import init_cache
 from .sharding import trace_context
 
@@ -230,7 +230,7 @@ def _advance(method: Method, params, cfg: ModelConfig, state: DecodeState, keys,
 
     Returns (state, keys, window int32 [B, width]: out[b, start[b]:start[b] + width], start [B] (= since[b], the
     first token not yet read, moved back where it would overrun out), steps run, row-steps run, tokens those
-    row-steps accepted, bonus included: the tau of the chunk is their ratio).
+    row-steps accepted, bonus included: the tau of the chunk is their ratio; draft nodes those row-steps verified).
     """
     if options is None:
         sampler = Sampler()
@@ -239,13 +239,15 @@ def _advance(method: Method, params, cfg: ModelConfig, state: DecodeState, keys,
         sampler = RowSampler(*options, key=now, filtered=filtered)
     loop_key = state.key
     state = dataclasses.replace(state, done=state.done | stop, steps=jnp.zeros((), jnp.int32))
-    accepted_before = state.accepted
+    accepted_before, nodes_before = state.accepted, state.nodes
     state = run_steps(method, params, cfg, state, jnp.int32(steps), sampler)
     state = dataclasses.replace(state, key=loop_key)
     hist = state.accepted - accepted_before  # [B, K + 1] (row, step) pairs that committed k tokens
+    nodes = state.nodes - nodes_before  # [B, N + 1] (row, step) pairs that verified n draft nodes
     start = jnp.minimum(since, state.out.shape[1] - width)
     window = jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, width))(state.out, start)
-    return state, keys, window, start, state.steps, jnp.sum(hist), jnp.sum(hist * jnp.arange(hist.shape[1]))
+    return (state, keys, window, start, state.steps, jnp.sum(hist), jnp.sum(hist * jnp.arange(hist.shape[1])),
+            jnp.sum(nodes * jnp.arange(nodes.shape[1])))
 
 
 def _device_name() -> str:
@@ -274,11 +276,20 @@ class Engine:
     requests that give none are drawn from a generator seeded with it. warmup: prompt lengths (in tokens) for which
     the prefill of every admission size is compiled before the engine starts (benchmarks: no request waits for a
     compilation).
+
+    budget="auto" (ddtree): trees of up to max_budget nodes, each step verifying the part its cost model makes pay
+    for the live rows together (`kdtree_jax.budget`; tiers and cost_model as for `generate`). The cost model is the
+    one for max_batch rows: given, saved for this setup, or measured when the engine starts. A call of the engine
+    plans its first step anew and plans once after its last, so where the model plans every `replan`-th step the
+    chunk is rounded up to whole windows of replan steps (`chunk_steps` then says what runs). Greedy requests get
+    exactly their solo tokens, as with a fixed budget; a sampled request's tokens follow the right distribution, but
+    which nodes are verified depends on the other rows, so its seed no longer fixes its tokens whatever else runs.
     """
 
-    def __init__(self, params, cfg: ModelConfig, *, method: str = "ar", drafter=None, budget: int = 64,
-                 max_batch: int = 8, max_context: int | None = None, max_queue: int = 64, chunk_steps: int = 4,
-                 eos_id: int | None = None, seed: int = 0, warmup: tuple[int, ...] = ()):
+    def __init__(self, params, cfg: ModelConfig, *, method: str = "ar", drafter=None, budget: int | str = 64,
+                 max_budget: int = 64, tiers=None, cost_model=None, max_batch: int = 8, max_context: int | None = None,
+                 max_queue: int = 64, chunk_steps: int = 4, eos_id: int | None = None, seed: int = 0,
+                 warmup: tuple[int, ...] = ()):
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("chunk_steps", chunk_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -290,7 +301,14 @@ class Engine:
             raise ValueError(f"max_context {context} exceeds the model's context of {cfg.max_position_embeddings}")
         if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
             raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
-        self._method = make_method(cfg, method, drafter, budget)
+        if check_auto(method, budget, max_budget):
+            with trace_context(params, cfg):
+                self._method = auto_method(params, cfg, drafter, batch=max_batch, max_budget=max_budget, tiers=tiers,
+                                           cost_model=cost_model)
+            replan = self._method.replan
+            chunk_steps = -(-chunk_steps // replan) * replan  # whole windows: no plan thrown away mid-window
+        else:
+            self._method = make_method(cfg, method, drafter, budget)
         self.method, self.budget, self.extra_slots = self._method.name, self._method.budget, self._method.extra_slots
         self.params, self.cfg = params, cfg
         self.max_batch, self.max_context, self.max_queue, self.chunk_steps = max_batch, context, max_queue, chunk_steps
@@ -311,7 +329,7 @@ class Engine:
         self._idle = threading.Event()
         self._ids = itertools.count(1)
         outcomes = {f"finished_{k}": 0 for k in ("stop", "length", "cancelled", "error")}
-        self.counters = dict(prompt_tokens=0, generated_tokens=0, steps=0, row_steps=0, step_tokens=0,
+        self.counters = dict(prompt_tokens=0, generated_tokens=0, steps=0, row_steps=0, step_tokens=0, step_nodes=0,
                              chunk_seconds=0.0, last_step_seconds=0.0, prefills=0, prefill_calls=0, **outcomes)
         if warmup:
             self._warm_up(warmup)
@@ -396,9 +414,15 @@ class Engine:
         return self._idle.wait(timeout)
 
     def describe(self) -> dict:
-        """The engine's setup: method, budget, slots, context, chunk and device (for /health and benchmarks)."""
-        return dict(method=self.method, budget=self.budget, max_batch=self.max_batch, max_context=self.max_context,
-                    max_queue=self.max_queue, chunk_steps=self.chunk_steps, device=_device_name())
+        """The engine's setup: method, budget, slots, context, chunk and device (for /health and benchmarks); with
+        budget="auto" also the largest tree, the tiers and the plan's period (replan)."""
+        auto = {}
+        if self.budget == "auto":
+            auto = dict(max_budget=self._method.max_nodes, tiers=list(self._method.policy.tiers),
+                        replan=self._method.replan)
+        return dict(method=self.method, budget=self.budget, **auto, max_batch=self.max_batch,
+                    max_context=self.max_context, max_queue=self.max_queue, chunk_steps=self.chunk_steps,
+                    device=_device_name())
 
     @property
     def alive(self) -> bool:
@@ -531,13 +555,14 @@ class Engine:
             for i, (r, _) in enumerate(group):
                 self._hand_out(r, [int(tokens[i])], bool(done[i]), bool(nonfinite[i]))
         if chunk is not None:
-            window, start, steps, row_steps, step_tokens = jax.device_get(chunk)
+            window, start, steps, row_steps, step_tokens, step_nodes = jax.device_get(chunk)
             num_out, done, nonfinite = jax.device_get((self._state.num_out, self._state.done, self._state.nonfinite))
             seconds = time.perf_counter() - t0
             with self._cond:
                 self.counters["steps"] += int(steps)
                 self.counters["row_steps"] += int(row_steps)
                 self.counters["step_tokens"] += int(step_tokens)
+                self.counters["step_nodes"] += int(step_nodes)
                 self.counters["chunk_seconds"] += seconds
                 self.counters["last_step_seconds"] = seconds / max(int(steps), 1)
             for slot, r in list(self._active.items()):

@@ -49,20 +49,33 @@ def _unpack(params, cfg, prompts, drafter):
     return params, cfg, prompts, drafter
 
 
-def _request(params, cfg, prompts, drafter, *, max_new_tokens, method, budget, temperature, top_k, top_p, eos_id,
-             prefill_chunk, max_budget=64, tiers=None, cost_model=None) -> tuple[Method, Request]:
+def check_auto(method: str, budget, max_budget) -> bool:
+    """Whether `budget` is "auto" (then method must be ddtree and max_budget an integer >= 1: checked here)."""
     auto = isinstance(budget, str) and budget == "auto"
     if auto and method != "ddtree":
         raise ValueError(f"budget='auto' chooses ddtree's tree size; method={method!r} has no budget")
     if auto and (isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < 1):
         raise ValueError(f"max_budget must be an integer >= 1, got {max_budget!r}")
+    return auto
+
+
+def auto_method(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int, tiers=None,
+                cost_model=None) -> Method:
+    """ddtree with budget="auto" for `batch` rows: trees of max_budget nodes, each step verifying the part that the
+    cost model (`budget.resolve`: the given one, the saved one for this setup, or one measured now) makes pay."""
+    cost = resolve(params, cfg, drafter, batch=batch, max_budget=max_budget, tiers=tiers, cost_model=cost_model)
+    return make_method(cfg, "ddtree", drafter, max_budget).with_policy(BudgetPolicy.choosing(cost))
+
+
+def _request(params, cfg, prompts, drafter, *, max_new_tokens, method, budget, temperature, top_k, top_p, eos_id,
+             prefill_chunk, max_budget=64, tiers=None, cost_model=None) -> tuple[Method, Request]:
+    auto = check_auto(method, budget, max_budget)
     m = make_method(cfg, method, drafter, max_budget if auto else budget)
     req = prepare(cfg, prompts, max_new_tokens, Sampler(temperature, top_k, top_p), eos_id,
                   extra_slots=m.extra_slots, prefill_chunk=prefill_chunk)
     if auto:
-        cost = resolve(params, cfg, drafter, batch=req.tokens.shape[0], max_budget=max_budget, tiers=tiers,
-                       cost_model=cost_model)
-        m = m.with_policy(BudgetPolicy.choosing(cost))
+        m = auto_method(params, cfg, drafter, batch=req.tokens.shape[0], max_budget=max_budget, tiers=tiers,
+                        cost_model=cost_model)
     return m, req
 
 

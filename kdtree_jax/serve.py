@@ -346,8 +346,8 @@ class Server:
         yield "data: [DONE]\n\n"
 
     def metrics(self) -> str:
-        """Prometheus text: requests by outcome and by HTTP status, tokens, prefill calls, tau, queue depth, busy slots,
-        step time."""
+        """Prometheus text: requests by outcome and by HTTP status, tokens, prefill calls, tau, verified nodes, queue
+        depth, busy slots, step time."""
         s = self.engine.snapshot()
         lines = []
 
@@ -367,8 +367,15 @@ class Server:
         metric("decode_steps_total", "counter", "Decoding steps of the batch (target forwards after prefill).",
                [("", s["steps"])])
         metric("decode_step_seconds_total", "counter", "Wall time of the decoding chunks.", [("", s["chunk_seconds"])])
+        metric("row_steps_total", "counter", "Decoding steps of requests (a step of the batch counts once per live "
+               "request).", [("", s["row_steps"])])
+        metric("step_tokens_total", "counter", "Tokens those request-steps committed.", [("", s["step_tokens"])])
+        metric("verified_nodes_total", "counter", "Draft nodes those request-steps verified.", [("", s["step_nodes"])])
         tau = s["step_tokens"] / s["row_steps"] if s["row_steps"] else 0.0
         metric("tau", "gauge", "Tokens committed per request per decoding step, since the start.", [("", tau)])
+        nodes = s["step_nodes"] / s["row_steps"] if s["row_steps"] else 0.0
+        metric("verified_nodes", "gauge", "Draft nodes verified per request per decoding step, since the start "
+               "(budget auto: what the cost model chose).", [("", nodes)])
         metric("step_seconds", "gauge", "Wall time of one decoding step of the batch, in the latest chunk.",
                [("", s["last_step_seconds"])])
         metric("queue_depth", "gauge", "Requests waiting for a slot.", [("", s["queue_depth"])])

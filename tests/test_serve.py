@@ -251,6 +251,19 @@ def test_metrics(served):
     assert re.search(r'^kdtree_requests_total\{outcome="cancelled"\} [1-9]', text, re.M)
 
 
+def test_bench_serve_reads_tau_and_nodes_from_the_counters(served):
+    """`kdtree-jax bench-serve` against the server: each concurrency's row carries the tau and the draft nodes per
+    request-step from the server's counters (budget 8: every step verifies 8 nodes)."""
+    from kdtree_jax import bench_serve
+
+    out = bench_serve.run(served["url"], [1, 2], rounds=1, max_tokens=6, prompt_chars=24, log=lambda line: None)
+    for row in out["rows"]:
+        assert row["tokens"] == 6 * row["concurrency"] and row["nodes_per_step"] == BUDGET
+        assert 1.0 <= row["tau"] <= served["engine"]._method.tokens_per_step
+    assert out["setup"]["server"]["budget"] == BUDGET
+    assert bench_serve._steps({}, {}) == {}  # a server without the counters: no per-step columns
+
+
 def test_text_stream_holds_back_stop_prefixes_and_partial_characters(model):
     ts = TextStream(model.tokenizer, ["STOP", "Q"], eos_id=model.tokenizer.eos_id)
     assert ts.feed(list(b"abcST")) == "abc"  # "ST" could begin "STOP"
@@ -292,6 +305,48 @@ def test_ar_engine_batched_prefill_and_seeded_sampling(model, solo):
 
     assert tokens(events[PROMPTS[1]]) == alone
     assert [tokens(events[p]) for p in burst] == [solo(p, MAX_TOKENS[0], "ar") for p in burst]
+
+
+def test_auto_budget_engine_gives_each_greedy_request_its_solo_tokens(model, solo):
+    """budget="auto" in the engine (a cost model that makes the planned steps verify part of the tree, a plan every
+    third step, tiers 4 and 8): 10 greedy requests through 4 slots, joining mid-flight, each get exactly their solo
+    tokens; the chunk is rounded up to whole windows of 3 steps; the verified nodes are counted and lie between none
+    and the whole tree; a sampled request runs to its length; bad auto arguments are clear errors."""
+    from kdtree_jax.budget import CostModel
+
+    encode = model.tokenizer.encode
+    tiers = (4, 8)
+    cost = CostModel.from_points(tiers, SLOTS, [[(1, 1.0 + 0.1 * i), (1e4, 1.0 + 0.1 * i + 0.02 * 1e4)]
+                                                for i in range(2)], replan=3, fixed=[1.05, 1.3])
+    with Engine(model.params, model.cfg, method="ddtree", drafter=model.drafter, budget="auto", max_budget=BUDGET,
+                cost_model=cost, max_batch=SLOTS, max_context=CONTEXT, chunk_steps=4,
+                eos_id=model.tokenizer.eos_id) as engine:
+        setup = engine.describe()
+        assert (setup["budget"], setup["tiers"], setup["replan"], setup["chunk_steps"]) == ("auto", [4, 8], 3, 6)
+        events = {i: queue.Queue() for i in range(len(PROMPTS))}
+        for i, p in enumerate(PROMPTS):
+            engine.submit(encode(p), max_tokens=MAX_TOKENS[i % 2], on_event=events[i].put)
+        sampled, finish = engine.complete(encode(PROMPTS[1]), max_tokens=20, temperature=0.8, seed=7,
+                                          ignore_eos=True, timeout=300)
+        assert engine.wait_idle(timeout=300)
+        counts = engine.snapshot()
+    for i, p in enumerate(PROMPTS):
+        got = []
+        while True:
+            event = events[i].get_nowait()
+            assert event.error is None, event.error
+            got += event.tokens
+            if event.finish is not None:
+                break
+        assert got == solo(p, MAX_TOKENS[i % 2]), p
+    assert finish == "length" and len(sampled) == 20 and all(0 <= t < model.cfg.vocab_size for t in sampled)
+    nodes = counts["step_nodes"] / counts["row_steps"]
+    assert 0 < nodes < BUDGET, nodes
+    with pytest.raises(ValueError, match="method='ar' has no budget"):
+        Engine(model.params, model.cfg, method="ar", budget="auto", max_batch=SLOTS, max_context=CONTEXT)
+    with pytest.raises(ValueError, match="measured for batch 4"):
+        Engine(model.params, model.cfg, method="ddtree", drafter=model.drafter, budget="auto", max_budget=BUDGET,
+               cost_model=cost, max_batch=2, max_context=CONTEXT)
 
 
 def test_readme_openai_example_runs(served, capsys):
