@@ -502,7 +502,8 @@ def serve_command(args) -> int:
     with Engine(params, cfg, method=args.method, drafter=drafter, budget=args.budget, max_budget=args.max_budget,
                 cost_model=args.cost_model, max_batch=args.max_batch, max_context=args.max_context,
                 max_queue=args.max_queue, chunk_steps=args.chunk_steps, eos_id=tok.eos_id, seed=args.seed) as engine:
-        _log(f"compiling {args.method} for {args.max_batch} slots of {engine.max_context} tokens (a warm-up request) "
+        what = f"{args.method} (budget {engine.budget})" if args.method == "ddtree" else args.method
+        _log(f"compiling {what} for {args.max_batch} slots of {engine.max_context} tokens (a warm-up request) "
              "...")
         t0 = time.perf_counter()
         engine.complete(tok.encode("def"), max_tokens=2)
