@@ -50,14 +50,15 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = bench_serve.heldout_prompts(max(levels) * args.rounds, args.prompt_chars, 0)  # those `run` sends
     warmup = tuple(sorted({len(model.tokenizer.encode(p)) for p in prompts}))
-    budgets = [b if b == "auto" else int(b) for b in args.budget.split(",")]
-    jobs = [(m, b) for m in args.methods.split(",") for b in (budgets if m == "ddtree" else budgets[:1])]
+    budgets = [b.strip() if b.strip() == "auto" else int(b) for b in args.budget.split(",")]
+    methods = [m.strip() for m in args.methods.split(",")]
+    jobs = [(m, b) for m in methods for b in (budgets if m == "ddtree" else [None])]
     runs, loads = [], []
     for method, budget in jobs:
         name = f"{method} {budget}" if method == "ddtree" else method
         print(f"## {name}", flush=True)
         loads.append(f"{os.getloadavg()[0]:.1f} before {name}")
-        with Engine(model.params, cfg, method=method, drafter=model.drafter, budget=budget,
+        with Engine(model.params, cfg, method=method, drafter=model.drafter, budget=64 if budget is None else budget,
                     max_budget=args.max_budget, cost_model=args.cost_model, max_batch=args.max_batch,
                     max_context=args.max_context, chunk_steps=args.chunk_steps, eos_id=model.tokenizer.eos_id,
                     warmup=warmup) as engine:

@@ -90,22 +90,26 @@ def summarize(concurrency: int, results: list[dict], wall: float) -> dict:
                 ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)))
 
 
+COUNTERS = ("row_steps_total", "step_tokens_total", "verified_nodes_total")  # a kdtree-jax server's, in /metrics
+
+
 def _counters(url: str, timeout: float) -> dict[str, float]:
     """The server's request-step counters from /metrics (a kdtree-jax server; empty for other servers)."""
     with httpx.Client(base_url=url, timeout=timeout) as c:
         r = c.get("/metrics")
     if r.status_code != 200:
         return {}
-    names = ("row_steps_total", "step_tokens_total", "verified_nodes_total")
     found = {m.group(1): float(m.group(2)) for m in re.finditer(r"^kdtree_(\w+) (\S+)$", r.text, re.M)}
-    return {n: found[n] for n in names if n in found}
+    return {n: found[n] for n in COUNTERS if n in found}
 
 
 def _steps(before: dict, after: dict) -> dict:
     """tau (tokens per request-step) and draft nodes verified per request-step between two readings of the
     counters; nothing where the server does not count them."""
-    steps = after.get("row_steps_total", 0) - before.get("row_steps_total", 0)
-    if steps <= 0 or "verified_nodes_total" not in after:
+    if not all(n in before and n in after for n in COUNTERS):
+        return {}
+    steps = after["row_steps_total"] - before["row_steps_total"]
+    if steps <= 0:
         return {}
     return dict(tau=(after["step_tokens_total"] - before["step_tokens_total"]) / steps,
                 nodes_per_step=(after["verified_nodes_total"] - before["verified_nodes_total"]) / steps)
@@ -161,7 +165,9 @@ def markdown(runs: list[dict], title: str, note: str = "") -> str:
     lines = [f"# {title}", ""] + ([note, ""] if note else [])
     for run_ in runs:
         s, srv = run_["setup"], run_["setup"]["server"]
-        lines += [f"## {srv.get('method')}" + (f" (budget {srv['budget']})" if srv.get("budget") else ""), "",
+        auto = (f", max {srv.get('max_budget')}, tiers {srv.get('tiers')}, a plan every {srv.get('replan')} steps"
+                if srv.get("budget") == "auto" else "")
+        lines += [f"## {srv.get('method')}" + (f" (budget {srv['budget']}{auto})" if srv.get("budget") else ""), "",
                   f"{s['date']}, {srv.get('device')}, commit {s['commit']}. Model {s['model']}, max_batch "
                   f"{srv.get('max_batch')}, chunk_steps {srv.get('chunk_steps')}; {s['rounds']} requests per client, "
                   f"{s['max_tokens']} tokens each (greedy, ignore_eos), held-out prompts of {s['prompt_chars']} "

@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "decoding steps run per compiled call, and a finished or disconnected request "
                                    "frees its slot at once. At temperature 0 each request gets exactly the tokens "
                                    "`generate` gives its prompt alone; a seeded sampled request gets the same tokens "
-                                   "whatever else runs.",
+                                   "whatever else runs (with a fixed --budget; not with --budget auto).",
                        epilog="request fields: max_tokens, temperature (default 1; 0 = greedy), top_p, top_k, stop, "
                               "seed (fixes every\ntoken drawn), stream, ignore_eos. Chat prompts use the checkpoint's "
                               "chat template, else one line\n'role: content' per message, then 'assistant:'.\n\n"
@@ -503,10 +503,14 @@ def serve_command(args) -> int:
                 cost_model=args.cost_model, max_batch=args.max_batch, max_context=args.max_context,
                 max_queue=args.max_queue, chunk_steps=args.chunk_steps, eos_id=tok.eos_id, seed=args.seed) as engine:
         what = f"{args.method} (budget {engine.budget})" if args.method == "ddtree" else args.method
-        _log(f"compiling {what} for {args.max_batch} slots of {engine.max_context} tokens (a warm-up request) "
-             "...")
+        if engine.chunk_steps != args.chunk_steps:
+            _log(f"--chunk-steps {args.chunk_steps} rounded up to {engine.chunk_steps}: whole windows of the "
+                 f"{engine.describe()['replan']} steps from one plan of budget auto to the next")
+        _log(f"compiling {what} for {args.max_batch} slots of {engine.max_context} tokens (warm-up requests: "
+             "greedy, sampled, sampled with top-k) ...")
         t0 = time.perf_counter()
-        engine.complete(tok.encode("def"), max_tokens=2)
+        for sampling in (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=40)):
+            engine.complete(tok.encode("def"), max_tokens=2, **sampling)  # each sampler form's program
         _log(f"compiled in {time.perf_counter() - t0:.1f} s; serving {name!r} on http://{args.host}:{args.port}")
         app = serve.create_app(engine, tok, name, serve.load_chat_template(checkpoint))
         serve.run(app, args.host, args.port)

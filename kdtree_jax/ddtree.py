@@ -273,7 +273,7 @@ def speculative(cfg: ModelConfig, method: str, drafter, budget, policy: BudgetPo
     if method == "chain":
         return Speculative(drafter, method, depth)
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"budget must be an integer >= 1 (or 'auto' in generate), got {budget!r}")
+        raise ValueError(f"budget must be an integer >= 1 (or 'auto' in generate and the serving engine), got {budget!r}")
     if budget > depth * cfg.vocab_size:
         raise ValueError(f"budget {budget} exceeds the {depth} x {cfg.vocab_size} distinct (depth, token) choices")
     if policy is not None and policy.tiers[-1] != budget:

@@ -63,8 +63,9 @@ def auto_method(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: in
                 cost_model=None) -> Method:
     """ddtree with budget="auto" for `batch` rows: trees of max_budget nodes, each step verifying the part that the
     cost model (`budget.resolve`: the given one, the saved one for this setup, or one measured now) makes pay."""
+    m = make_method(cfg, "ddtree", drafter, max_budget)  # the drafter and max_budget checked before any calibration
     cost = resolve(params, cfg, drafter, batch=batch, max_budget=max_budget, tiers=tiers, cost_model=cost_model)
-    return make_method(cfg, "ddtree", drafter, max_budget).with_policy(BudgetPolicy.choosing(cost))
+    return m.with_policy(BudgetPolicy.choosing(cost))
 
 
 def _request(params, cfg, prompts, drafter, *, max_new_tokens, method, budget, temperature, top_k, top_p, eos_id,

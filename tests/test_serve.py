@@ -261,7 +261,12 @@ def test_bench_serve_reads_tau_and_nodes_from_the_counters(served):
         assert row["tokens"] == 6 * row["concurrency"] and row["nodes_per_step"] == BUDGET
         assert 1.0 <= row["tau"] <= served["engine"]._method.tokens_per_step
     assert out["setup"]["server"]["budget"] == BUDGET
-    assert bench_serve._steps({}, {}) == {}  # a server without the counters: no per-step columns
+    full = dict(row_steps_total=4.0, step_tokens_total=10.0, verified_nodes_total=32.0)
+    assert bench_serve._steps({}, full) == {} and bench_serve._steps(full, {}) == {}  # a reading failed: no columns
+    assert bench_serve._steps(full, full) == {}  # no step between the readings
+    assert bench_serve._steps(full, dict(row_steps_total=8.0, step_tokens_total=22.0, verified_nodes_total=64.0)) == \
+        dict(tau=3.0, nodes_per_step=8.0)
+    assert bench_serve._counters(served["url"] + "/v1", 30) == {}  # no /metrics there: nothing counted
 
 
 def test_text_stream_holds_back_stop_prefixes_and_partial_characters(model):
@@ -311,7 +316,8 @@ def test_auto_budget_engine_gives_each_greedy_request_its_solo_tokens(model, sol
     """budget="auto" in the engine (a cost model that makes the planned steps verify part of the tree, a plan every
     third step, tiers 4 and 8): 10 greedy requests through 4 slots, joining mid-flight, each get exactly their solo
     tokens; the chunk is rounded up to whole windows of 3 steps; the verified nodes are counted and lie between none
-    and the whole tree; a sampled request runs to its length; bad auto arguments are clear errors."""
+    and the whole tree; a sampled request (top_k: the per-row filtered sampler in the plan) runs to its length; bad
+    auto arguments are clear errors."""
     from kdtree_jax.budget import CostModel
 
     encode = model.tokenizer.encode
@@ -326,7 +332,7 @@ def test_auto_budget_engine_gives_each_greedy_request_its_solo_tokens(model, sol
         events = {i: queue.Queue() for i in range(len(PROMPTS))}
         for i, p in enumerate(PROMPTS):
             engine.submit(encode(p), max_tokens=MAX_TOKENS[i % 2], on_event=events[i].put)
-        sampled, finish = engine.complete(encode(PROMPTS[1]), max_tokens=20, temperature=0.8, seed=7,
+        sampled, finish = engine.complete(encode(PROMPTS[1]), max_tokens=20, temperature=0.8, top_k=40, seed=7,
                                           ignore_eos=True, timeout=300)
         assert engine.wait_idle(timeout=300)
         counts = engine.snapshot()
