@@ -94,13 +94,15 @@ def part_embedded(args) -> dict:
             cost = bud.from_record(e, c)
             out["costs"][str(c)] = dict(e, kept_from=args.costs)
         else:
-            cost, meta = bud.calibrate(params, cfg, drafter, batch=c, max_budget=MAX, steps=8, log=print)
+            cost, meta = bud.calibrate(params, cfg, drafter, batch=c, max_budget=MAX, tiers=args.tiers, steps=8,
+                                       log=print)
             out["costs"][str(c)] = bud.cost_record(cost, meta)
         runs = [("ar", None)] + [("ddtree", b) for b in args.budgets]
         ar = None
         for method, b in runs:
             go = lambda: kj.generate(params, cfg, prompts, max_new_tokens=args.new_tokens, method=method,
-                                     drafter=drafter, budget=b or 64, max_budget=MAX, cost_model=cost)
+                                     drafter=drafter, budget=b or 64, max_budget=MAX, tiers=cost.tiers,
+                                     cost_model=cost)
             first = go()
             outs = [go() for _ in range(args.repeats)]
             wall = statistics.median(o.stats["wall_s"] for o in outs)
@@ -392,7 +394,7 @@ def report(args) -> None:
         m = emb["meta"]
         lines += [f"## The embedded model ({m['date']}, {m['device']}, commit {m['commit']})", "",
                   "Greedy, held-out prompts of 128 tokens, 128 new tokens each; auto: max 128 nodes, tiers "
-                  f"{'/'.join(map(str, bud.default_tiers(MAX)))}, "
+                  f"{' / '.join('/'.join(map(str, e['tiers'])) for e in emb.get('costs', {}).values())}, "
                   f"its cost model measured first in the same run. Custom calls: {m.get('ffi_ops') or 'none'}.", "",
                   "| C | budget | tokens/s | vs best fixed | tau | nodes / step | = ar |", "|---|---|---|---|---|---|---|"]
         for c in CONCURRENCY:
@@ -511,6 +513,9 @@ def main() -> None:
                          "'auto' included)")
     ap.add_argument("--costs", help="embedded: take auto's cost models from an earlier run's auto_budget_embedded.json "
                                     "(or a report's auto_budget.json) instead of calibrating")
+    ap.add_argument("--tiers", default=None,
+                    help="embedded: auto's tiers, comma-separated, the largest 128 (default: 8,16,32,64,128); 0 adds "
+                         "autoregressive steps between plans (nothing drafted)")
     ap.add_argument("--step-repeats", type=int, default=2, help="fullscale, diagnose: timed runs per cell (median)")
     ap.add_argument("--profile", action="store_true",
                     help="fullscale: kernel profiles of auto's tier-16 step and of fixed 16 at C=1 (GPU)")
@@ -527,6 +532,7 @@ def main() -> None:
     if "ar" in args.budgets and args.part != "overhead":
         ap.error("--budgets: 'ar' is for the overhead part (the other parts run ar first anyway)")
     args.lengths = [int(n) for n in args.lengths.split(",")]
+    args.tiers = tuple(int(t) for t in args.tiers.split(",")) if args.tiers else None
     if args.batches < 1:
         ap.error("--batches must be >= 1")
     if args.part == "embedded":

@@ -15,7 +15,9 @@ picks how many of its nodes the target verifies:
   no expert (`model.step(active=...)`), so the MoE reads no weights for them, and never accepted. The tiers (by
   default up to 5: max/16, max/8, max/4, max/2, max, those >= 4) are separate step programs, each in a while loop of
   its own inside the decoding loop (`decoding.run_steps`), so a step that wants few nodes does not pay for the
-  attention and dense layers of the largest, nor for a conditional.
+  attention and dense layers of the largest, nor for a conditional. A tier of 0 nodes (opt-in: `tiers=(0, ...)`)
+  verifies the bonus alone, and its steps between plans draft nothing: autoregressive steps that keep the
+  drafter's context, for where no tree pays (a launch-bound model at concurrency, a drafter gone off its text).
 * **Choice.** The tier and node count maximizing expected tokens per second, computed in the loop
   (`budget_policy`: `node_scores`, `BudgetPolicy.choose`; this module measures and keeps the cost models).
 * **How often.** The plan (the tree at the largest budget, its scores, the choice) has a cost of its own, measured
@@ -52,7 +54,7 @@ import numpy as np
 
 from .budget_policy import BudgetPolicy, CostModel, check_tiers, choose_replan, default_tiers
 from .config import ModelConfig, user_cache_dir
-from .ddtree import speculative
+from .ddtree import no_draft, speculative
 from .decoding import Sampler, _prefill_chunk, advance, start
 from .sharding import current_mesh, trace_context
 
@@ -236,23 +238,26 @@ def calibrate(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int,
             f"per step ({1e3 * switch:.2f} ms per change of tier)")
     # the plan's own cost: the smallest tier with every node (the plan runs, as it does every planned step) against
     # the fixed program of that size (no plan), from the same state; it sets how often the loop plans (`replan`)
-    fixed_time = lambda size: time_loop(speculative(cfg, "ddtree", drafter, size), params, cfg, s0, steps, repeats,
-                                        marginal)
-    fixed = fixed_time(tiers[0])
-    plan_s = points[0][-1][1] - fixed
+    # (a tier of 0 nodes drafts nothing between plans, so the smallest tier that drafts is the one compared)
+    fixed_time = lambda size: time_loop(speculative(cfg, "ddtree", drafter, size) if size else no_draft(cfg, drafter),
+                                        params, cfg, s0, steps, repeats, marginal)
+    first = next(i for i, t in enumerate(tiers) if t > 0)
+    fixed = fixed_time(tiers[first])
+    plan_s = points[first][-1][1] - fixed
     replan = choose_replan(max(plan_s, 0.0), fixed)
     done += 1
-    log(f"calibrating budget=auto [{done}/{total}]: fixed budget {tiers[0]}: {1e3 * fixed:.2f} ms per step (the plan "
-        f"costs {1e3 * plan_s:.2f} ms: plan every {replan} step{'s' if replan > 1 else ''})")
+    log(f"calibrating budget=auto [{done}/{total}]: fixed budget {tiers[first]}: {1e3 * fixed:.2f} ms per step (the "
+        f"plan costs {1e3 * plan_s:.2f} ms: plan every {replan} step{'s' if replan > 1 else ''})")
     fixed_all = None
     if replan > 1:  # most steps run a tier's fixed program: what each costs (the choice weighs them, `choose`)
-        fixed_all = [fixed]
+        fixed_all = []
         total += len(tiers) - 1
-        for size in tiers[1:]:
-            fixed_all.append(fixed_time(size))
-            done += 1
-            log(f"calibrating budget=auto [{done}/{total}]: fixed budget {size}: {1e3 * fixed_all[-1]:.2f} ms per "
-                "step")
+        for i, size in enumerate(tiers):
+            fixed_all.append(fixed if i == first else fixed_time(size))
+            if i != first:
+                done += 1
+                log(f"calibrating budget=auto [{done}/{total}]: fixed budget {size}{' (no draft)' * (size == 0)}: "
+                    f"{1e3 * fixed_all[-1]:.2f} ms per step")
     del s0  # one prefilled cache at a time (K2 at C=10 x 16k: 12 GB each, and time_loop copies it)
     far = timed(state(c1), policy.forced(len(tiers) - 1, tiers[-1]))
     near = points[-1][-1][1]

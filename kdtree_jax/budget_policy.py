@@ -55,9 +55,11 @@ def reliability_counts(scores: jax.Array, verified: jax.Array, accepted: jax.Arr
 
 
 def check_tiers(tiers, max_budget: int) -> tuple[int, ...]:
+    """The tiers sorted, checked: integers >= 0 (a tier of 0 nodes: autoregressive steps between plans, nothing
+    drafted), the largest max_budget."""
     if (not isinstance(tiers, (tuple, list)) or not tiers
-            or any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 1 for t in tiers)):
-        raise ValueError(f"tiers must be a non-empty list of integers >= 1, got {tiers!r}")
+            or any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0 for t in tiers)):
+        raise ValueError(f"tiers must be a non-empty list of integers >= 0, got {tiers!r}")
     tiers = tuple(sorted({int(t) for t in tiers}))
     if tiers[-1] != max_budget:
         raise ValueError(f"the largest tier must be max_budget {max_budget}, got tiers {tiers}")

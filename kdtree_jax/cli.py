@@ -174,12 +174,27 @@ def _budget(text: str):
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
+def _tiers(text: str) -> tuple[int, ...]:
+    """--tiers: comma-separated integers >= 0."""
+    try:
+        tiers = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(t < 0 for t in tiers):
+        raise argparse.ArgumentTypeError(f"tiers must be >= 0, got {text!r}")
+    return tiers
+
+
 def _auto_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-budget", type=int, default=64,
                    help="budget auto: the largest tree; tiers of max/16, max/8, max/4, max/2 and max nodes (those "
                         ">= 4) are compiled (default: 64)")
     g.add_argument("--cost-model", default=None, metavar="PATH",
                    help="budget auto: use this saved cost model (JSON) instead of the one kept for this setup")
+    g.add_argument("--tiers", type=_tiers, default=None, metavar="N,N,...",
+                   help="budget auto: the tree sizes compiled, comma-separated, the largest --max-budget (default: "
+                        "max/16 .. max as above); 0 adds autoregressive steps: between plans nothing is drafted, for "
+                        "where no tree pays (a cost model is measured per set of tiers)")
 
 
 def _common(g: argparse.ArgumentParser, hosts: bool = True) -> None:
@@ -328,7 +343,7 @@ def _stream(params, cfg, tok, drafter, ids: list[int], args) -> dict:
 
     def chunks():
         return stream(params, cfg, ids, max_new_tokens=args.max_new_tokens, method=args.method, drafter=drafter,
-                      budget=args.budget, max_budget=args.max_budget, cost_model=args.cost_model,
+                      budget=args.budget, max_budget=args.max_budget, cost_model=args.cost_model, tiers=args.tiers,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed, eos_id=tok.eos_id)
 
@@ -421,7 +436,7 @@ def bench_command(args) -> int:
     for method, budget in configs:
         run = lambda: kj.generate(params, cfg, prompts, max_new_tokens=args.max_new_tokens, method=method,
                                   drafter=drafter, budget=budget, max_budget=args.max_budget,
-                                  cost_model=args.cost_model)
+                                  cost_model=args.cost_model, tiers=args.tiers)
         first = run()
         outs = [run() for _ in range(args.repeats)]
         wall = statistics.median(o.stats["wall_s"] for o in outs)
@@ -455,10 +470,12 @@ def _calibrate(params, cfg, drafter, args) -> None:
 
     if drafter is None:
         raise ValueError("--calibrate measures ddtree's steps and needs a drafter; this model has none")
-    tiers = budget.default_tiers(args.max_budget)
+    tiers = budget.check_tiers(budget.default_tiers(args.max_budget) if args.tiers is None else args.tiers,
+                               args.max_budget)
     with trace_context(params, cfg):
         path = args.cost_model or budget.cost_path(budget.setup_key(cfg, drafter, args.batch, tiers))
-    cost, meta = budget.calibrate(params, cfg, drafter, batch=args.batch, max_budget=args.max_budget, log=_log)
+    cost, meta = budget.calibrate(params, cfg, drafter, batch=args.batch, max_budget=args.max_budget, tiers=tiers,
+                                  log=_log)
     budget.save(cost, path, meta)
     _log(f"cost model saved to {path}")
     for size, pts in zip(cost.tiers, cost.points()):
@@ -500,7 +517,7 @@ def serve_command(args) -> int:
     checkpoint = args.model if args.model not in (None, "builtin") else None
     name = args.served_model_name or (os.path.basename(os.path.normpath(checkpoint)) if checkpoint else "builtin")
     with Engine(params, cfg, method=args.method, drafter=drafter, budget=args.budget, max_budget=args.max_budget,
-                cost_model=args.cost_model, max_batch=args.max_batch, max_context=args.max_context,
+                tiers=args.tiers, cost_model=args.cost_model, max_batch=args.max_batch, max_context=args.max_context,
                 max_queue=args.max_queue, chunk_steps=args.chunk_steps, eos_id=tok.eos_id, seed=args.seed) as engine:
         what = f"{args.method} (budget {engine.budget})" if args.method == "ddtree" else args.method
         if engine.chunk_steps != args.chunk_steps:

@@ -71,6 +71,13 @@ def verify(params: Params, cfg: ModelConfig, tree: DraftTree, cache: KVCache, ke
     return sampler.choose(res.logits, key), res
 
 
+def root_tree(bonus: jax.Array) -> DraftTree:
+    """The tree of the bonus alone: a step that verifies it is an autoregressive step (nothing drafted)."""
+    b = bonus.shape[0]
+    return DraftTree(tokens=bonus[:, None].astype(jnp.int32), parents=jnp.full((b, 1), -1, jnp.int32),
+                     depths=jnp.zeros((b, 1), jnp.int32), visibility=jnp.ones((b, 1, 1), bool))
+
+
 def subtree(tree: DraftTree, n: int) -> DraftTree:
     """The first n nodes (root included) of a tree stored in build order: itself a tree (parents come first)."""
     return DraftTree(tree.tokens[:, :n], tree.parents[:, :n], tree.depths[:, :n], tree.visibility[:, :n, :n])
@@ -164,7 +171,10 @@ class Speculative:
 
     def fixed_plan(self, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler, tier: int) -> DraftTree:
         """budget="auto", a step between plans: draft -> the tree at tier `tier`'s size, which the step verifies
-        whole, unmasked: the fixed budget of that size (no scores, no choice, no mask)."""
+        whole, unmasked: the fixed budget of that size (no scores, no choice, no mask). A tier of 0 nodes drafts
+        nothing: its steps are autoregressive steps (the target's token after the bonus, the drafter's context kept)."""
+        if self.policy.tiers[tier] == 0:
+            return root_tree(s.last)
         with jax.named_scope("draft"):
             draft_logits = self.propose(params, cfg, s, sampler)
         with jax.named_scope("tree_build"):
@@ -197,6 +207,8 @@ class Speculative:
             if isinstance(plan[1], DraftTree):  # a step between plans (`fixed_plan`): the whole tree, unmasked
                 return self._verify_tree(params, cfg, s, plan[1], key, sampler, padded=True)
             return self._step_auto(params, cfg, s, plan[0], plan[1], key, sampler)
+        if self.tree_nodes == 0:  # the fixed program of an auto tier of 0 nodes (`no_draft`): nothing drafted
+            return self._verify_tree(params, cfg, s, root_tree(s.last), key, sampler)
         with jax.named_scope("draft"):
             draft_logits = self.propose(params, cfg, s, sampler)  # [B, L, V]
         with jax.named_scope("tree_build"):
@@ -273,9 +285,17 @@ def speculative(cfg: ModelConfig, method: str, drafter, budget, policy: BudgetPo
     if method == "chain":
         return Speculative(drafter, method, depth)
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"budget must be an integer >= 1 (or 'auto' in generate and the serving engine), got {budget!r}")
+        raise ValueError(f"budget must be an integer >= 1 (or 'auto' in generate and the serving engine), got "
+                         f"{budget!r}")
     if budget > depth * cfg.vocab_size:
         raise ValueError(f"budget {budget} exceeds the {depth} x {cfg.vocab_size} distinct (depth, token) choices")
     if policy is not None and policy.tiers[-1] != budget:
         raise ValueError(f"the budget policy's largest tier {policy.tiers[-1]} must be the budget {budget}")
     return Speculative(drafter, method, budget, policy)
+
+
+def no_draft(cfg: ModelConfig, drafter) -> Speculative:
+    """The fixed program of budget="auto"'s tier of 0 nodes: ddtree steps that draft nothing and verify the bonus
+    alone (autoregressive steps that keep the drafter's context), for calibration to time."""
+    drafter.check(cfg)
+    return Speculative(drafter, "ddtree", 0)

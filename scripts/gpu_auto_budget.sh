@@ -17,6 +17,7 @@
 #                   embedded model's launch-bound steps are slower while the full-scale part compiles next to it
 # Logs and JSON under $OUT; then, on any machine: python benchmarks/auto_budget.py report --out DIR --commit HASH
 #   OUT=/tmp/out KDTREE_COMMIT=<hash> PART=embedded FULL_JSON=scratch/auto_budget_fullscale.json bash scripts/gpu_auto_budget.sh
+# EMB_TIERS: auto's tiers in the embedded part (e.g. 0,8,16,32,64,128: autoregressive steps among the choices).
 # Environment: FULL_LIMIT / EMB_LIMIT (seconds, default 540 / 450), CELL_BUDGET (the full-scale part starts no new
 # cell after this many seconds, default 420), STEPS (k of the full-scale timing, default 4), CONC (full-scale batch
 # sizes, default 1), REPORT_LIMIT (seconds, default 300) and BATCHES (the projection's batches per cell, default 12;
@@ -40,7 +41,7 @@ embedded() {  # $1: the GPU; $2, $3, $4 (optional): the batch sizes, the budgets
   local out=${4:-$OUT}
   mkdir -p "$out"
   CUDA_VISIBLE_DEVICES=$1 timeout -k 5 "${EMB_LIMIT:-450}" python3 benchmarks/auto_budget.py embedded --out "$out" \
-    --commit "$C" --concurrency "${2:-1,10}" --budgets "${3:-8,16,32,64,128,auto}" 2>&1 |
+    --commit "$C" --concurrency "${2:-1,10}" --budgets "${3:-8,16,32,64,128,auto}" ${EMB_TIERS:+--tiers "$EMB_TIERS"} 2>&1 |
     grep -v -i "warn\|donat" > "$out/emb.log"
   if [ -n "${FULL_JSON:-}" ]; then
     cp "$FULL_JSON" "$OUT/auto_budget_fullscale.json"

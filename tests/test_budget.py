@@ -228,6 +228,41 @@ def test_auto_with_partial_acceptance_is_lossless(model):
     assert sum(h > 0 for h in out.stats["nodes_histogram"]) >= 3 and out.stats["tau_histogram"][1] > 0
 
 
+def test_a_tier_of_no_nodes_runs_autoregressive_steps(model):
+    """tiers (0, 4, 16), a plan every third step, tier 0's steps (the bonus alone, nothing drafted) half the price
+    of a planned step and half of tier 4's: with the random drafter (its path probabilities near 1/V) no tree pays
+    and every step verifies no node (tau 1); with a sharp oracle drafter (paths of probability ~1) the trees pay and
+    no step is autoregressive. Both give exactly the AR tokens."""
+    cfg, params, drafter, ar = model
+    tiers, b = (0, 4, 16), len(PROMPTS)
+    cost = CostModel.from_points(tiers, b, [[(b, 1.0)]] + [[(1, 1.0 + 0.1 * i), (1e5, 1.0 + 0.1 * i + 0.02 * 1e5)]
+                                                          for i in (1, 2)], replan=3, fixed=[0.5, 1.0, 1.2])
+    run = lambda d: kj.generate(params, cfg, PROMPTS, max_new_tokens=24, method="ddtree", drafter=d, budget="auto",
+                                max_budget=16, tiers=tiers, cost_model=cost)
+    plain = run(drafter)
+    assert plain.tokens == ar
+    assert plain.stats["nodes_histogram"] == [sum(plain.stats["tau_histogram"])] and plain.stats["tau"] == 1.0
+    sharp = run(OracleDrafter(8, 8.0, 0.0))
+    assert sharp.tokens == ar
+    assert sharp.stats["nodes_histogram"][0] == 0 and sharp.stats["tau"] > 2
+
+
+def test_calibration_times_a_tier_of_no_nodes(model, monkeypatch):
+    """Calibration with tiers (0, 8): tier 0 has one point (the roots alone); its fixed program (`no_draft`) is
+    timed; the plan's own cost is measured against the smallest tier that drafts (8)."""
+    cfg, params, drafter, _ = model
+    monkeypatch.setattr(bud, "choose_replan", lambda plan_s, step_s: 3)  # the fixed programs are timed too
+    small = dataclasses.replace(cfg, max_position_embeddings=256)
+    logs = []
+    cost, meta = bud.calibrate(params, small, drafter, batch=2, max_budget=8, tiers=(0, 8), steps=1, repeats=1,
+                               log=logs.append)
+    assert cost.tiers == (0, 8) and cost.replan == 3
+    assert {m for m, _ in cost.points()[0]} == {2.0}  # tier 0: the two rows' roots
+    fixed = np.asarray(cost.fixed)
+    assert fixed.shape == (2,) and np.all(fixed > 0) and fixed[1] == pytest.approx(meta["fixed_seconds"], rel=1e-6)
+    assert sum("fixed budget 0 (no draft)" in line for line in logs) == 1
+
+
 def test_switch_loop_makes_the_same_steps_as_the_phase_loops(model, monkeypatch):
     """KDTREE_JAX_AUTO_LOOP=switch (one while loop, a lax.switch per window) runs the same steps as the default
     loops (one per tier): the AR tokens and the same nodes per step, planning every third step (windows of a planned

@@ -91,25 +91,27 @@ def test_bench_rows_are_lossless_and_written(tmp_path, capsys):
 
 
 def test_bench_calibrates_and_runs_auto(tmp_path, capsys, monkeypatch):
-    """bench --calibrate measures budget='auto''s cost model once and saves it; the auto row finds it, is lossless,
-    and generate --budget auto reuses it without measuring again."""
+    """bench --calibrate measures budget='auto''s cost model once and saves it (tiers 0 and 8: autoregressive steps
+    among the choices); the auto row finds it, is lossless, and generate --budget auto reuses it without measuring
+    again."""
     import json
 
     from kdtree_jax import budget
 
     monkeypatch.setenv("KDTREE_JAX_COSTS", str(tmp_path / "costs"))
     path = tmp_path / "bench.json"
-    assert main(["bench", "--methods", "ddtree", "--budgets", "8,auto", "--max-budget", "8", "--batch", "1",
+    assert main(["bench", "--methods", "ddtree", "--budgets", "8,auto", "--max-budget", "8", "--tiers", "0,8",
+                 "--batch", "1",
                  "--prompt-len", "32", "--max-new-tokens", "12", "--repeats", "1", "--calibrate", "--json",
                  str(path)]) == 0
     out = capsys.readouterr()
-    assert "cost model saved to" in out.err and "tier    8:" in out.out
+    assert "cost model saved to" in out.err and "tier    0:" in out.out and "tier    8:" in out.out
     assert len(list((tmp_path / "costs").glob("*.json"))) == 1
     rows = json.loads(path.read_text())["rows"]
     assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("ddtree", 8), ("ddtree", "auto")]
     assert all(r["equal_ar"] for r in rows) and 0 <= rows[2]["nodes"] <= 8
     monkeypatch.setattr(budget, "calibrate", lambda *a, **k: pytest.fail("measured again"))
-    assert main(["generate", "--method", "ddtree", "--budget", "auto", "--max-budget", "8",
+    assert main(["generate", "--method", "ddtree", "--budget", "auto", "--max-budget", "8", "--tiers", "0,8",
                  "--max-new-tokens", "8"]) == 0
     assert "budget=auto nodes=" in capsys.readouterr().out
 
@@ -127,3 +129,10 @@ def test_bench_calibrates_and_runs_auto(tmp_path, capsys, monkeypatch):
 def test_bench_bad_arguments(argv, message, capsys):
     assert main(["bench", "--repeats", "1", "--max-new-tokens", "4", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tiers, message", [("0,-8", "tiers must be >= 0"), ("0,x", "comma-separated integers")])
+def test_bad_tiers_are_usage_errors(tiers, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--tiers", tiers])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
