@@ -114,7 +114,8 @@ class RowSampler:
 
     A row's draws depend on its own key alone: `choose(logits, key)` folds the call's `key` (the same for every row)
     into each row's key and draws each row with its own. The engine keeps each row's key, splits it once per call,
-    and starts every call from the same loop key, so a seeded request gets the same tokens whatever else runs (fixed budgets: see `Engine`)."""
+    and starts every call from the same loop key, so a seeded request gets the same tokens whatever else runs
+    (with a fixed budget: see `Engine`)."""
 
     temperature: jax.Array  # f32 [B]    0: greedy
     top_k: jax.Array  # int32 [B]        0: all tokens
@@ -346,8 +347,8 @@ class Engine:
                seed: int | None = None, ignore_eos: bool = False) -> int:
         """Queue one request; returns its id. on_event(Event) is called on the engine thread with each batch of new
         tokens, the last time with `finish` set. Sampling as `decoding.Sampler(temperature, top_k, top_p)` (greedy at
-        temperature 0); `seed` fixes every token drawn, whatever else runs (not with budget="auto": see the class; None: one from
-        the engine's generator).
+        temperature 0); `seed` fixes every token drawn, whatever else runs (not with budget="auto": see the class;
+        None: one from the engine's generator).
         ValueError/TypeError for bad inputs (with the reason: token ids, max_tokens, temperature, top_k, top_p, seed;
         ContextOverflow when they do not fit a row), QueueFull, EngineClosed."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:

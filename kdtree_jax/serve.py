@@ -6,8 +6,8 @@ ending with `data: [DONE]`), GET /v1/models, /health and /metrics (Prometheus te
 Request fields: model (the served name), prompt or messages, max_tokens (chat: max_completion_tokens too),
 temperature (default 1, as OpenAI's API; 0 is greedy), top_p (in (0, 1]), top_k (vLLM's extension: an integer >= 1;
 absent, 0 or -1: none), each request its own, stop (a string or a list of up to 4), seed (fixes every token drawn,
-whatever else is in flight, with a fixed budget; absent: the server picks one), stream, stream_options.include_usage, n (1 only),
-ignore_eos (vLLM's extension: run to max_tokens). Other fields are ignored.
+whatever else is in flight, with a fixed budget; absent: the server picks one), stream, stream_options.include_usage,
+n (1 only), ignore_eos (vLLM's extension: run to max_tokens). Other fields are ignored.
 Errors are OpenAI-style JSON {"error": {"message", "type", "param", "code"}}: 400 for a bad request (context overflow,
 unknown model, bad parameter), 429 when the waiting queue is full, 500 when the model fails on a request, 503 when the
 engine is down. A client that disconnects, or a stop string, cancels its request and frees its slot.
@@ -374,8 +374,8 @@ class Server:
         tau = s["step_tokens"] / s["row_steps"] if s["row_steps"] else 0.0
         metric("tau", "gauge", "Tokens committed per request per decoding step, since the start.", [("", tau)])
         nodes = s["step_nodes"] / s["row_steps"] if s["row_steps"] else 0.0
-        metric("verified_nodes_per_step", "gauge", "Draft nodes verified per request per decoding step, since the start "
-               "(budget auto: what the cost model chose).", [("", nodes)])
+        metric("verified_nodes_per_step", "gauge", "Draft nodes verified per request per decoding step, since the "
+               "start (budget auto: what the cost model chose).", [("", nodes)])
         metric("step_seconds", "gauge", "Wall time of one decoding step of the batch, in the latest chunk.",
                [("", s["last_step_seconds"])])
         metric("queue_depth", "gauge", "Requests waiting for a slot.", [("", s["queue_depth"])])
