@@ -28,6 +28,9 @@ def main() -> None:
     ap.add_argument("--cost-model", default=None, metavar="PATH",
                     help="budget auto: a saved cost model for --max-batch rows (default: the one kept for this setup, "
                          "else measured when the engine starts)")
+    ap.add_argument("--tiers", default=None, metavar="SIZES",
+                    help="budget auto: the tree sizes compiled, comma-separated, 0 allowed (autoregressive steps where "
+                         "no tree pays; default: the engine's)")
     ap.add_argument("--max-batch", type=int, default=10, help="server slots (default: 10)")
     ap.add_argument("--chunk-steps", type=int, default=4, help="decoding steps per compiled call (default: 4)")
     ap.add_argument("--max-context", type=int, default=512, help="cache slots per request (default: 512)")
@@ -50,6 +53,7 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = bench_serve.heldout_prompts(max(levels) * args.rounds, args.prompt_chars, 0)  # those `run` sends
     warmup = tuple(sorted({len(model.tokenizer.encode(p)) for p in prompts}))
+    tiers = None if args.tiers is None else tuple(int(t) for t in args.tiers.split(","))
     budgets = [b.strip() if b.strip() == "auto" else int(b) for b in args.budget.split(",")]
     methods = [m.strip() for m in args.methods.split(",")]
     jobs = [(m, b) for m in methods for b in (budgets if m == "ddtree" else [None])]
@@ -59,7 +63,7 @@ def main() -> None:
         print(f"## {name}", flush=True)
         loads.append(f"{os.getloadavg()[0]:.1f} before {name}")
         with Engine(model.params, cfg, method=method, drafter=model.drafter, budget=64 if budget is None else budget,
-                    max_budget=args.max_budget, cost_model=args.cost_model, max_batch=args.max_batch,
+                    max_budget=args.max_budget, cost_model=args.cost_model, tiers=tiers, max_batch=args.max_batch,
                     max_context=args.max_context, chunk_steps=args.chunk_steps, eos_id=model.tokenizer.eos_id,
                     warmup=warmup) as engine:
             server = BackgroundServer(create_app(engine, model.tokenizer, "builtin"))
