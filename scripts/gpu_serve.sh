@@ -25,5 +25,5 @@ if [ "${SERVE_TESTS:-0}" = 1 ]; then
   echo "tests rc=$?"; grep -E "^(FAILED|ERROR)| passed| failed" "$OUT/gpu_tests.log" | tail -14
 fi
 timeout -k 5 "${BENCH_LIMIT:-420}" python3 benchmarks/bench_serve.py --name bench_serve_h200 --out "$OUT" \
-  ${FFI_OPS:+--ffi-ops "$FFI_OPS"} "$@" 2>&1 | grep -v -i "warn\|donat" | tee "$OUT/bench_serve.log"
+  ${FFI_OPS:+--ffi-ops "$FFI_OPS"} "$@" 2>&1 | grep --line-buffered -v -i "warn\|donat" | tee "$OUT/bench_serve.log"
 echo "bench rc=${PIPESTATUS[0]}"
