@@ -58,6 +58,16 @@ def main() -> None:
     methods = [m.strip() for m in args.methods.split(",")]
     jobs = [(m, b) for m in methods for b in (budgets if m == "ddtree" else [None])]
     runs, loads = [], []
+    title = "kdtree-jax serve, embedded model: throughput and time to first token by concurrency"
+
+    def note(loads: list[str]) -> str:
+        return (f"Each decoding step computes all {args.max_batch} slots, free ones included (fixed shapes). Where "
+                "the step is compute-bound (a CPU) a low concurrency pays for the empty slots and speculation pays "
+                "for every tree node; on a GPU, where a step of a small batch is bound by reading the weights, both "
+                f"cost little. Kernels: {'custom calls ' + args.ffi_ops + ', the rest' if args.ffi_ops else 'all'} "
+                f"in pure JAX. Other jobs may share the machine: 1-minute load average {', '.join(loads)} (on "
+                f"{os.cpu_count()} cores).")
+
     for method, budget in jobs:
         name = f"{method} {budget}" if method == "ddtree" else method
         print(f"## {name}", flush=True)
@@ -72,14 +82,9 @@ def main() -> None:
                                             prompt_chars=args.prompt_chars, log=lambda line: print(line, flush=True)))
             finally:
                 server.stop()
-    title = "kdtree-jax serve, embedded model: throughput and time to first token by concurrency"
-    note = (f"Each decoding step computes all {args.max_batch} slots, free ones included (fixed shapes). Where the "
-            "step is compute-bound (a CPU) a low concurrency pays for the empty slots and speculation pays for every "
-            "tree node; on a GPU, where a step of a small batch is bound by reading the weights, both cost little. "
-            f"Kernels: {'custom calls ' + args.ffi_ops + ', the rest' if args.ffi_ops else 'all'} in pure JAX. "
-            f"Other jobs may share the machine: 1-minute load average {', '.join(loads)} (on {os.cpu_count()} "
-            "cores).")
-    print("wrote", ", ".join(bench_serve.write(runs, args.out, args.name, title, note)))
+        # what has run so far, in case a later engine fails or the call runs out of time
+        bench_serve.write(runs, args.out, args.name, title, note(loads), with_plot=False)
+    print("wrote", ", ".join(bench_serve.write(runs, args.out, args.name, title, note(loads))))
 
 
 if __name__ == "__main__":

@@ -207,13 +207,17 @@ def plot(runs: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def write(runs: list[dict], out_dir: str, name: str, title: str, note: str = "") -> list[str]:
-    """name.json, name.md and name.png in out_dir; returns their paths."""
+def write(runs: list[dict], out_dir: str, name: str, title: str, note: str = "", *, with_plot: bool = True) -> list[str]:
+    """name.json, name.md and (with_plot) name.png in out_dir, each written whole (a temporary file renamed into
+    place), so a benchmark can write the runs it has after each one and a later failure loses only what follows.
+    Returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, name)
-    with open(base + ".json", "w") as f:
-        json.dump(runs, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(markdown(runs, title, note))
+    for ext, text in ((".json", json.dumps(runs, indent=1)), (".md", markdown(runs, title, note))):
+        with open(base + ext + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(base + ext + ".tmp", base + ext)
+    if not with_plot:
+        return [base + ".json", base + ".md"]
     plot(runs, base + ".png", title)
     return [base + ext for ext in (".json", ".md", ".png")]

@@ -269,6 +269,23 @@ def test_bench_serve_reads_tau_and_nodes_from_the_counters(served):
     assert bench_serve._counters(served["url"] + "/v1", 30) == {}  # no /metrics there: nothing counted
 
 
+def test_bench_serve_writes_the_runs_so_far_whole(served, tmp_path):
+    """The benchmark writes its tables after each engine (a later failure keeps them): without the plot, json and md
+    only, each replaced whole (no temporary left), the json readable back as the runs."""
+    from kdtree_jax import bench_serve
+
+    run = bench_serve.run(served["url"], [1], rounds=1, max_tokens=4, prompt_chars=24, log=lambda line: None)
+    paths = bench_serve.write([run], str(tmp_path), "partial", "title", "note", with_plot=False)
+    assert sorted(os.path.basename(p) for p in paths) == ["partial.json", "partial.md"]
+    assert sorted(os.listdir(tmp_path)) == ["partial.json", "partial.md"]
+    with open(tmp_path / "partial.json") as f:
+        assert json.load(f)[0]["rows"][0]["tokens"] == 4
+    bench_serve.write([run, run], str(tmp_path), "partial", "title", with_plot=False)  # the next engine's runs
+    with open(tmp_path / "partial.json") as f:
+        assert len(json.load(f)) == 2
+    assert (tmp_path / "partial.md").read_text().count(f"## {run['setup']['server']['method']}") == 2
+
+
 def test_text_stream_holds_back_stop_prefixes_and_partial_characters(model):
     ts = TextStream(model.tokenizer, ["STOP", "Q"], eos_id=model.tokenizer.eos_id)
     assert ts.feed(list(b"abcST")) == "abc"  # "ST" could begin "STOP"
