@@ -13,7 +13,8 @@ import dataclasses
 import os
 
 import kdtree_jax as kj
-from kdtree_jax import bench_serve
+from kdtree_jax import bench_serve, cli
+from kdtree_jax.budget_policy import check_tiers
 from kdtree_jax.engine import Engine
 from kdtree_jax.serve import BackgroundServer, create_app
 
@@ -28,7 +29,7 @@ def main() -> None:
     ap.add_argument("--cost-model", default=None, metavar="PATH",
                     help="budget auto: a saved cost model for --max-batch rows (default: the one kept for this setup, "
                          "else measured when the engine starts)")
-    ap.add_argument("--tiers", default=None, metavar="SIZES",
+    ap.add_argument("--tiers", default=None, metavar="SIZES", type=cli._tiers,
                     help="budget auto: the tree sizes compiled, comma-separated, 0 allowed (autoregressive steps where "
                          "no tree pays; default: the engine's)")
     ap.add_argument("--max-batch", type=int, default=10, help="server slots (default: 10)")
@@ -45,6 +46,15 @@ def main() -> None:
                     help="output directory (default: benchmarks/results)")
     ap.add_argument("--name", default="bench_serve", help="output file name without extension")
     args = ap.parse_args()
+    budgets = [b.strip() if b.strip() == "auto" else int(b) for b in args.budget.split(",")]
+    tiers = args.tiers
+    if tiers is not None:  # checked before any engine runs, not when the auto one starts
+        if "auto" not in budgets:
+            ap.error("--tiers: for budget auto only (add auto to --budget)")
+        try:
+            tiers = check_tiers(tiers, args.max_budget)
+        except ValueError as e:
+            ap.error(f"--tiers: {e}")
 
     model = kj.load("builtin")
     cfg = model.cfg
@@ -53,8 +63,6 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = bench_serve.heldout_prompts(max(levels) * args.rounds, args.prompt_chars, 0)  # those `run` sends
     warmup = tuple(sorted({len(model.tokenizer.encode(p)) for p in prompts}))
-    tiers = None if args.tiers is None else tuple(int(t) for t in args.tiers.split(","))
-    budgets = [b.strip() if b.strip() == "auto" else int(b) for b in args.budget.split(",")]
     methods = [m.strip() for m in args.methods.split(",")]
     jobs = [(m, b) for m in methods for b in (budgets if m == "ddtree" else [None])]
     runs, loads = [], []

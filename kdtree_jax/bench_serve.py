@@ -214,9 +214,14 @@ def write(runs: list[dict], out_dir: str, name: str, title: str, note: str = "",
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, name)
     for ext, text in ((".json", json.dumps(runs, indent=1)), (".md", markdown(runs, title, note))):
-        with open(base + ext + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(base + ext + ".tmp", base + ext)
+        tmp = base + ext + ".tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, base + ext)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     if not with_plot:
         return [base + ".json", base + ".md"]
     plot(runs, base + ".png", title)

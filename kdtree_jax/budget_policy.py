@@ -208,19 +208,26 @@ class BudgetPolicy:
         return self.cost.replan
 
     def choose(self, scores: jax.Array, visibility: jax.Array, live: jax.Array, context: jax.Array,
-               current: int | None = None) -> tuple[jax.Array, jax.Array]:
+               current: int | None = None, depths: jax.Array | None = None,
+               room: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """(tier index int32 [], active bool [B, N+1]) for a tree of N nodes below the root: scores f32 [B, N+1] the
         nodes' log path probabilities (root first, non-increasing along every path), visibility bool [B, N+1, N+1]
         (ancestors), live bool [B] (rows still decoding: the others verify nothing), context int32 [B] (cached
         tokens), current: the tier index of the step before (static; None: none, no tier pays the switch). The
         active nodes of a row are prefix-closed and lie in the first tiers[tier] nodes. The choice maximizes
         expected tokens per second: with replan r > 1, over this step and the r - 1 steps of the tier's fixed
-        program after it (each expected to gain what the tier's whole tree would now, at `CostModel.fixed`)."""
+        program after it (each expected to gain what the tier's whole tree would now, at `CostModel.fixed`).
+        depths int32 [B, N+1] (root 0) and room int32 [B] (tokens each row may still commit): a row commits at most
+        room tokens, so its nodes deeper than room - 1 gain nothing (the expected tokens are E[min(A + 1, room)] for
+        A accepted nodes) and are never chosen for their gain."""
         b, n1 = scores.shape
         n = n1 - 1
         tiers = self.tiers
         idx = jnp.arange(n)
-        p = jnp.where(live[:, None], jnp.exp(scores[:, 1:]), 0.0).reshape(-1)  # [B N]
+        useful = live[:, None]
+        if depths is not None and room is not None:
+            useful = useful & (depths[:, 1:] < room[:, None])
+        p = jnp.where(useful, jnp.exp(scores[:, 1:]), 0.0).reshape(-1)  # [B N]
         n_live = jnp.sum(live).astype(jnp.float32)
         ctx = jnp.sum(jnp.where(live, context, 0)).astype(jnp.float32)
         # one sort for every tier: a tier's m best nodes are its first m among all nodes by probability (ties:

@@ -192,7 +192,9 @@ class Speculative:
             tree = self.build(cfg, draft_logits, s.last)
         with jax.named_scope("choose_budget"):
             scores = node_scores(draft_logits, tree.tokens, tree.depths, tree.visibility)
-            tier, active = self.policy.choose(scores, tree.visibility, ~s.done, s.cache.lengths, current)
+            room = s.out.shape[1] - s.num_out  # tokens each row may still commit (the engine offsets num_out)
+            tier, active = self.policy.choose(scores, tree.visibility, ~s.done, s.cache.lengths, current,
+                                              depths=tree.depths, room=room)
         return tier, _Plan(tree, active, scores)
 
     def step(self, params, cfg, s: DecodeState, key, sampler: Sampler, plan=None) -> Committed:

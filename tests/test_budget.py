@@ -193,6 +193,28 @@ def test_choose_replan():
     assert policy.replan == 5 and policy.forced(0, 4).replan == 1 and policy.alternating(8).replan == 1
 
 
+def test_choose_values_no_node_past_a_rows_room():
+    """A row that may commit only `room` more tokens gains nothing from nodes deeper than room - 1 (E[min(A + 1,
+    room)]): with a flat cost every useful node is taken and no deeper one; room large enough changes nothing; the
+    numbers are those of the brute-force gain in numpy."""
+    b, n = 3, 16
+    logits, tree = _random_tree(b, n, 6, 3, 2)  # a small vocabulary: deep, probable paths
+    scores = node_scores(logits, tree.tokens, tree.depths, tree.visibility)
+    live, ctx = jnp.array([True, True, True]), jnp.zeros(3)
+    depths = np.asarray(tree.depths)[:, 1:]
+    cost = CostModel.from_points((n,), b, [[(1, 1.0), (1e5, 1.0)]])  # flat: every gain is worth its node
+    choose = jax.jit(BudgetPolicy.choosing(cost).choose)
+    _, free = choose(scores, tree.visibility, live, ctx, depths=tree.depths, room=jnp.full((b,), 100))
+    _, none_given = choose(scores, tree.visibility, live, ctx)
+    np.testing.assert_array_equal(np.asarray(free), np.asarray(none_given))
+    assert np.asarray(free)[:, 1:].all() and depths.max() >= 3  # every node, some deeper than the rooms below
+    room = jnp.array([1, 2, 3])
+    _, capped = choose(scores, tree.visibility, live, ctx, depths=tree.depths, room=room)
+    capped = np.asarray(capped)[:, 1:]
+    np.testing.assert_array_equal(capped, depths < np.asarray(room)[:, None])  # exactly the useful nodes
+    assert not capped[0].any() and capped[2].any()  # room 1: the bonus alone
+
+
 def test_choice_between_plans_weighs_the_fixed_programs():
     """Planned steps of both tiers cost the same, so planning every step takes the larger tier (it gains more); the
     larger tier's fixed program costs 3x the smaller's, so with a plan every 4th step (3 fixed steps after each) the
@@ -333,11 +355,12 @@ def test_auto_changing_tier_every_step_is_lossless(model):
 
 def test_auto_sampling_matches_target_distribution(model):
     """At temperature > 0 with filters, auto's second token follows the target's marginal (as for fixed budgets,
-    tests/test_ddtree.py), while the cost model has part of every tree masked."""
+    tests/test_ddtree.py), while the cost model has part of every tree masked (3 tokens: the first decoding step
+    has room for 2, so its depth-1 nodes count)."""
     cfg, params, _, _ = model
     prompt, n = [9, 8, 7, 6], 2000
     sampling = dict(temperature=0.8, top_k=40, top_p=0.9)
-    out = kj.generate(params, cfg, [prompt] * n, max_new_tokens=2, method="ddtree", drafter=OracleDrafter(8),
+    out = kj.generate(params, cfg, [prompt] * n, max_new_tokens=3, method="ddtree", drafter=OracleDrafter(8),
                       budget="auto", max_budget=16, tiers=(4, 16), cost_model=_cost((4, 16), n, 2e-5), seed=7,
                       **sampling)
     toks = np.array(out.tokens)

@@ -284,6 +284,10 @@ def test_bench_serve_writes_the_runs_so_far_whole(served, tmp_path):
     with open(tmp_path / "partial.json") as f:
         assert len(json.load(f)) == 2
     assert (tmp_path / "partial.md").read_text().count(f"## {run['setup']['server']['method']}") == 2
+    (tmp_path / "broken.json").mkdir()  # a write that fails: its temporary file is removed, nothing half-written
+    with pytest.raises(OSError):
+        bench_serve.write([run], str(tmp_path), "broken", "title", with_plot=False)
+    assert sorted(os.listdir(tmp_path)) == ["broken.json", "partial.json", "partial.md"]
 
 
 def test_text_stream_holds_back_stop_prefixes_and_partial_characters(model):
