@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                                     "read and no device is used): the weights (sharded by the sharding rules; INT4 "
                                     "experts as packed words plus bf16 scales), the latent cache (replicated over "
                                     "ep x tp today, split over dp along the batch), an estimate of the largest "
-                                    "activations of a verify step, a workspace margin of 8%% of the GPU, what is "
+                                    "activations of a verify step, a workspace margin of 8% of the GPU, what is "
                                     "free, and whether it fits; if not, the largest concurrency and the largest "
                                     "context that fit. Sizes in GB (1e9 bytes). Exit status: 0 fits, 1 does not "
                                     "fit, 2 bad input. See docs/plan.md.")
@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="decoding steps per compiled call; new tokens are streamed after each (default: 4; budget "
                         "auto rounds it up to whole windows of the steps between its plans)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    s.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535 (default: 8000)")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name requests must give (default: 'builtin', or the checkpoint directory's name)")
     _common(s, hosts=False)
@@ -161,7 +161,75 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--model", default=None, help="model name to request (default: the server's)")
     bs.add_argument("--out", default="bench_serve", metavar="DIR", help="output directory (default: bench_serve/)")
     bs.add_argument("--name", default="bench_serve", help="file name of the outputs, without extension")
+    for sp in sub.choices.values():  # also after the subcommand: `kdtree-jax generate ... --debug`
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, show the traceback")
     return p
+
+
+def _port(text: str) -> int:
+    """--port: a TCP port, 1..65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
+    return port
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Bind host:port once and let it go, so that a taken port or a bad host fails in a line before the model is
+    loaded and compiled (minutes for a large one), not after."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"--host {host!r}: {e.strerror or e}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} (--host, --port): {e.strerror or e}") from None
+
+
+def _probe_folder(folder: str, what: str) -> None:
+    """Create and delete a file in `folder`, the one sure test that it can be written (permission bits say nothing
+    for root, or for /proc)."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".kdtree-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what}: cannot write in {folder} ({e.strerror or e})") from None
+
+
+def _check_output_file(path: str, flag: str) -> None:
+    """Fail before the work, not after it, where `path` (a file to write) cannot be written: its folder must exist
+    and be writable, and the path must not be a folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a directory; give a file name")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    _probe_folder(folder, f"{flag} {path}")
+
+
+def _check_output_dir(path: str, flag: str) -> None:
+    """The same for a folder that will be created if missing: it must be a folder, or creatable in a writable one."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: exists and is not a directory")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: {parent} is not a directory")
+    _probe_folder(parent, f"{flag} {path}")
 
 
 def _budget(text: str):
@@ -324,6 +392,7 @@ def parse_mesh(text: str) -> dict[str, int]:
 def generate_command(args) -> int:
     _use_compilation_cache(args)
     params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
+    _need_drafter(args, drafter)
     stats = _stream(params, cfg, tok, drafter, tok.encode(args.prompt), args)
     print()
     print(stats_line(stats))
@@ -424,6 +493,10 @@ def bench_command(args) -> int:
     for name in ("batch", "prompt_len", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.json:
+        _check_output_file(args.json, "--json")
+    if args.calibrate and args.cost_model:
+        _check_output_file(args.cost_model, "--cost-model")
     params, cfg, tok, drafter = _load(args, need_drafter=methods != ["ar"])
     if methods != ["ar"] and drafter is None:
         raise ValueError("chain and ddtree need a drafter; this model has none (convert one with --drafter)")
@@ -502,6 +575,12 @@ def plan_command(args) -> int:
     return 0 if p.fits else 1
 
 
+def _need_drafter(args, drafter) -> None:
+    if args.method != "ar" and drafter is None:
+        raise ValueError(f"--method {args.method} needs a drafter and this model has none (use --method ar, or "
+                         "convert one with --drafter)")
+
+
 def serve_command(args) -> int:
     try:
         from kdtree_jax import serve
@@ -509,11 +588,12 @@ def serve_command(args) -> int:
         raise ValueError(f"kdtree-jax serve needs the serve extra: pip install 'kdtree-jax[serve]' ({e})") from None
     from kdtree_jax.engine import Engine
 
+    if args.max_context is not None and args.max_context < 64:
+        raise ValueError(f"--max-context must be a power of two >= 64, got {args.max_context}")
+    _check_listen(args.host, args.port)
     _use_compilation_cache(args)
     params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
-    if args.method != "ar" and drafter is None:
-        raise ValueError(f"--method {args.method} needs a drafter and this model has none (use --method ar, or "
-                         "convert one with --drafter)")
+    _need_drafter(args, drafter)
     checkpoint = args.model if args.model not in (None, "builtin") else None
     name = args.served_model_name or (os.path.basename(os.path.normpath(checkpoint)) if checkpoint else "builtin")
     with Engine(params, cfg, method=args.method, drafter=drafter, budget=args.budget, max_budget=args.max_budget,
@@ -545,9 +625,15 @@ def bench_serve_command(args) -> int:
                         ("prompt-chars", args.prompt_chars)):
         if value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}")
-    result = bench_serve.run(args.url, levels, rounds=args.rounds, max_tokens=args.max_tokens,
-                             prompt_chars=args.prompt_chars, seed=args.seed, model=args.model,
-                             log=lambda line: print(line, flush=True))
+    _check_output_dir(args.out, "--out")
+    import httpx
+
+    try:
+        result = bench_serve.run(args.url, levels, rounds=args.rounds, max_tokens=args.max_tokens,
+                                 prompt_chars=args.prompt_chars, seed=args.seed, model=args.model,
+                                 log=lambda line: print(line, flush=True))
+    except httpx.HTTPError as e:  # unreachable, not a URL, a broken connection: say which server
+        raise ValueError(f"--url {args.url}: {type(e).__name__}: {e}") from None
     paths = bench_serve.write([result], args.out, args.name, f"kdtree-jax serve: {result['setup']['model']}")
     _log(f"wrote {', '.join(paths)}")
     return 0

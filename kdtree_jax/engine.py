@@ -295,7 +295,7 @@ class Engine:
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("chunk_steps", chunk_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        context = max_context or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+        context = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
         if isinstance(context, bool) or not isinstance(context, int) or context < 64 or context & (context - 1):
             raise ValueError(f"max_context must be a power of two >= 64 (prompts are padded to powers of two), "
                              f"got {context!r}")

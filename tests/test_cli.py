@@ -136,3 +136,71 @@ def test_bad_tiers_are_usage_errors(tiers, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "--tiers", tiers])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def _no_load(monkeypatch):
+    """These refusals must come before the model is loaded (minutes for a large one): loading fails the test."""
+    def load(*a, **k):
+        raise AssertionError("the model was loaded before the bad argument was refused")
+    monkeypatch.setattr(cli, "_load", load)
+
+
+@pytest.mark.parametrize("port", ["70000", "0", "-1", "http"])
+def test_serve_refuses_ports_out_of_range(port, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--port", port])
+    assert exit_.value.code == 2 and "--port" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_taken_port_a_bad_host_and_a_tiny_context_before_loading(monkeypatch, capsys):
+    import socket
+
+    _no_load(monkeypatch)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert main(["serve", "--host", "no-such-host.invalid"]) == 2
+    assert "--host 'no-such-host.invalid'" in capsys.readouterr().err
+    assert main(["serve", "--max-context", "0"]) == 2
+    assert "--max-context must be a power of two >= 64, got 0" in capsys.readouterr().err
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_the_work(tmp_path, monkeypatch, capsys):
+    _no_load(monkeypatch)
+    missing = tmp_path / "no-such-folder" / "rows.json"
+    assert main(["bench", "--json", str(missing)]) == 2
+    assert f"the folder {missing.parent} does not exist" in capsys.readouterr().err
+    assert main(["bench", "--json", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main(["bench", "--calibrate", "--cost-model", str(missing)]) == 2
+    assert "--cost-model" in capsys.readouterr().err
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--out", str(a_file)]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--out", str(a_file / "x")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no probe file left behind
+
+
+def test_bench_serve_names_a_server_it_cannot_reach(tmp_path, capsys):
+    pytest.importorskip("httpx")
+    with __import__("socket").socket() as s:  # a port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    assert main(["bench-serve", "--url", url, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--url {url}: ConnectError" in err and "--debug" not in err
+
+
+def test_debug_after_the_subcommand_shows_the_traceback(capsys):
+    assert main(["generate", "--max-new-tokens", "0"]) == 2  # one line by default
+    assert "max_new_tokens" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        main(["generate", "--max-new-tokens", "0", "--debug"])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        main(["--debug", "generate", "--max-new-tokens", "0"])
