@@ -132,9 +132,10 @@ def load(path: str) -> tuple[CostModel, dict]:
         return from_record(data, data["batch"]), data.get("meta", {})
     except OSError:
         raise
-    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cost model file {path} is unreadable ({e}); delete it to measure again, or run "
-                         "`kdtree-jax bench --calibrate`") from None
+    except (ValueError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cost model file {path} is unreadable ({type(e).__name__}: {e}); measure one with "
+                         "`kdtree-jax bench --calibrate` (or, if it is the one kept for this setup, delete it: the "
+                         "next auto run measures it again)") from None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -279,6 +280,8 @@ def resolve(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int, t
     if isinstance(cost_model, CostModel):
         cost = cost_model
     elif isinstance(cost_model, (str, os.PathLike)):
+        if not os.path.isfile(cost_model):
+            raise ValueError(f"cost model file {os.fspath(cost_model)} does not exist (or is not a file)")
         cost, _ = load(os.fspath(cost_model))
     elif cost_model is None:
         with trace_context(params, cfg):

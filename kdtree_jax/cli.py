@@ -254,15 +254,26 @@ def _tiers(text: str) -> tuple[int, ...]:
 
 
 def _auto_args(g: argparse.ArgumentParser) -> None:
-    g.add_argument("--max-budget", type=int, default=64,
+    g.add_argument("--max-budget", type=int, default=None,
                    help="budget auto: the largest tree; tiers of max/16, max/8, max/4, max/2 and max nodes (those "
                         ">= 4) are compiled (default: 64)")
     g.add_argument("--cost-model", default=None, metavar="PATH",
                    help="budget auto: use this saved cost model (JSON) instead of the one kept for this setup")
     g.add_argument("--tiers", type=_tiers, default=None, metavar="N,N,...",
-                   help="budget auto: the tree sizes compiled, comma-separated, the largest --max-budget (default: "
+                   help="budget auto: the tree sizes compiled, comma-separated, the largest equal to --max-budget "
+                        "(default: "
                         "max/16 .. max as above); 0 adds autoregressive steps: between plans nothing is drafted, for "
                         "where no tree pays (a cost model is measured per set of tiers)")
+
+
+def _check_auto_flags(args, auto: bool) -> None:
+    """--max-budget, --tiers and --cost-model shape budget auto alone: refuse them without it (they would be ignored)
+    and fill in --max-budget's default."""
+    given = [f"--{n.replace('_', '-')}" for n in ("max_budget", "tiers", "cost_model") if getattr(args, n) is not None]
+    if given and not auto:
+        raise ValueError(f"{', '.join(given)}: for --budget auto only (add it, or drop {'them' if len(given) > 1 else 'it'})")
+    if args.max_budget is None:
+        args.max_budget = 64
 
 
 def _common(g: argparse.ArgumentParser, hosts: bool = True) -> None:
@@ -390,6 +401,7 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def generate_command(args) -> int:
+    _check_auto_flags(args, args.budget == "auto")
     _use_compilation_cache(args)
     params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
     _need_drafter(args, drafter)
@@ -493,6 +505,7 @@ def bench_command(args) -> int:
     for name in ("batch", "prompt_len", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    _check_auto_flags(args, "auto" in budgets or args.calibrate)
     if args.json:
         _check_output_file(args.json, "--json")
     if args.calibrate and args.cost_model:
@@ -588,6 +601,7 @@ def serve_command(args) -> int:
         raise ValueError(f"kdtree-jax serve needs the serve extra: pip install 'kdtree-jax[serve]' ({e})") from None
     from kdtree_jax.engine import Engine
 
+    _check_auto_flags(args, args.budget == "auto")
     if args.max_context is not None and args.max_context < 64:
         raise ValueError(f"--max-context must be a power of two >= 64, got {args.max_context}")
     _check_listen(args.host, args.port)

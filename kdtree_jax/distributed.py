@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 
 import jax
 import numpy as np
@@ -49,6 +50,9 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
             raise DistributedError(f"process_id must be in 0..{num_processes - 1} for {num_processes} processes, "
                                    f"got {process_id}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    where = f" at {coordinator_address} as process {process_id} of {num_processes}" if coordinator_address else ""
+    print(f"[kdtree-jax] joining the multi-process job{where}: waiting up to {timeout_s} s for every process",
+          file=sys.stderr, flush=True)
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, local_device_ids=local_device_ids,
                                initialization_timeout=timeout_s)

@@ -166,6 +166,7 @@ class Plan:
     workspace: int
     sharded_cache: int  # the latent cache under cache_sharding="sequence" (slots split over ep x tp) + drafter cache
     notes: tuple[str, ...]
+    context_limit: int = 2**62  # the longest context the model's positions allow at this budget (`context_limit`)
 
     @property
     def total(self) -> int:
@@ -178,7 +179,8 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.free >= 0
+        """It fits in memory, and the model's positions hold the context (generate refuses a longer one)."""
+        return self.free >= 0 and self.context <= self.context_limit
 
     @property
     def sharded_total(self) -> int:
@@ -238,6 +240,7 @@ def plan(cfg: ModelConfig, dcfg: DrafterConfig | None, mesh: dict[str, int], con
     if dcfg is None:
         notes.append("no drafter in this config: a drafter's weights and context cache are not counted")
     return Plan(model=model, mesh=mesh, context=context, concurrency=concurrency, budget=budget, gpu_bytes=gpu_bytes,
+                context_limit=limit,
                 rows=rows, slots=slots, weights=weight_bytes(param_info(cfg), mesh, cfg.group_size),
                 drafter_weights=weight_bytes(drafter_info(dcfg), mesh, cfg.group_size, replicated=True) if dcfg else 0,
                 latent_cache=rows * per_row, drafter_cache=rows * d_per_row,
@@ -331,7 +334,11 @@ def format_report(r: dict) -> str:
     at_conc = f"largest context that fits at concurrency {r['concurrency']}: " + (
         f"{ctx:,}" + (" (the model's limit at this budget)" if ctx == r["context_limit"] else "") if ctx
         else "none (not even 1 token)")
-    if r["fits"]:
+    if r["context"] > r["context_limit"]:
+        lines.append(f"DOES NOT FIT: context {r['context']:,} exceeds the model's limit of {r['context_limit']:,} "
+                     "tokens at this budget" + (f" (and memory: {-gb['free']:.2f} GB short per GPU)"
+                                                if gb["free"] < 0 else ""))
+    elif r["fits"]:
         lines.append(f"FITS: {gb['free']:.2f} GB free per GPU")
     else:
         lines.append(f"DOES NOT FIT: this workload needs {-gb['free']:.2f} GB more per GPU than there is")
@@ -342,5 +349,7 @@ def format_report(r: dict) -> str:
     lines.append(f"with cache_sharding=\"sequence\" (each of the ep x tp devices holds 1/{r['mesh']['ep'] * r['mesh']['tp']} "
                  "of every row's slots; tested on simulated devices, not yet measured on GPUs): "
                  f"{s['cache_gb']:.2f} GB of cache per GPU, "
-                 f"total {s['total_gb']:.2f} GB: " + ("would fit" if s["fits"] else "would not fit either"))
+                 f"total {s['total_gb']:.2f} GB: " + ("would not fit either" if not s["fits"] else "would fit"
+                                                          + (" in memory (the context is still past the model's)"
+                                                             if r["context"] > r["context_limit"] else "")))
     return "\n".join(lines)

@@ -451,6 +451,11 @@ def test_calibration_is_measured_once_and_reused(model, tmp_path, monkeypatch):
     files[0].write_text("{not json")
     with pytest.raises(ValueError, match="unreadable.*calibrate"):
         bud.resolve(params, small, drafter, batch=2, max_budget=8)
+    files[0].write_text("[]")  # JSON, but not a cost model
+    with pytest.raises(ValueError, match="unreadable.*calibrate"):
+        bud.resolve(params, small, drafter, batch=2, max_budget=8, cost_model=str(files[0]))
+    with pytest.raises(ValueError, match="does not exist"):
+        bud.resolve(params, small, drafter, batch=2, max_budget=8, cost_model=str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="measured for batch 2"):
         bud.resolve(params, small, drafter, batch=3, max_budget=8, cost_model=cost)
 

@@ -204,3 +204,16 @@ def test_debug_after_the_subcommand_shows_the_traceback(capsys):
         main(["generate", "--max-new-tokens", "0", "--debug"])
     with pytest.raises(ValueError, match="max_new_tokens"):
         main(["--debug", "generate", "--max-new-tokens", "0"])
+
+
+@pytest.mark.parametrize("argv, given", [
+    (["generate", "--tiers", "0,64"], "--tiers"),
+    (["generate", "--method", "ddtree", "--budget", "16", "--max-budget", "32", "--cost-model", "c.json"],
+     "--max-budget, --cost-model"),
+    (["serve", "--max-budget", "32"], "--max-budget"),
+    (["bench", "--budgets", "16", "--tiers", "0,64"], "--tiers"),
+])
+def test_auto_flags_without_budget_auto_are_refused(argv, given, monkeypatch, capsys):
+    _no_load(monkeypatch)
+    assert main(argv) == 2
+    assert f"{given}: for --budget auto only" in capsys.readouterr().err

@@ -52,23 +52,23 @@ def test_builtin_fits_trivially(capsys):
 
 
 def test_k2_6_long_context_does_not_fit_and_the_suggestion_does(capsys):
-    args = ["--model", "k2_6", "--mesh", "ep=8", "--budget", "64"]
-    status, r = _plan_json(capsys, *args, "--context", "262144", "--concurrency", "10")
+    args = ["--model", "k2_6", "--mesh", "ep=8", "--budget", "64"]  # a context inside the positions (262,079)
+    status, r = _plan_json(capsys, *args, "--context", "262000", "--concurrency", "10")
     assert status == 1 and not r["fits"]
     cache = r["per_gpu_gb"]["latent_cache"]
     assert cache == round(61 * 10 * r["cache_slots_per_row"] * 1152 / GB, 2) and 183 < cache < 186
     conc, ctx = r["largest_concurrency"], r["largest_context"]
-    assert 1 <= conc < 10 and 1 <= ctx < 262144
-    assert _plan_json(capsys, *args, "--context", "262144", "--concurrency", str(conc))[1]["fits"]
-    assert not _plan_json(capsys, *args, "--context", "262144", "--concurrency", str(conc + 1))[1]["fits"]
+    assert 1 <= conc < 10 and 1 <= ctx < 262000
+    assert _plan_json(capsys, *args, "--context", "262000", "--concurrency", str(conc))[1]["fits"]
+    assert not _plan_json(capsys, *args, "--context", "262000", "--concurrency", str(conc + 1))[1]["fits"]
     assert _plan_json(capsys, *args, "--context", str(ctx), "--concurrency", "10")[1]["fits"]
     assert not _plan_json(capsys, *args, "--context", str(ctx + 64), "--concurrency", "10")[1]["fits"]
     assert r["sequence_sharded"]["cache_gb"] == pytest.approx(cache / 8, abs=0.01)
 
-    assert main(["plan", *args, "--context", "262144", "--concurrency", "10"]) == 1
+    assert main(["plan", *args, "--context", "262000", "--concurrency", "10"]) == 1
     text = capsys.readouterr().out
     assert "DOES NOT FIT" in text and "REPLICATED" in text and 'cache_sharding="sequence"' in text
-    assert f"largest concurrency that fits at context 262,144: {conc}" in text
+    assert f"largest concurrency that fits at context 262,000: {conc}" in text
 
 
 def test_dp_splits_the_cache_rows(capsys):
@@ -126,3 +126,17 @@ def test_hosts(capsys):
         assert main([*base, "--mesh", mesh, "--hosts", hosts]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+def test_a_context_past_the_models_positions_does_not_fit(capsys):
+    """Memory would hold it, but generate refuses a context past the model's positions: the verdict says so."""
+    status, r = _plan_json(capsys, "--model", "k2_6", "--mesh", "ep=8", "--context", "300000", "--concurrency", "1",
+                           "--budget", "64")
+    assert status == 1 and not r["fits"] and r["per_gpu_gb"]["free"] > 0  # memory is not what fails
+    assert r["context_limit"] < 300000
+    assert main(["plan", "--model", "k2_6", "--mesh", "ep=8", "--context", "300000", "--concurrency", "1",
+                 "--budget", "64"]) == 1
+    assert "DOES NOT FIT: context 300,000 exceeds the model's limit" in capsys.readouterr().out
+    status, r = _plan_json(capsys, "--model", "k2_6", "--mesh", "ep=8", "--context", str(r["context_limit"]),
+                           "--concurrency", "1", "--budget", "64")
+    assert status == 0 and r["fits"]
