@@ -303,7 +303,14 @@ class Engine:
             raise ValueError(f"max_context {context} exceeds the model's context of {cfg.max_position_embeddings}")
         if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
             raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
-        if check_auto(method, budget, max_budget):
+        auto = check_auto(method, budget, max_budget)
+        extra = make_method(cfg, method, drafter, max_budget if auto else budget).extra_slots
+        if context < extra + 2:  # a prompt of one token and one new token must fit beside the tree
+            need = 1 << (extra + 1).bit_length()
+            raise ValueError(f"max_context {context} leaves no room for a request beside the {extra} slots of the draft "
+                             f"tree (budget {max_budget if auto else budget}): use max_context >= {need}, or a "
+                             "smaller budget")
+        if auto:
             with trace_context(params, cfg):
                 self._method = auto_method(params, cfg, drafter, batch=max_batch, max_budget=max_budget, tiers=tiers,
                                            cost_model=cost_model)

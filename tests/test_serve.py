@@ -376,6 +376,18 @@ def test_auto_budget_engine_gives_each_greedy_request_its_solo_tokens(model, sol
                cost_model=cost, max_batch=2, max_context=CONTEXT)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_context=0), "power of two >= 64"),
+    (dict(max_context=96), "power of two >= 64"),
+    (dict(max_context=64, budget=64), "no room for a request beside the 65 slots.*max_context >= 128"),
+    (dict(max_context=64, budget="auto", max_budget=64), "no room.*budget 64"),  # before any calibration
+])
+def test_engine_contexts_that_hold_no_request_are_refused(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(model.params, model.cfg, method="ddtree", drafter=model.drafter, max_batch=2,
+               **{"budget": 8, **kwargs})
+
+
 def test_readme_openai_example_runs(served, capsys):
     blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
     example = next(b for b in blocks if "from openai import OpenAI" in b)
