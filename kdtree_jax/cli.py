@@ -45,9 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     _auto_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    g.add_argument("--top-k", type=int, default=None, help="sample from the K most likely tokens only (default: all)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="with --temperature > 0: sample from the K most likely tokens only (default: all)")
     g.add_argument("--top-p", type=float, default=None,
-                   help="then from the most likely tokens holding P of the probability (nucleus; default: 1, all)")
+                   help="with --temperature > 0: then from the most likely tokens holding P of the probability "
+                        "(nucleus; default: 1, all)")
     _common(g)
     _compilation_cache_arg(g)
 
@@ -131,8 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     _auto_args(s)
     s.add_argument("--max-batch", type=int, default=8, help="slots: requests decoded together (default: 8)")
     s.add_argument("--max-context", type=int, default=None,
-                   help="cache slots per request, a power of two: prompt + max_tokens (+ the draft tree) must fit. "
-                        "Default: the model's context, at most 8192")
+                   help="cache slots per request, a power of two >= 64: prompt + max_tokens (+ the draft tree) must "
+                        "fit. Default: the model's context, at most 8192")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a slot; past it requests get 429 (default: 64)")
     s.add_argument("--chunk-steps", type=int, default=4,
@@ -666,6 +668,12 @@ def report_errors(prog: str, command, debug: bool, status: int) -> int:
         if debug:
             raise
         text = " ".join(" ".join([str(e), *getattr(e, "__notes__", ())]).split())
+        if isinstance(e, BrokenPipeError):  # the reader went away (`kdtree-jax generate | head`): stop quietly
+            try:  # nothing more to flush into the closed pipe at exit (Python's documented recipe)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError):  # stdout without a file descriptor (captured): nothing to redirect
+                pass
+            return 141
         if isinstance(e, KeyboardInterrupt):
             print(f"{prog}: interrupted {text}".rstrip(), file=sys.stderr)
             return 130

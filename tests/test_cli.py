@@ -217,3 +217,18 @@ def test_auto_flags_without_budget_auto_are_refused(argv, given, monkeypatch, ca
     _no_load(monkeypatch)
     assert main(argv) == 2
     assert f"{given}: for --budget auto only" in capsys.readouterr().err
+
+
+def test_a_closed_output_pipe_ends_quietly():
+    """`kdtree-jax generate | head -c3`: the reader goes away; the command stops with 141 (SIGPIPE's status) and no
+    error message."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "kdtree_jax.cli", "generate", "--max-new-tokens", "300"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(3)
+    p.stdout.close()  # the reader leaves while the text still streams
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141, err
+    assert "error" not in err and "Traceback" not in err, err
