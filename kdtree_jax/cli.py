@@ -377,7 +377,10 @@ def _read_model(args, need_drafter: bool):
 
     if args.model is not None:
         model = builtin.load_builtin() if args.model == "builtin" else kj.load(args.model)
-        return model.params, model.cfg, model.tokenizer, model.drafter, f"model {args.model}"
+        note = f"model {args.model}"
+        if args.model != "builtin" and isinstance(model.tokenizer, ByteTokenizer):
+            note += " (no tiktoken.model in it: a byte tokenizer assumed, token i = byte i)"
+        return model.params, model.cfg, model.tokenizer, model.drafter, note
     if builtin.available():
         model = builtin.load_builtin()
         return (model.params, model.cfg, model.tokenizer, model.drafter,

@@ -193,10 +193,20 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(d) - set(fields)
         if unknown:
             raise ConfigError(f"unknown config fields: {sorted(unknown)}")
+        for key, value in d.items():  # the JSON's types, checked by name (not a comparison failing deep inside)
+            kind = str(fields[key].type)
+            if value is None and "None" in kind:
+                continue
+            ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+                  "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                  "bool": lambda v: isinstance(v, bool),
+                  "str": lambda v: isinstance(v, str)}.get(kind.split(" ")[0].split("[")[0], lambda v: True)
+            if not ok(value):
+                raise ConfigError(f"config field {key!r} must be {kind}, got {value!r}")
         return cls(**{**d, **({"ffi_ops": tuple(d["ffi_ops"])} if "ffi_ops" in d else {})})
 
 

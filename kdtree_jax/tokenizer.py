@@ -138,6 +138,9 @@ def load_tokenizer(directory: str | os.PathLike):
     config_file = os.path.join(directory, TOKENIZER_CONFIG_FILE)
     config = None
     if os.path.exists(config_file):
-        with open(config_file) as f:
-            config = json.load(f)
+        try:
+            with open(config_file) as f:
+                config = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{config_file}: not valid JSON ({e})") from None
     return TiktokenTokenizer(model_file, config)

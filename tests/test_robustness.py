@@ -364,3 +364,18 @@ def test_cli_refuses_without_echoing_or_tracebacks(capsys):
     assert cli(["generate", "--model", "/nonexistent/ckpt", "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("kdtree-jax: error: /nonexistent/ckpt is not a kdtree-jax checkpoint")
+
+
+@pytest.mark.parametrize("key, value, kind", [("vocab_size", "x", "int"), ("vocab_size", True, "int"),
+                                              ("tie_word_embeddings", 0, "bool"), ("rope_type", 3, "str"),
+                                              ("rms_norm_eps", "1e-6", "float")])
+def test_a_config_field_of_the_wrong_type_is_named(key, value, kind):
+    """A checkpoint's config.json edited by hand: the error names the field and the type it needs, not a
+    comparison that failed deep inside the config's checks. Values of the right types (an int for a float, None
+    where allowed) still load."""
+    from kdtree_jax.config import ConfigError, ModelConfig
+
+    d = kj.configs.tiny().to_dict()
+    with pytest.raises(ConfigError, match=rf"config field '{key}' must be {kind}"):
+        ModelConfig.from_dict({**d, key: value})
+    assert ModelConfig.from_dict({**d, "rms_norm_eps": 1, "q_lora_rank": None}).rms_norm_eps == 1
