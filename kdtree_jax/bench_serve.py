@@ -223,6 +223,8 @@ def write(runs: list[dict], out_dir: str, name: str, title: str, note: str = "",
             if os.path.exists(tmp):
                 os.unlink(tmp)
     if not with_plot:
+        if os.path.exists(base + ".png"):  # an earlier run's plot must not sit beside these tables
+            os.unlink(base + ".png")
         return [base + ".json", base + ".md"]
     plot(runs, base + ".png", title)
     return [base + ext for ext in (".json", ".md", ".png")]

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import stat
 import sys
 import time
 
@@ -181,21 +183,23 @@ def _port(text: str) -> int:
 
 
 def _check_listen(host: str, port: int) -> None:
-    """Bind host:port once and let it go, so that a taken port or a bad host fails in a line before the model is
-    loaded and compiled (minutes for a large one), not after."""
+    """Open a server on host:port as the HTTP server will (asyncio's create_server: every address the host resolves
+    to) and close it at once, so that a taken port or a bad host fails in a line before the model is loaded and
+    compiled (minutes for a large one), not after."""
+    import asyncio
     import socket
 
+    async def probe():
+        server = await asyncio.get_running_loop().create_server(asyncio.Protocol, host=host, port=port)
+        server.close()
+        await server.wait_closed()
+
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as e:
+        asyncio.run(probe())
+    except socket.gaierror as e:
         raise ValueError(f"--host {host!r}: {e.strerror or e}") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            sock.bind(address)
-        except OSError as e:
-            raise ValueError(f"cannot listen on {host}:{port} (--host, --port): {e.strerror or e}") from None
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port} (--host, --port): {e.strerror or e}") from None
 
 
 def _probe_folder(folder: str, what: str) -> None:
@@ -513,8 +517,10 @@ def bench_command(args) -> int:
     _check_auto_flags(args, "auto" in budgets or args.calibrate)
     if args.json:
         _check_output_file(args.json, "--json")
-    if args.calibrate and args.cost_model:
-        _check_output_file(args.cost_model, "--cost-model")
+    if args.calibrate and args.cost_model:  # its folder is created if missing (budget.save)
+        if os.path.isdir(args.cost_model):
+            raise ValueError(f"--cost-model {args.cost_model}: is a directory; give a file name")
+        _check_output_dir(os.path.dirname(os.path.abspath(args.cost_model)), "--cost-model's folder")
     params, cfg, tok, drafter = _load(args, need_drafter=methods != ["ar"])
     if methods != ["ar"] and drafter is None:
         raise ValueError("chain and ddtree need a drafter; this model has none (convert one with --drafter)")
@@ -651,7 +657,7 @@ def bench_serve_command(args) -> int:
         result = bench_serve.run(args.url, levels, rounds=args.rounds, max_tokens=args.max_tokens,
                                  prompt_chars=args.prompt_chars, seed=args.seed, model=args.model,
                                  log=lambda line: print(line, flush=True))
-    except httpx.HTTPError as e:  # unreachable, not a URL, a broken connection: say which server
+    except (httpx.HTTPError, httpx.InvalidURL, json.JSONDecodeError) as e:  # unreachable, not a URL, not ours
         raise ValueError(f"--url {args.url}: {type(e).__name__}: {e}") from None
     paths = bench_serve.write([result], args.out, args.name, f"kdtree-jax serve: {result['setup']['model']}")
     _log(f"wrote {', '.join(paths)}")
@@ -659,6 +665,21 @@ def bench_serve_command(args) -> int:
 
 
 MAX_ERROR_CHARS = 1000
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone (a broken pipe elsewhere, a socket, is an error)."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLERR)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def report_errors(prog: str, command, debug: bool, status: int) -> int:
@@ -671,7 +692,7 @@ def report_errors(prog: str, command, debug: bool, status: int) -> int:
         if debug:
             raise
         text = " ".join(" ".join([str(e), *getattr(e, "__notes__", ())]).split())
-        if isinstance(e, BrokenPipeError):  # the reader went away (`kdtree-jax generate | head`): stop quietly
+        if isinstance(e, BrokenPipeError) and _stdout_closed():  # the reader went away (`... | head`): stop quietly
             try:  # nothing more to flush into the closed pipe at exit (Python's documented recipe)
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             except (OSError, ValueError):  # stdout without a file descriptor (captured): nothing to redirect

@@ -204,7 +204,8 @@ class ModelConfig:
             ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
                   "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
                   "bool": lambda v: isinstance(v, bool),
-                  "str": lambda v: isinstance(v, str)}.get(kind.split(" ")[0].split("[")[0], lambda v: True)
+                  "str": lambda v: isinstance(v, str),
+                  "tuple": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)}.get(kind.split(" ")[0].split("[")[0], lambda v: True)
             if not ok(value):
                 raise ConfigError(f"config field {key!r} must be {kind}, got {value!r}")
         return cls(**{**d, **({"ffi_ops": tuple(d["ffi_ops"])} if "ffi_ops" in d else {})})

@@ -175,10 +175,10 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_work(tmp_path, mo
     assert f"the folder {missing.parent} does not exist" in capsys.readouterr().err
     assert main(["bench", "--json", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
-    assert main(["bench", "--calibrate", "--cost-model", str(missing)]) == 2
-    assert "--cost-model" in capsys.readouterr().err
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
+    assert main(["bench", "--calibrate", "--cost-model", str(a_file / "c.json")]) == 2  # (a missing folder is made)
+    assert "--cost-model's folder" in capsys.readouterr().err
     assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--out", str(a_file)]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
     assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--out", str(a_file / "x")]) == 2
@@ -195,6 +195,8 @@ def test_bench_serve_names_a_server_it_cannot_reach(tmp_path, capsys):
     assert main(["bench-serve", "--url", url, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"--url {url}: ConnectError" in err and "--debug" not in err
+    assert main(["bench-serve", "--url", "http://[::1", "--out", str(tmp_path)]) == 2
+    assert "--url http://[::1: InvalidURL" in capsys.readouterr().err
 
 
 def test_debug_after_the_subcommand_shows_the_traceback(capsys):

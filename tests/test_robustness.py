@@ -368,7 +368,7 @@ def test_cli_refuses_without_echoing_or_tracebacks(capsys):
 
 @pytest.mark.parametrize("key, value, kind", [("vocab_size", "x", "int"), ("vocab_size", True, "int"),
                                               ("tie_word_embeddings", 0, "bool"), ("rope_type", 3, "str"),
-                                              ("rms_norm_eps", "1e-6", "float")])
+                                              ("rms_norm_eps", "1e-6", "float"), ("ffi_ops", "tree_build", "tuple")])
 def test_a_config_field_of_the_wrong_type_is_named(key, value, kind):
     """A checkpoint's config.json edited by hand: the error names the field and the type it needs, not a
     comparison that failed deep inside the config's checks. Values of the right types (an int for a float, None

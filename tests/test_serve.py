@@ -275,6 +275,7 @@ def test_bench_serve_writes_the_runs_so_far_whole(served, tmp_path):
     from kdtree_jax import bench_serve
 
     run = bench_serve.run(served["url"], [1], rounds=1, max_tokens=4, prompt_chars=24, log=lambda line: None)
+    (tmp_path / "partial.png").write_bytes(b"an earlier run's plot")  # must not stay beside the new tables
     paths = bench_serve.write([run], str(tmp_path), "partial", "title", "note", with_plot=False)
     assert sorted(os.path.basename(p) for p in paths) == ["partial.json", "partial.md"]
     assert sorted(os.listdir(tmp_path)) == ["partial.json", "partial.md"]
