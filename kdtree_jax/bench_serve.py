@@ -207,7 +207,8 @@ def plot(runs: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def write(runs: list[dict], out_dir: str, name: str, title: str, note: str = "", *, with_plot: bool = True) -> list[str]:
+def write(runs: list[dict], out_dir: str, name: str, title: str, note: str = "", *,
+          with_plot: bool = True) -> list[str]:
     """name.json, name.md and (with_plot) name.png in out_dir, each written whole (a temporary file renamed into
     place), so a benchmark can write the runs it has after each one and a later failure loses only what follows.
     Returns their paths."""

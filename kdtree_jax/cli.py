@@ -267,9 +267,8 @@ def _auto_args(g: argparse.ArgumentParser) -> None:
                    help="budget auto: use this saved cost model (JSON) instead of the one kept for this setup")
     g.add_argument("--tiers", type=_tiers, default=None, metavar="N,N,...",
                    help="budget auto: the tree sizes compiled, comma-separated, the largest equal to --max-budget "
-                        "(default: "
-                        "max/16 .. max as above); 0 adds autoregressive steps: between plans nothing is drafted, for "
-                        "where no tree pays (a cost model is measured per set of tiers)")
+                        "(default: max/16 .. max as above); 0 adds autoregressive steps: between plans nothing is "
+                        "drafted, for where no tree pays (a cost model is measured per set of tiers)")
 
 
 def _check_auto_flags(args, auto: bool) -> None:
@@ -277,7 +276,8 @@ def _check_auto_flags(args, auto: bool) -> None:
     and fill in --max-budget's default."""
     given = [f"--{n.replace('_', '-')}" for n in ("max_budget", "tiers", "cost_model") if getattr(args, n) is not None]
     if given and not auto:
-        raise ValueError(f"{', '.join(given)}: for --budget auto only (add it, or drop {'them' if len(given) > 1 else 'it'})")
+        them = "them" if len(given) > 1 else "it"
+        raise ValueError(f"{', '.join(given)}: for --budget auto only (add it, or drop {them})")
     if args.max_budget is None:
         args.max_budget = 64
 

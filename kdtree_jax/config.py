@@ -26,6 +26,14 @@ class ConfigError(ValueError):
     """A config.json key is missing, unsupported or contradicts another one."""
 
 
+# How a config.json value of each field type must look (the field's annotation, first word: "int | None" -> int).
+_JSON_TYPES = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+               "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+               "bool": lambda v: isinstance(v, bool),
+               "str": lambda v: isinstance(v, str),
+               "tuple": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)}
+
+
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -201,11 +209,7 @@ class ModelConfig:
             kind = str(fields[key].type)
             if value is None and "None" in kind:
                 continue
-            ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-                  "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-                  "bool": lambda v: isinstance(v, bool),
-                  "str": lambda v: isinstance(v, str),
-                  "tuple": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)}.get(kind.split(" ")[0].split("[")[0], lambda v: True)
+            ok = _JSON_TYPES.get(kind.split(" ")[0].split("[")[0], lambda v: True)
             if not ok(value):
                 raise ConfigError(f"config field {key!r} must be {kind}, got {value!r}")
         return cls(**{**d, **({"ffi_ops": tuple(d["ffi_ops"])} if "ffi_ops" in d else {})})

@@ -307,8 +307,8 @@ class Engine:
         extra = make_method(cfg, method, drafter, max_budget if auto else budget).extra_slots
         if context < extra + 2:  # a prompt of one token and one new token must fit beside the tree
             need = 1 << (extra + 1).bit_length()
-            raise ValueError(f"max_context {context} leaves no room for a request beside the {extra} slots of the draft "
-                             f"tree (budget {max_budget if auto else budget}): use max_context >= {need}, or a "
+            raise ValueError(f"max_context {context} leaves no room for a request beside the {extra} slots of the "
+                             f"draft tree (budget {max_budget if auto else budget}): use max_context >= {need}, or a "
                              "smaller budget")
         if auto:
             with trace_context(params, cfg):
