@@ -89,6 +89,7 @@ constexpr int64_t kFlagL2Prefetch = 2;  // weight copies ask L2 for 256-byte lin
 constexpr int64_t kFlagDeep = 8;        // tile path (wgmma): 4 k-steps in flight instead of 2
 constexpr int64_t kFlagSerial = 16;     // stream path: plain launches instead of programmatic dependent ones
 constexpr int64_t kFlagTile = 32;       // BM = 16 or 32: the tile path's narrow tiles instead of the stream path
+constexpr int64_t kFlagFine = 64;       // tile path: 17-24 slots run as N = 24 (not 32)
 
 // ------------------------------------------------------------------------------------------------------------------
 // Small helpers
@@ -333,6 +334,20 @@ struct Wgmma<16> {
         "%0, %1, %2, %3, %4, %5, %6, %7"
         "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+  }
+};
+
+template <>
+struct Wgmma<24> {
+  static __device__ __forceinline__ void Run(float (&d)[12], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11"
+        "}, {%12, %13, %14, %15}, %16, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
   }
 };
@@ -1068,6 +1083,8 @@ __global__ void __launch_bounds__(kTileThreads, kMaxN <= 32 ? 2 : 1) TileKernel(
     TileBlock<8, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
   } else if (ntok <= 16) {
     TileBlock<16, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
+  } else if (ntok <= 24 && (p.flags & kFlagFine)) {
+    TileBlock<24, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
   } else if (kMaxN <= 32 || ntok <= 32) {
     TileBlock<32, kGated, kSync, kDepth>(p, e, rt, ntok, base, s_src, s_dst);
   } else if constexpr (kMaxN > 32) {

@@ -9,6 +9,7 @@
 #   OUT=<dir> bash scripts/gpu_marlin_moe.sh tests      # the GPU tests only
 #   OUT=<dir> bash scripts/gpu_marlin_moe.sh testbench  # the GPU tests, then the full benchmark
 #   OUT=<dir> bash scripts/gpu_marlin_moe.sh final      # testbench, then ncu profiles of the gemm kernels ($PROFILES)
+#   OUT=<dir> bash scripts/gpu_marlin_moe.sh probe      # the benchmark (narrowed by BENCH_ARGS), then the profiles
 #
 # Environment: KDTREE_COMMIT stamps the results (default: git rev-parse --short HEAD); PREBUILT = a directory with
 # libkdtree_jax_cpu.so / libkdtree_jax_cuda.so built elsewhere (skips the build when both load); BASELINE_LIB = an
@@ -76,7 +77,7 @@ fi
 
 if [ "$MODE" != tests ]; then
   L=$(( $(left) - 10 ))
-  [ "$MODE" = final ] && L=$(( L - ${PROFILE_S:-60} ))
+  { [ "$MODE" = final ] || [ "$MODE" = probe ]; } && L=$(( L - ${PROFILE_S:-60} ))
   BENCH=(--out "$OUT" --commit "$KDTREE_COMMIT" --budget $((L > 60 ? L - 45 : 15)))
   [ -n "${BASELINE_LIB:-}" ] && BENCH+=(--baseline-lib "$BASELINE_LIB")
   if [ "$MODE" = all ]; then
@@ -89,16 +90,19 @@ if [ "$MODE" != tests ]; then
     grep -v "^\(k2\|device\) M=" | tail -5
   grep -E "^(k2|device) M=" "$OUT/bench.log" | tail -60
 fi
-if [ "$MODE" = final ] && command -v ncu >/dev/null; then
-  # one ncu report per SHAPE:M:VARIANT: the two gemm launches of one call (gate/up, down)
+if { [ "$MODE" = final ] || [ "$MODE" = probe ]; } && command -v ncu >/dev/null; then
+  # one ncu report per SHAPE:M:VARIANT: the two gemm launches of one call (gate/up, down), with the reasons warps
+  # waited (cycles per issued instruction, by stall reason) and the busy fraction of each pipe
   for P in ${PROFILES:-k2:64:after k2:1024:after}; do
     L=$(( $(left) - 5 ))
     [ $L -lt 20 ] && { echo "no time left for ncu $P"; break; }
     timeout $L ncu --clock-control none --kernel-name regex:"GemmKernel|TileKernel" --launch-count 2 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section SchedulerStats \
-      --section WarpStateStats --section LaunchStats python3 benchmarks/marlin_moe.py --profile "$P" \
-      >"$OUT/ncu_${P//:/_}.txt" 2>&1
-    echo "ncu $P rc=$?"; grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible|Stall" "$OUT/ncu_${P//:/_}.txt" | head -24
+      --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active" \
+      python3 benchmarks/marlin_moe.py --profile "$P" >"$OUT/ncu_${P//:/_}.txt" 2>&1
+    echo "ncu $P rc=$?"; grep -E "Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible" "$OUT/ncu_${P//:/_}.txt" | head -24
+    awk '$NF+0 > 0.2 && /issue_stalled/ {print $1, $NF} $NF+0 > 10 && /pipe_/ {print $1, $NF}' "$OUT/ncu_${P//:/_}.txt" | head -60
   done
 fi
 echo "done in $(($(date +%s) - START)) s; results in $OUT"

@@ -15,7 +15,7 @@ import pytest
 
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
-from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_L2_256, FLAG_SERIAL, FLAG_SYNC, FLAG_TILE, NARROW_SLOTS,
+from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_FINE, FLAG_L2_256, FLAG_SERIAL, FLAG_SYNC, FLAG_TILE, NARROW_SLOTS,
                                            STREAM_FLAGS, TILE_128_MIN_M, TILE_FLAGS, TILE_MIN_M, _cuda_call,
                                            block_size, choose_block_m, choose_path, marlin_moe, marlin_moe_ref,
                                            max_blocks, moe_align, moe_experts_ref, tile_eligible)
@@ -419,7 +419,8 @@ K2_CASES = [
     (1024, 8, 16, "uniform", 32, FLAG_TILE | FLAG_L2_256), (256, 8, 16, "few", 16, FLAG_TILE),
     (700, 8, 16, "one_expert", 32, FLAG_TILE), (300, 8, 16, "sentinel", 32, FLAG_TILE | FLAG_SYNC),
     (24, 8, 16, "uniform", None, None), (40, 8, 16, "few", None, FLAG_DEEP),  # 12 / 20 slots per expert: the
-]  # default path is the narrow tiles (`choose_path`)
+    (44, 8, 16, "uniform", 32, FLAG_TILE | FLAG_FINE | FLAG_L2_256),  # default path is the narrow tiles
+]  # (`choose_path`); 22 slots per expert with FLAG_FINE: tiles of 24 token columns
 
 
 @pytest.fixture(scope="module")
@@ -452,13 +453,15 @@ def test_gpu_fast_path_k2_shapes(k2_experts, m, k, e, kind, bm, flags):
 @needs_gpu
 @pytest.mark.parametrize("bm, flags", [(128, 0), (64, FLAG_L2_256), (128, FLAG_SYNC), (64, FLAG_SYNC),
                                        (128, FLAG_DEEP | FLAG_L2_256), (64, FLAG_DEEP), (32, FLAG_TILE | FLAG_L2_256),
-                                       (16, FLAG_TILE), (32, FLAG_TILE | FLAG_SYNC), (16, FLAG_TILE | FLAG_DEEP)])
+                                       (16, FLAG_TILE), (32, FLAG_TILE | FLAG_SYNC), (16, FLAG_TILE | FLAG_DEEP),
+                                       (32, FLAG_TILE | FLAG_FINE | FLAG_L2_256), (64, FLAG_FINE),
+                                       (32, FLAG_TILE | FLAG_FINE | FLAG_SYNC)])
 def test_gpu_tile_path_every_tile_width(bm, flags):
     """Experts with 1 to 300 slots: full and partial tiles of every width the tile path instantiates (the slot count
-    rounded up to 8, 16, 32, 48, ..., 128), experts with no slot, and one slot of each token sent to no expert;
+    rounded up to 8, 16, 32, 48, ..., 128; 24 with FLAG_FINE), experts with no slot, and one slot of each token sent to no expert;
     against float64 and the CPU kernel."""
     rng = np.random.default_rng(bm + 3 * flags)
-    counts = [1, 5, 9, 16, 17, 31, 33, 47, 49, 64, 65, 79, 81, 96, 97, 112, 113, 127, 128, 129, 200, 300]
+    counts = [1, 5, 9, 16, 17, 20, 24, 25, 31, 33, 47, 49, 64, 65, 79, 81, 96, 97, 112, 113, 127, 128, 129, 200, 300]
     e, d, f = len(counts) + 2, 512, 256
     experts = make_experts(rng, e, d, f)
     owner = np.repeat(rng.permutation(e)[:len(counts)], counts)
