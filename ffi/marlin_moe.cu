@@ -198,9 +198,16 @@ __device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
 __device__ __forceinline__ uint32_t Bf2Bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
 __device__ __forceinline__ __nv_bfloat162 BitsBf2(uint32_t u) { return *reinterpret_cast<__nv_bfloat162*>(&u); }
 
+// (word & 0x000F000F) | 0x43004300 in one lop3: the bf16 pair (128 + low nibble of each half-word).
+__device__ __forceinline__ uint32_t BiasedPair(uint32_t word) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(word), "n"(0x000F000F), "n"(0x43004300));
+  return d;
+}
+
 // Nibbles s and s + 4 of a packed word as the bf16 pair (q_s, q_{s+4}) * scale (q = nibble - 8), rounded once.
 __device__ __forceinline__ uint32_t Dequant(uint32_t word, int s, __nv_bfloat162 scale) {
-  const uint32_t biased = ((word >> (4 * s)) & 0x000F000Fu) | 0x43004300u;  // (128 + n_s, 128 + n_{s+4})
+  const uint32_t biased = BiasedPair(word >> (4 * s));  // (128 + n_s, 128 + n_{s+4})
   const __nv_bfloat162 q = __hsub2(BitsBf2(biased), BitsBf2(0x43084308u));   // - 136: exact
   return Bf2Bits(__hmul2(q, scale));
 }
@@ -229,13 +236,6 @@ __device__ __forceinline__ void MmaZero(float (&d)[4], uint32_t a0, uint32_t a1,
       "{%10, %10, %10, %10};"
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
-}
-
-// (word & 0x000F000F) | 0x43004300 in one lop3: the bf16 pair (128 + low nibble of each half-word).
-__device__ __forceinline__ uint32_t BiasedPair(uint32_t word) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(word), "n"(0x000F000F), "n"(0x43004300));
-  return d;
 }
 
 __device__ __forceinline__ uint2 LoadShared8(uint32_t addr) {
@@ -917,26 +917,31 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
   constexpr int kRowsPer = (N + 15) / 16;
   const int c16 = tid & 15;
   const __nv_bfloat16* x_ptr[kRowsPer];
+  uint32_t x_off[kRowsPer];  // its place in a stage
   bool x_ok[kRowsPer];
 #pragma unroll
   for (int r = 0; r < kRowsPer; ++r) {
     const int n = (tid >> 4) + 16 * r;
     x_ok[r] = n < ntok;
     x_ptr[r] = p.src + static_cast<int64_t>(x_ok[r] ? s_src[n] : 0) * p.k + 8 * c16;
+    x_off[r] = kTileX + (c16 >> 3) * panel + n * 128 + (((c16 & 7) ^ (n & 7)) << 4);
   }
 
-  auto issue = [&](int slot, int s) {
-    const uint32_t sb = base + slot * stage_bytes;
+  // The copies of the next stage not yet issued (stages go out in order) into the ring slot at sb; the sources
+  // move on one stage (128 inputs) per call, so no address is recomputed in the loop.
+  auto issue = [&](uint32_t sb) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) CopyAsync16Cg(sb + (i * kTileThreads + tid) * 16, w_ptr[i] + 16 * s, l2_256);
-    CopyAsync8(sb + kTileW + tid * 8, sc_ptr + 4 * s);
+    for (int i = 0; i < 4; ++i) {
+      CopyAsync16Cg(sb + (i * kTileThreads + tid) * 16, w_ptr[i], l2_256);
+      w_ptr[i] += 16;
+    }
+    CopyAsync8(sb + kTileW + tid * 8, sc_ptr);
+    sc_ptr += 4;
 #pragma unroll
     for (int r = 0; r < kRowsPer; ++r) {
       const int n = (tid >> 4) + 16 * r;
-      if (N % 16 == 0 || n < N) {
-        CopyAsync16CgZ(sb + kTileX + (c16 >> 3) * panel + n * 128 + (((c16 & 7) ^ (n & 7)) << 4),
-                       x_ptr[r] + 128 * s, x_ok[r]);
-      }
+      if (N % 16 == 0 || n < N) CopyAsync16CgZ(sb + x_off[r], x_ptr[r], x_ok[r]);
+      x_ptr[r] += 128;
     }
   };
 
@@ -957,20 +962,20 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
   }
 
   const int ks = p.k / 128;
+  const uint32_t ring_end = base + stages * stage_bytes;
   for (int s = 0; s < stages - 2; ++s) {
-    if (s < ks) issue(s, s);
+    if (s < ks) issue(base + s * stage_bytes);
     CopyCommit();
   }
+  uint32_t sb = base, ahead_sb = base + (stages - 2) * stage_bytes;  // ring slots of stage s and of s + stages - 2
   for (int s = 0; s < ks; ++s) {
     CopyWaitDyn(stages - 3);  // this thread's copies of stage s have landed
     if (!kSync) ProxyFence();
     __syncthreads();          // everyone's; and every wgmma of stage s - 2 is done (wait_group kDepth - 1 < 8)
-    {
-      const int ahead = s + stages - 2;
-      if (ahead < ks) issue(ahead % stages, ahead);
-      CopyCommit();
-    }
-    const uint32_t sb = base + (s % stages) * stage_bytes;
+    if (s + stages - 2 < ks) issue(ahead_sb);
+    CopyCommit();
+    ahead_sb += stage_bytes;
+    if (ahead_sb == ring_end) ahead_sb = base;
     uint4 wv[4];
     __nv_bfloat162 sc[4];
 #pragma unroll
@@ -979,7 +984,11 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
       const uint32_t bits = LoadShared2(sb + kTileW + (warp * 32 + 4 * g + i) * 8 + 2 * t);
       sc[i] = BitsBf2(bits | (bits << 16));
     }
+    const uint32_t desc0 = static_cast<uint32_t>(KMajorDesc(sb + kTileX));  // its low word; k-step j adds (j / 4)
+                                                                                // panels + 32 (j % 4) bytes, >> 4
     const uint32_t xb = sb + kTileX;
+    sb += stage_bytes;
+    if (sb == ring_end) sb = base;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       uint32_t(&aj)[2][4] = a[j % kDepth];
@@ -992,8 +1001,8 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
         aj[tau][2] = Dequant(w0, hs + 1, sc[2 * tau]);
         aj[tau][3] = Dequant(w1, hs + 1, sc[2 * tau + 1]);
       }
-      const uint32_t pb = xb + (j >> 2) * panel;
       if (kSync) {
+        const uint32_t pb = xb + (j >> 2) * panel;
         const int c0 = 2 * (j & 3);
 #pragma unroll
         for (int jj = 0; jj < N / 8; jj += 2) {
@@ -1012,7 +1021,8 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
           }
         }
       } else {
-        const uint64_t desc = KMajorDesc(pb + (j & 3) * 32);
+        const uint64_t desc =
+            (KMajorDesc(0) & ~uint64_t{0xffffffffu}) | (desc0 + (((j >> 2) * panel + (j & 3) * 32) >> 4));
         WgmmaFence();
         Wgmma<N>::Run(acc[0], aj[0], desc);
         Wgmma<N>::Run(acc[1], aj[1], desc);
