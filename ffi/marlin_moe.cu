@@ -927,21 +927,17 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
     x_off[r] = kTileX + (c16 >> 3) * panel + n * 128 + (((c16 & 7) ^ (n & 7)) << 4);
   }
 
-  // The copies of the next stage not yet issued (stages go out in order) into the ring slot at sb; the sources
-  // move on one stage (128 inputs) per call, so no address is recomputed in the loop.
-  auto issue = [&](uint32_t sb) {
+  // The copies of stage s into the ring slot at sb. (The sources are addressed from s: advancing the pointers by
+  // one stage per call instead, the same addresses, computed the tile path's wgmma kernels wrong on the H200 at
+  // 32 and 128 slots, not understood; see benchmarks/results/marlin_moe.predictions.md, 2026-12-02.)
+  auto issue = [&](uint32_t sb, int s) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      CopyAsync16Cg(sb + (i * kTileThreads + tid) * 16, w_ptr[i], l2_256);
-      w_ptr[i] += 16;
-    }
-    CopyAsync8(sb + kTileW + tid * 8, sc_ptr);
-    sc_ptr += 4;
+    for (int i = 0; i < 4; ++i) CopyAsync16Cg(sb + (i * kTileThreads + tid) * 16, w_ptr[i] + 16 * s, l2_256);
+    CopyAsync8(sb + kTileW + tid * 8, sc_ptr + 4 * s);
 #pragma unroll
     for (int r = 0; r < kRowsPer; ++r) {
       const int n = (tid >> 4) + 16 * r;
-      if (N % 16 == 0 || n < N) CopyAsync16CgZ(sb + x_off[r], x_ptr[r], x_ok[r]);
-      x_ptr[r] += 128;
+      if (N % 16 == 0 || n < N) CopyAsync16CgZ(sb + x_off[r], x_ptr[r] + 128 * s, x_ok[r]);
     }
   };
 
@@ -964,7 +960,7 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
   const int ks = p.k / 128;
   const uint32_t ring_end = base + stages * stage_bytes;
   for (int s = 0; s < stages - 2; ++s) {
-    if (s < ks) issue(base + s * stage_bytes);
+    if (s < ks) issue(base + s * stage_bytes, s);
     CopyCommit();
   }
   uint32_t sb = base, ahead_sb = base + (stages - 2) * stage_bytes;  // ring slots of stage s and of s + stages - 2
@@ -972,7 +968,7 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
     CopyWaitDyn(stages - 3);  // this thread's copies of stage s have landed
     if (!kSync) ProxyFence();
     __syncthreads();          // everyone's; and every wgmma of stage s - 2 is done (wait_group kDepth - 1 < 8)
-    if (s + stages - 2 < ks) issue(ahead_sb);
+    if (s + stages - 2 < ks) issue(ahead_sb, s + stages - 2);
     CopyCommit();
     ahead_sb += stage_bytes;
     if (ahead_sb == ring_end) ahead_sb = base;
