@@ -40,6 +40,21 @@ def heldout_prompts(count: int, chars: int, seed: int) -> list[str]:
     return out
 
 
+def _refusal(status: int, body: bytes) -> str:
+    """A non-200 answer in words: the message of an OpenAI-style error ({"error": {"message": ...}}) or a FastAPI one
+    ({"detail": ...}), else the start of the body."""
+    text = body.decode(errors="replace")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return f"the server answered {status}: {text[:500]}"
+    error = data.get("error") if isinstance(data, dict) else None
+    message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
+    if message is None and isinstance(data, dict) and "detail" in data:
+        message = data["detail"] if isinstance(data["detail"], str) else json.dumps(data["detail"])[:500]
+    return f"the server answered {status}: {message if message is not None else text[:500]}"
+
+
 async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
     """One streamed request: its latency, time to first token and generated tokens."""
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, ignore_eos=True,
@@ -48,7 +63,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
     first, tokens = None, None
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            raise RuntimeError(f"the server answered {r.status_code}: {(await r.aread()).decode()[:500]}")
+            raise RuntimeError(_refusal(r.status_code, await r.aread()))
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue

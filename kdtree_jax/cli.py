@@ -256,6 +256,9 @@ def _tiers(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if any(t < 0 for t in tiers):
         raise argparse.ArgumentTypeError(f"tiers must be >= 0, got {text!r}")
+    twice = sorted({t for t in tiers if tiers.count(t) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"each tier once: {', '.join(map(str, twice))} given twice in {text!r}")
     return tiers
 
 

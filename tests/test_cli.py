@@ -131,7 +131,8 @@ def test_bench_bad_arguments(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("tiers, message", [("0,-8", "tiers must be >= 0"), ("0,x", "comma-separated integers")])
+@pytest.mark.parametrize("tiers, message", [("0,-8", "tiers must be >= 0"), ("0,x", "comma-separated integers"),
+                                            ("0,8,8,16", "8 given twice")])
 def test_bad_tiers_are_usage_errors(tiers, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "--tiers", tiers])

@@ -269,6 +269,17 @@ def test_bench_serve_reads_tau_and_nodes_from_the_counters(served):
     assert bench_serve._counters(served["url"] + "/v1", 30) == {}  # no /metrics there: nothing counted
 
 
+def test_bench_serve_says_why_the_server_refused(served):
+    """A request the server refuses (here: past its context) ends the run with the server's message, not its JSON."""
+    from kdtree_jax import bench_serve
+
+    with pytest.raises(RuntimeError, match="the server answered 400: ") as refused:
+        bench_serve.run(served["url"], [1], rounds=1, max_tokens=10**7, prompt_chars=24, log=lambda line: None)
+    assert "{" not in str(refused.value) and "context" in str(refused.value)
+    assert bench_serve._refusal(422, b'{"detail": "no such field"}') == "the server answered 422: no such field"
+    assert bench_serve._refusal(502, b"<html>bad gateway</html>") == "the server answered 502: <html>bad gateway</html>"
+
+
 def test_bench_serve_writes_the_runs_so_far_whole(served, tmp_path):
     """The benchmark writes its tables after each engine (a later failure keeps them): without the plot, json and md
     only, each replaced whole (no temporary left), the json readable back as the runs."""
