@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "line: new_tokens, steps, tau (tokens per step), compile_s, wall_s (the run "
                                    "without compilation) and tokens_per_s = new_tokens / wall_s. Compilation comes "
                                    "first and is timed apart, for every method.")
-    g.add_argument("--prompt", default=DEFAULT_PROMPT,
+    g.add_argument("--prompt", default=DEFAULT_PROMPT, type=_utf8_text,
                    help=f"the text to continue (default: {DEFAULT_PROMPT!r}, which the embedded model, trained on "
                         "the Python standard library, continues well)")
     g.add_argument("--method", choices=("ar", "chain", "ddtree"), default="ar",
@@ -246,6 +246,17 @@ def _budget(text: str):
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
+def _utf8_text(text: str) -> str:
+    """--prompt: text that is UTF-8 (argv bytes that are not arrive as lone surrogates, which no tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = text[e.start:e.end].encode("utf-8", "surrogateescape")
+        raise argparse.ArgumentTypeError(f"not UTF-8 text: byte {raw[:1].hex(' ')} at character {e.start} (pass the "
+                                         "text in UTF-8)") from None
+    return text
 
 
 def _tiers(text: str) -> tuple[int, ...]:

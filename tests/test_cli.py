@@ -131,6 +131,13 @@ def test_bench_bad_arguments(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_prompt_that_is_not_utf8_is_a_usage_error(capsys):
+    """Bytes that are not UTF-8 reach Python as lone surrogates: named as such before anything loads."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--prompt", b"abc\xff".decode("utf-8", "surrogateescape")])
+    assert exit_.value.code == 2 and "not UTF-8 text: byte ff at character 3" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("tiers, message", [("0,-8", "tiers must be >= 0"), ("0,x", "comma-separated integers"),
                                             ("0,8,8,16", "8 given twice")])
 def test_bad_tiers_are_usage_errors(tiers, message, capsys):
