@@ -53,9 +53,12 @@
 // dequantized weight is used for every token of the tile. The weights are the A operand of wgmma.m64nNk16 from
 // registers (warp w of a warpgroup holds rows 16 w .. 16 w + 15 of its 64-row tile, the mma.m16n8k16 fragment
 // layout); the tokens are the B operand, read by the tensor cores from 128B-swizzled shared memory; N = the tile's
-// slot count rounded up to 16 (a template instance per N). Per 128-input stage, lane (g, t) copies the 16 bytes
-// (inputs 32 t .. 32 t + 31) of each of its 4 weight rows and dequantizes them into the A fragments of the stage's
-// 8 k-steps (k-step j takes word j / 2, nibble pairs s = 2 (j % 2) and s + 1, as above). The tensor cores read B
+// slot count rounded up to 16 (a template instance per N; flag bit 6: 17-24 slots as N = 24). Per 128-input
+// stage, lane (g, t) copies the 16 bytes (inputs 32 t .. 32 t + 31) of each of its 4 weight rows and dequantizes
+// them into the A fragments of the stage's 8 k-steps (k-step j takes word j / 2, nibble pairs s = 2 (j % 2) and
+// s + 1, as above). The stage loop is issue-bound, so it is kept lean (H200, 2026-12-02: 424 SASS instructions for
+// 16 wgmma, was 556): the lop3 written out (in C it compiles to two), ring slots counted rather than s % stages,
+// the wgmma descriptor's low word added to. The tensor cores read B
 // in logical k order, so the tokens must hold, at logical position l of every 128-block, input TilePhys(l): a
 // small kernel writes x in that order (into the ys scratch, which gemm2 overwrites later), and gemm1 writes h in
 // that order, so gemm2's B is ready as well. A ring of 4 (BM = 128) or 6 (BM = 64) stages of cp.async, refilled
