@@ -14,8 +14,9 @@ kernel of an older build (--baseline-lib: a libkdtree_jax_cuda.so whose handler 
 called as that version did: block_m = block_size(M), no flags); `local` = the defaults but the block size chosen
 from the shard's own experts (as before 2026-12-01: at the per-device shape M k / 48 overstated the slots per expert
 8-fold); `stream` / `tile64` / `tile128` force a path, `tile16` / `tile32` the tile path's narrow tiles (FLAG_TILE)
-(`+l2`, `+sync`, `+deep`, `+serial`, `+fine` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL, FLAG_FINE; `after+deep` = the defaults
-plus FLAG_DEEP, `after+serial` the defaults with the stream path's kernels launched plainly, one after the other).
+(`+l2`, `+sync`, `+deep`, `+serial`, `+fine` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL, FLAG_FINE;
+`after+deep` = the defaults plus FLAG_DEEP, `after+serial` the defaults with the stream path's kernels launched
+plainly, one after the other).
 Each variant's output is compared with `after`'s (rel err).
 
 usage: python benchmarks/marlin_moe.py [--quick] [--shapes k2,device] [--variants after,before] [--ms 1,64,4096]

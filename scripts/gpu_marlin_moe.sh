@@ -52,9 +52,9 @@ else
 fi
 export KDTREE_JAX_FFI_DIR=$LIBS
 ls -la "$LIBS"/*.so | tee -a "$OUT/env.txt"
-command -v cuobjdump >/dev/null && cuobjdump -sass "$LIBS/libkdtree_jax_cuda.so" 2>/dev/null |
-  awk '/Function :/ {f=$3} /HGMMA/ {h[f]++} /HMMA/ {m[f]++} END {for (k in h) print "HGMMA", h[k], k;
-       for (k in m) print "HMMA", m[k], k}' | grep -i -E "tile|gemm" | c++filt >"$OUT/sass_mma.txt" 2>&1
+# the instructions of each gemm kernel's main loop, from the SASS (benchmarks/sass_loops.py)
+command -v cuobjdump >/dev/null && python3 benchmarks/sass_loops.py "$LIBS/libkdtree_jax_cuda.so" \
+  >"$OUT/sass_loops.txt" 2>&1
 
 if [ -z "${BASELINE_LIB:-}" ] && [ -n "${BASELINE_CU:-}" ] && [ -f "${BASELINE_CU}" ]; then
   BASELINE_LIB=/tmp/kd_marlin_before.so

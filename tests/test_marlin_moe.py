@@ -15,10 +15,10 @@ import pytest
 
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
-from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_FINE, FLAG_L2_256, FLAG_SERIAL, FLAG_SYNC, FLAG_TILE, NARROW_SLOTS,
-                                           STREAM_FLAGS, TILE_128_MIN_M, TILE_FLAGS, TILE_MIN_M, _cuda_call,
-                                           block_size, choose_block_m, choose_path, marlin_moe, marlin_moe_ref,
-                                           max_blocks, moe_align, moe_experts_ref, tile_eligible)
+from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_FINE, FLAG_L2_256, FLAG_SERIAL, FLAG_SYNC, FLAG_TILE,
+                                           NARROW_SLOTS, STREAM_FLAGS, TILE_128_MIN_M, TILE_FLAGS, TILE_MIN_M,
+                                           _cuda_call, block_size, choose_block_m, choose_path, marlin_moe,
+                                           marlin_moe_ref, max_blocks, moe_align, moe_experts_ref, tile_eligible)
 from kdtree_jax.model import forward
 from kdtree_jax.quant import Int4Array, quantize_int4, unpack_int4
 from kdtree_jax.sharding import moe_expert_parallel
@@ -458,8 +458,8 @@ def test_gpu_fast_path_k2_shapes(k2_experts, m, k, e, kind, bm, flags):
                                        (32, FLAG_TILE | FLAG_FINE | FLAG_SYNC)])
 def test_gpu_tile_path_every_tile_width(bm, flags):
     """Experts with 1 to 300 slots: full and partial tiles of every width the tile path instantiates (the slot count
-    rounded up to 8, 16, 32, 48, ..., 128; 24 with FLAG_FINE), experts with no slot, and one slot of each token sent to no expert;
-    against float64 and the CPU kernel."""
+    rounded up to 8, 16, 32, 48, ..., 128; 24 with FLAG_FINE), experts with no slot, and one slot of each token sent
+    to no expert; against float64 and the CPU kernel."""
     rng = np.random.default_rng(bm + 3 * flags)
     counts = [1, 5, 9, 16, 17, 20, 24, 25, 31, 33, 47, 49, 64, 65, 79, 81, 96, 97, 112, 113, 127, 128, 129, 200, 300]
     e, d, f = len(counts) + 2, 512, 256

@@ -1,0 +1,109 @@
+"""The instructions of each GEMM kernel's main loop, counted from its SASS (the count METHOD asks for before a change).
+
+A kernel whose loop is issue-bound gets faster only with fewer instructions per loop trip, and the compiler decides
+how many there are: `(w >> 4) & 0x000F000F | 0x43004300` written in C compiled to two LOP3 where one does, `s % n`
+to an integer division. This prints, for every loop (a backward branch) that holds a tensor-core instruction (HGMMA
+or HMMA), its length and its opcode histogram, so a change can be judged by the SASS before it runs.
+
+cuobjdump reads the SASS from the built library (or a .cubin). It comes with the CUDA toolkit; where the toolkit has
+no cuobjdump (this project's CPU machines have nvcc and ptxas only), the `nvidia-cuda-cuobjdump` wheel carries one:
+`pip download --no-deps nvidia-cuda-cuobjdump` and unzip it. A cubin of one file:
+`nvcc -cubin -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I <jaxlib>/include -I ffi ffi/marlin_moe.cu`.
+
+usage: python benchmarks/sass_loops.py LIB_OR_CUBIN [--kernels REGEX] [--cuobjdump PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+
+_INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_GUARD = re.compile(r"^@!?U?P\w+\s+")
+
+
+def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
+    """{mangled name: [(address, instruction text)]} of every function in cuobjdump -sass output."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    current = None
+    for line in sass.splitlines():
+        if "Function :" in line:
+            current = line.split("Function :", 1)[1].strip()
+            out[current] = []
+            continue
+        m = _INSTR.match(line)
+        if m and current is not None:
+            out[current].append((int(m.group(1), 16), m.group(2)))
+    return out
+
+
+def opcode(text: str) -> str:
+    """The opcode without guard predicate and modifiers: '@!P3 LDGSTS.E.BYPASS.128 [R9], ...' -> 'LDGSTS'."""
+    return _GUARD.sub("", text).split()[0].split(".")[0]
+
+
+def loops(body: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first, last) indices of each loop: from a backward branch's target to the branch, if it holds an MMA."""
+    index = {addr: i for i, (addr, _) in enumerate(body)}
+    found = []
+    for i, (addr, text) in enumerate(body):
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", _GUARD.sub("", text))
+        if not m:
+            continue
+        target = int(m.group(1), 16)
+        if target < addr and target in index:
+            first = index[target]
+            if any(opcode(t) in ("HGMMA", "HMMA") for _, t in body[first:i + 1]):
+                found.append((first, i))
+    return found
+
+
+def demangled(names: list[str]) -> dict[str, str]:
+    """{mangled: readable} through c++filt where there is one (else the names as they are)."""
+    tool = shutil.which("c++filt")
+    if not tool or not names:
+        return {n: n for n in names}
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
+
+
+def report(sass: str, kernels: str) -> list[str]:
+    """One line per MMA loop of each matching function: its instruction count, MMA count and opcode histogram."""
+    lines = []
+    funcs = {n: b for n, b in functions(sass).items() if re.search(kernels, n)}
+    names = demangled(list(funcs))
+    for name, body in funcs.items():
+        for first, last in loops(body):
+            ops = collections.Counter(opcode(t) for _, t in body[first:last + 1])
+            mma = ops["HGMMA"] + ops["HMMA"]
+            span = f"loop {body[first][0]:#x}-{body[last][0]:#x}"
+            histogram = ", ".join(f"{k} {v}" for k, v in ops.most_common())
+            lines.append(f"{names[name]}: {span}: {last - first + 1} instructions, {mma} MMA; {histogram}")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("binary", help="libkdtree_jax_cuda.so or a .cubin")
+    ap.add_argument("--kernels", default="TileKernel|GemmKernel", help="regex over mangled function names")
+    ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump", help="the cuobjdump to run")
+    args = ap.parse_args(argv)
+    try:
+        sass = subprocess.run([args.cuobjdump, "-sass", args.binary], check=True, capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        print(f"sass_loops: no cuobjdump at {args.cuobjdump!r} (see --help for where to get one)", file=sys.stderr)
+        return 1
+    except subprocess.CalledProcessError as e:
+        print(f"sass_loops: cuobjdump failed on {args.binary}: {e.stderr.strip()[:500]}", file=sys.stderr)
+        return 1
+    lines = report(sass, args.kernels)
+    print("\n".join(lines) if lines else f"no MMA loop in functions matching {args.kernels!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

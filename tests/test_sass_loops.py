@@ -1,0 +1,42 @@
+"""benchmarks/sass_loops.py on a hand-written SASS listing (no GPU, no cuobjdump): the loops it finds and counts."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import sass_loops  # noqa: E402
+
+LISTING = """
+        Function : _Z4tilev
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                  /* 0x00000a0000017a02 */
+                                                                           /* 0x000fe40000000f00 */
+        /*0010*/                   LOP3.LUT R2, R3, 0xf000f, R4, 0xea, !PT ;  /* 0x000f000f03027812 */
+                                                                           /* 0x000fe400078eea04 */
+        /*0020*/                   HGMMA.64x32x16.F32.BF16 R24, R64, gdesc[UR8], R24, gsb0 ;  /* 0x0 */
+                                                                           /* 0x0 */
+        /*0030*/              @!P0 BRA 0x10 ;                              /* 0x0 */
+                                                                           /* 0x0 */
+        /*0040*/                   IADD3 R5, R5, 0x1, RZ ;                 /* 0x0 */
+                                                                           /* 0x0 */
+        /*0050*/               @P1 BRA 0x40 ;                              /* 0x0 */
+                                                                           /* 0x0 */
+        /*0060*/                   EXIT ;                                  /* 0x0 */
+                                                                           /* 0x0 */
+        Function : _Z5otherv
+        /*0000*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;   /* 0x0 */
+                                                                           /* 0x0 */
+        /*0010*/                   BRA 0x0 ;                               /* 0x0 */
+                                                                           /* 0x0 */
+"""
+
+
+def test_loops_with_an_mma_are_found_and_counted():
+    funcs = sass_loops.functions(LISTING)
+    assert sorted(funcs) == ["_Z4tilev", "_Z5otherv"] and len(funcs["_Z4tilev"]) == 7
+    assert sass_loops.opcode("@!P3 LDGSTS.E.BYPASS.128 [R9], desc[UR6][R6.64]") == "LDGSTS"
+    assert sass_loops.loops(funcs["_Z4tilev"]) == [(1, 3)]  # 0x10..0x30; the loop at 0x40 holds no MMA
+    lines = sass_loops.report(LISTING, "tile")
+    assert len(lines) == 1 and "loop 0x10-0x30: 3 instructions, 1 MMA;" in lines[0]
+    assert "LOP3 1, HGMMA 1, BRA 1" in lines[0]
+    assert len(sass_loops.report(LISTING, ".")) == 2  # every function: the HMMA loop of the other one too
