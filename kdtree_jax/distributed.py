@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
 import sys
+import time
 
 import jax
 import numpy as np
@@ -49,6 +51,8 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
         if num_processes < 1 or not 0 <= process_id < num_processes:
             raise DistributedError(f"process_id must be in 0..{num_processes - 1} for {num_processes} processes, "
                                    f"got {process_id}")
+        if process_id > 0:
+            _wait_for_coordinator(coordinator_address, timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = f" at {coordinator_address} as process {process_id} of {num_processes}" if coordinator_address else ""
     print(f"[kdtree-jax] joining the multi-process job{where}: waiting up to {timeout_s} s for every process",
@@ -57,6 +61,22 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
                                process_id=process_id, local_device_ids=local_device_ids,
                                initialization_timeout=timeout_s)
     _STATE["initialized"] = True
+
+
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Wait until something accepts TCP connections at the coordinator's address (process 0 listens there), or raise:
+    jax.distributed.initialize waits for it too, but ends the whole process in a fatal abort when it never comes."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise DistributedError(f"no coordinator at {address} after {timeout_s:g} s ({e.strerror or e}): start "
+                                       "process 0 there, with the same --coordinator") from None
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 def is_leader() -> bool:

@@ -88,3 +88,19 @@ def test_bad_multihost_flags_are_one_line_errors(capsys, flags, message):
     assert main(["generate", "--max-new-tokens", "2", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_a_coordinator_that_never_comes_is_an_error_not_an_abort(monkeypatch):
+    """Process 1 waits for process 0's coordinator port, then says it never came (jax.distributed.initialize itself
+    would end the process in a fatal abort after its timeout); it never reaches initialize."""
+    from kdtree_jax import distributed
+
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail("initialize must not be reached"))
+    port = _free_port()  # nothing listens there
+    with pytest.raises(distributed.DistributedError, match=f"no coordinator at 127.0.0.1:{port} after 1.5 s"):
+        distributed.init_distributed(f"127.0.0.1:{port}", 2, 1, timeout_s=1.5)
+    assert not distributed._STATE["initialized"]
+    with socket.socket() as listener:  # a port that accepts: the wait ends at once
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        distributed._wait_for_coordinator(f"127.0.0.1:{listener.getsockname()[1]}", 5)
