@@ -47,7 +47,8 @@ def opcode(text: str) -> str:
 
 
 def loops(body: list[tuple[int, str]]) -> list[tuple[int, int]]:
-    """(first, last) indices of each loop: from a backward branch's target to the branch, if it holds an MMA."""
+    """(first, last) indices of each loop: from a backward branch's target to the branch, if it holds an MMA that no
+    loop nested in it holds (an outer work loop around the main loop is not counted again)."""
     index = {addr: i for i, (addr, _) in enumerate(body)}
     found = []
     for i, (addr, text) in enumerate(body):
@@ -57,9 +58,14 @@ def loops(body: list[tuple[int, str]]) -> list[tuple[int, int]]:
         target = int(m.group(1), 16)
         if target < addr and target in index:
             first = index[target]
-            if any(opcode(t) in ("HGMMA", "HMMA") for _, t in body[first:i + 1]):
-                found.append((first, i))
-    return found
+            found.append((first, i))
+    mma = [opcode(t) in ("HGMMA", "HMMA") for _, t in body]
+    kept = []
+    for first, last in found:
+        inner = [(f, l) for f, l in found if first <= f and l <= last and (f, l) != (first, last)]
+        if any(mma[k] and not any(f <= k <= l for f, l in inner) for k in range(first, last + 1)):
+            kept.append((first, last))
+    return kept
 
 
 def demangled(names: list[str]) -> dict[str, str]:

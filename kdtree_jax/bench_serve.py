@@ -52,7 +52,7 @@ def _refusal(status: int, body: bytes) -> str:
     message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
     if message is None and isinstance(data, dict) and "detail" in data:
         message = data["detail"] if isinstance(data["detail"], str) else json.dumps(data["detail"])[:500]
-    return f"the server answered {status}: {message if message is not None else text[:500]}"
+    return f"the server answered {status}: {str(message)[:500] if message is not None else text[:500]}"
 
 
 async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:

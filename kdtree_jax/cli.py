@@ -269,7 +269,8 @@ def _tiers(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"tiers must be >= 0, got {text!r}")
     twice = sorted({t for t in tiers if tiers.count(t) > 1})
     if twice:
-        raise argparse.ArgumentTypeError(f"each tier once: {', '.join(map(str, twice))} given twice in {text!r}")
+        raise argparse.ArgumentTypeError(f"each tier once: {', '.join(map(str, twice))} given more than once in "
+                                         f"{text!r}")
     return tiers
 
 

@@ -51,15 +51,16 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
         if num_processes < 1 or not 0 <= process_id < num_processes:
             raise DistributedError(f"process_id must be in 0..{num_processes - 1} for {num_processes} processes, "
                                    f"got {process_id}")
-        if process_id > 0:
-            _wait_for_coordinator(coordinator_address, timeout_s)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = f" at {coordinator_address} as process {process_id} of {num_processes}" if coordinator_address else ""
     print(f"[kdtree-jax] joining the multi-process job{where}: waiting up to {timeout_s} s for every process",
           file=sys.stderr, flush=True)
+    start = time.monotonic()
+    if coordinator_address is not None and process_id > 0:
+        _wait_for_coordinator(coordinator_address, timeout_s)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, local_device_ids=local_device_ids,
-                               initialization_timeout=timeout_s)
+                               initialization_timeout=max(1, int(round(timeout_s - (time.monotonic() - start)))))
     _STATE["initialized"] = True
 
 

@@ -139,7 +139,7 @@ def test_a_prompt_that_is_not_utf8_is_a_usage_error(capsys):
 
 
 @pytest.mark.parametrize("tiers, message", [("0,-8", "tiers must be >= 0"), ("0,x", "comma-separated integers"),
-                                            ("0,8,8,16", "8 given twice")])
+                                            ("0,8,8,16", "8 given more than once")])
 def test_bad_tiers_are_usage_errors(tiers, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "--tiers", tiers])

@@ -23,6 +23,17 @@ LISTING = """
                                                                            /* 0x0 */
         /*0060*/                   EXIT ;                                  /* 0x0 */
                                                                            /* 0x0 */
+        Function : _Z5outerv
+        /*0000*/                   MOV R1, R2 ;                            /* 0x0 */
+                                                                           /* 0x0 */
+        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;   /* 0x0 */
+                                                                           /* 0x0 */
+        /*0020*/               @P0 BRA 0x10 ;                              /* 0x0 */
+                                                                           /* 0x0 */
+        /*0030*/                   STG.E [R2.64], R4 ;                     /* 0x0 */
+                                                                           /* 0x0 */
+        /*0040*/               @P1 BRA 0x0 ;                               /* 0x0 */
+                                                                           /* 0x0 */
         Function : _Z5otherv
         /*0000*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;   /* 0x0 */
                                                                            /* 0x0 */
@@ -33,10 +44,11 @@ LISTING = """
 
 def test_loops_with_an_mma_are_found_and_counted():
     funcs = sass_loops.functions(LISTING)
-    assert sorted(funcs) == ["_Z4tilev", "_Z5otherv"] and len(funcs["_Z4tilev"]) == 7
+    assert sorted(funcs) == ["_Z4tilev", "_Z5otherv", "_Z5outerv"] and len(funcs["_Z4tilev"]) == 7
     assert sass_loops.opcode("@!P3 LDGSTS.E.BYPASS.128 [R9], desc[UR6][R6.64]") == "LDGSTS"
     assert sass_loops.loops(funcs["_Z4tilev"]) == [(1, 3)]  # 0x10..0x30; the loop at 0x40 holds no MMA
     lines = sass_loops.report(LISTING, "tile")
     assert len(lines) == 1 and "loop 0x10-0x30: 3 instructions, 1 MMA;" in lines[0]
     assert "LOP3 1, HGMMA 1, BRA 1" in lines[0]
-    assert len(sass_loops.report(LISTING, ".")) == 2  # every function: the HMMA loop of the other one too
+    assert sass_loops.loops(funcs["_Z5outerv"]) == [(1, 2)]  # the outer loop holds no MMA of its own: not counted
+    assert len(sass_loops.report(LISTING, ".")) == 3  # every function: the HMMA loops of the other two too
