@@ -48,11 +48,13 @@ def _refusal(status: int, body: bytes) -> str:
         data = json.loads(text)
     except ValueError:
         return f"the server answered {status}: {text[:500]}"
-    error = data.get("error") if isinstance(data, dict) else None
-    message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
-    if message is None and isinstance(data, dict) and "detail" in data:
-        message = data["detail"] if isinstance(data["detail"], str) else json.dumps(data["detail"])[:500]
-    return f"the server answered {status}: {str(message)[:500] if message is not None else text[:500]}"
+    message = None
+    if isinstance(data, dict):
+        error = data.get("error")
+        message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
+        if message is None and "detail" in data:
+            message = data["detail"] if isinstance(data["detail"], str) else json.dumps(data["detail"])
+    return f"the server answered {status}: {(text if message is None else str(message))[:500]}"
 
 
 async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
