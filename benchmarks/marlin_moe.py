@@ -6,15 +6,17 @@ token), for M = 1, 2, 4, ..., 4,096 tokens: the CUDA kernel against the bandwidt
 floor = bytes of the distinct experts the routing touches (24.77 MB each: packed nibbles + bf16 scales) / copy
 bandwidth (bytes read + written by a 1 GiB device copy, measured now); FLOPs floor = 2 * 3 * F * D * routed slots /
 the bf16 matmul rate of an 8192^3 product measured now. Routing: k = 8 distinct uniform random experts per token,
-fresh for every input set; each timed batch runs the op on several sets (different experts), so the weights do not
-sit in L2 between calls; time = median per op.
+fresh for every input set; each timed batch (one jitted call) runs the op on several sets (different experts: 32 up
+to M = 256, so that the host's dispatch of the batch stays under its GPU time, else 4), so the weights do not sit in
+L2 between calls; time = median per op.
 
 Variants (--variants, comma separated): `after` = marlin_moe as shipped (block_m and path by M); `before` = the
 kernel of an older build (--baseline-lib: a libkdtree_jax_cuda.so whose handler was compiled as KdMarlinMoeCudaOld,
 called as that version did: block_m = block_size(M), no flags); `local` = the defaults but the block size chosen
 from the shard's own experts (as before 2026-12-01: at the per-device shape M k / 48 overstated the slots per expert
 8-fold); `stream` / `tile64` / `tile128` force a path, `tile16` / `tile32` the tile path's narrow tiles (FLAG_TILE)
-(`+l2`, `+sync`, `+deep`, `+serial`, `+fine` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL, FLAG_FINE;
+(`+l2`, `+sync`, `+deep`, `+serial`, `+fine`, `+rows` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL, FLAG_FINE,
+FLAG_ROWS;
 `after+deep` = the defaults plus FLAG_DEEP, `after+serial` the defaults with the stream path's kernels launched
 plainly, one after the other).
 Each variant's output is compared with `after`'s (rel err).
@@ -42,7 +44,15 @@ from common import add_report_args, ceilings, replot, timed
 E, D, F, TOPK, GROUP = 384, 7168, 2048, 8, 32
 EP = 8  # the per-device shape: E / EP local experts
 EXPERT_BYTES = (3 * F * D) // 2 + 2 * (3 * F * D) // GROUP  # nibbles + bf16 scales of gate, up and down
-SETS = 4  # routing sets per timed batch of the kernel
+SETS = 4  # routing sets per timed batch of the kernel above SMALL_M tokens
+SMALL_SETS, SMALL_M = 32, 256  # up to SMALL_M tokens: 32 sets per batch, so that dispatching the batch (host time,
+# ~7-14 us per custom call measured on the H200, 2026-12-02) stays under the GPU time; with 4 sets the per-device
+# M = 1 call measured 32-39 us per op, with 32 sets 25 us
+
+
+def sets_for(m: int) -> int:
+    """Routing sets in one timed batch of the kernel at M tokens."""
+    return SMALL_SETS if m <= SMALL_M else SETS
 GOALS = ("goals (issue 18): >= 75% of the bandwidth floor for M <= 64 and for M = 256 .. 1,024 (<= 3 ms at M = "
          "1,024 on the K2 shape); M = 4,096 within 1.5x of max(bytes floor, FLOPs floor); the same at the per-device "
          "shape")
@@ -128,7 +138,7 @@ def variant_fn(name: str, m: int, e: int):
         return baseline_call, mm.block_size(m, TOPK, e), "stream"
     base, *mods = name.split("+")
     flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "serial": mm.FLAG_SERIAL, "deep": mm.FLAG_DEEP,
-                 "fine": mm.FLAG_FINE}[x]
+                 "fine": mm.FLAG_FINE, "rows": mm.FLAG_ROWS}[x]
                 for x in mods)
     if base in ("tile16", "tile32"):  # the tile path's narrow tiles (FLAG_TILE), with the tile path's flags
         flags |= mm.FLAG_TILE | mm.TILE_FLAGS
@@ -152,7 +162,7 @@ def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with
     from kdtree_jax.kernels.marlin_moe import marlin_moe_ref
 
     local = E // EP if shape == "device" else None
-    sets, touched, routed = routing_sets(m, SETS, seed=m + (7919 if local else 0), local=local)
+    sets, touched, routed = routing_sets(m, sets_for(m), seed=m + (7919 if local else 0), local=local)
     floor = statistics.mean(touched) * EXPERT_BYTES / bw
     flops_floor = 2 * 3 * F * D * statistics.mean(routed) / flops
     rows, outs = [], {}
@@ -176,7 +186,7 @@ def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with
         rows.append(dict(shape=shape, m=m, variant=name, time_s=ker_s, block_m=bm, path=path))
     want = outs.get("after", outs.get("xla"))
     for r in rows:
-        r.update(touched=statistics.mean(touched), routed=statistics.mean(routed), floor_s=floor,
+        r.update(sets=len(sets), touched=statistics.mean(touched), routed=statistics.mean(routed), floor_s=floor,
                  flops_floor_s=flops_floor)
         got = outs[r["variant"]]
         r["finite"] = bool(np.all(np.isfinite(got)))
@@ -206,7 +216,9 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], sweep=None) -> None
          f"uniform random routing. Measured in the same run: copy bandwidth {meta['copy_Bps'] / 1e12:.2f} TB/s "
          f"(bytes read + written), bf16 matmul {meta['matmul_flops'] / 1e12:.0f} TFLOP/s. floor = distinct experts "
          f"touched x {EXPERT_BYTES / 1e6:.2f} MB / copy bandwidth; FLOPs floor = 2 x 3 F D x routed slots / matmul "
-         "rate. `before` = " + meta.get("before", "-") + "; `after` = this commit (path and block_m chosen by M)."),
+         f"rate. Time = median per op of jitted batches over {SMALL_SETS} input sets up to M = {SMALL_M}, {SETS} "
+         "above (a batch's dispatch on the host must not outlast its GPU time). `before` = " + meta.get("before", "-")
+         + "; `after` = this commit (path and block_m chosen by M)."),
         GOALS + ".",
     ]
     shapes = [s for s in ("k2", "device") if any(r["shape"] == s for r in rows)]
