@@ -93,7 +93,6 @@ constexpr int64_t kFlagDeep = 8;        // tile path (wgmma): 4 k-steps in fligh
 constexpr int64_t kFlagSerial = 16;     // stream path: plain launches instead of programmatic dependent ones
 constexpr int64_t kFlagTile = 32;       // BM = 16 or 32: the tile path's narrow tiles instead of the stream path
 constexpr int64_t kFlagFine = 64;       // tile path: 17-24 slots run as N = 24 (not 32)
-constexpr int64_t kFlagRows = 128;      // stream path: down's warps split the rows, not k (GemmKernel's kRows)
 
 // ------------------------------------------------------------------------------------------------------------------
 // Small helpers
@@ -625,13 +624,9 @@ constexpr int kStreamStageBytes = kStreamW + 8 * kThreads;
 constexpr int kStreamSmem = kStreamStages * kStreamStageBytes;
 constexpr uint32_t kMinus136 = 0xC308C308u;  // the bf16 pair (-136, -136)
 
-// kRows: the block's 4 warps take 4 row sets (64 gate/up rows, 128 down rows) over the whole of k, rather than one
-// row set split 4 ways over k with the partial sums added through shared memory at the end: 4x longer loops per warp
-// and no reduction.
-template <int NT, bool kGated, bool kL2, bool kRows>
+template <int NT, bool kGated, bool kL2>
 __global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const GemmParams p) {
   constexpr int kBm = 8 * NT;
-  constexpr int kSplit = kRows ? 1 : kWarps;  // warps sharing one row set's k
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   __shared__ int s_src[kBm];  // B row of each token column (-1: padding)
   __shared__ int s_dst[kBm];  // output row (slot) of each token column (-1: padding)
@@ -649,19 +644,18 @@ __global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const Ge
   // Row set s = 2 tile + rh: rows g + 8 rh of tile `tile` (gate / up, or the two 16-row halves of down). This thread
   // copies group t of its row of every set, and the scales of its row of set t. Running pointers at this warp's
   // next chunk to copy.
-  const int row0 = (kRows ? blockIdx.y * kWarps + warp : blockIdx.y) * (kGated ? 16 : 32);
+  const int row0 = blockIdx.y * (kGated ? 16 : 32);
   const int64_t words = p.k / 8;
   const int chunks = p.k / kChunk;
-  const int first = kRows ? 0 : warp;                        // this warp's first chunk
-  const int mine = (chunks - first + kSplit - 1) / kSplit;  // chunks first, first + kSplit, ...
+  const int mine = (chunks - warp + kWarps - 1) / kWarps;  // chunks warp, warp + 4, ...
   const uint32_t* a_ptr[4];
   const __nv_bfloat16* sc_ptr = nullptr;
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const int tile = s >> 1, rh = s & 1;
     const int64_t row = static_cast<int64_t>(e) * p.rows + row0 + (kGated ? 0 : 16 * tile) + g + 8 * rh;
-    a_ptr[s] = ((kGated && tile) ? p.w1 : p.w0) + row * words + 4 * t + first * 16;
-    if (s == t) sc_ptr = ((kGated && tile) ? p.s1 : p.s0) + row * p.groups + first * 4;
+    a_ptr[s] = ((kGated && tile) ? p.w1 : p.w0) + row * words + 4 * t + warp * 16;
+    if (s == t) sc_ptr = ((kGated && tile) ? p.s1 : p.s0) + row * p.groups + warp * 4;
   }
 
   // Shared-memory offsets in a stage: this warp's 2 KB of weights (set s at + 512 s; row g at + 64 g, group G in
@@ -680,10 +674,10 @@ __global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const Ge
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       CopyAsync16Cg(copy_stage + w_copy + 512 * s, a_ptr[s], kL2);
-      a_ptr[s] += kSplit * 16;
+      a_ptr[s] += kWarps * 16;
     }
     CopyAsync8(copy_stage + s_copy, sc_ptr);
-    sc_ptr += kSplit * 4;
+    sc_ptr += kWarps * 4;
     next_stage(copy_stage, ring);
   };
 #pragma unroll
@@ -706,7 +700,7 @@ __global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const Ge
   for (int j = 0; j < NT; ++j) {
     const int src = s_src[8 * j + g];
     x_ok[j] = src >= 0 && mine > 0;
-    x_ptr[j] = p.src + static_cast<int64_t>(x_ok[j] ? src : 0) * p.k + first * kChunk + 8 * t;
+    x_ptr[j] = p.src + static_cast<int64_t>(x_ok[j] ? src : 0) * p.k + warp * kChunk + 8 * t;
   }
   auto load_x = [&](int j, int grp) {
     return kGated ? LoadGlobal16Nc(x_ptr[j] + 32 * grp) : LoadGlobal16Cg(x_ptr[j] + 32 * grp);
@@ -717,7 +711,7 @@ __global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const Ge
   for (int j = 0; j < NT; ++j) {
 #pragma unroll
     for (int grp = 0; grp < 4; ++grp) xv[j][grp] = x_ok[j] ? load_x(j, grp) : make_uint4(0, 0, 0, 0);
-    x_ptr[j] += kSplit * kChunk;
+    x_ptr[j] += kWarps * kChunk;
   }
   float acc[2][NT][4];
 #pragma unroll
@@ -775,37 +769,35 @@ __global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const Ge
       }
     }
 #pragma unroll
-    for (int j = 0; j < NT; ++j) x_ptr[j] += kSplit * kChunk;
+    for (int j = 0; j < NT; ++j) x_ptr[j] += kWarps * kChunk;
     next_stage(read_stage, ring);
     __syncwarp();  // every lane is done with the slot before it is copied into again
   }
   CopyWait<0>();
-  if constexpr (!kRows) {  // the warps' partial sums of the row set, added in warp order by warp 0
-    __syncthreads();  // every warp is done with the ring: reuse it for the partial sums
+  __syncthreads();  // every warp is done with the ring: reuse it for the partial sums
 
-    constexpr int kVals = 2 * NT * 4;
-    float* red = reinterpret_cast<float*>(gemm_smem);  // [warp - 1][kVals][32]
-    if (warp > 0) {
+  constexpr int kVals = 2 * NT * 4;
+  float* red = reinterpret_cast<float*>(gemm_smem);  // [warp - 1][kVals][32]
+  if (warp > 0) {
 #pragma unroll
-      for (int tile = 0; tile < 2; ++tile) {
+    for (int tile = 0; tile < 2; ++tile) {
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
+      for (int j = 0; j < NT; ++j) {
 #pragma unroll
-          for (int c = 0; c < 4; ++c) red[((warp - 1) * kVals + (tile * NT + j) * 4 + c) * 32 + lane] = acc[tile][j][c];
-        }
+        for (int c = 0; c < 4; ++c) red[((warp - 1) * kVals + (tile * NT + j) * 4 + c) * 32 + lane] = acc[tile][j][c];
       }
     }
-    __syncthreads();
-    if (warp != 0) return;
+  }
+  __syncthreads();
+  if (warp != 0) return;
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) {
+  for (int w = 1; w < kWarps; ++w) {
 #pragma unroll
-      for (int tile = 0; tile < 2; ++tile) {
+    for (int tile = 0; tile < 2; ++tile) {
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
+      for (int j = 0; j < NT; ++j) {
 #pragma unroll
-          for (int c = 0; c < 4; ++c) acc[tile][j][c] += red[((w - 1) * kVals + (tile * NT + j) * 4 + c) * 32 + lane];
-        }
+        for (int c = 0; c < 4; ++c) acc[tile][j][c] += red[((w - 1) * kVals + (tile * NT + j) * 4 + c) * 32 + lane];
       }
     }
   }
@@ -1273,34 +1265,30 @@ ffi::Error Launch(void (*kernel)(Params...), dim3 grid, int threads, int smem, c
   return kdtree::CudaStatus(cudaLaunchKernelEx(&config, kernel, args...), "marlin_moe", what);
 }
 
-template <int NT, bool kGated, bool kL2, bool kRows>
+template <int NT, bool kGated, bool kL2>
 ffi::Error LaunchGemm(cudaStream_t stream, const GemmParams& p, int max_blocks, bool pdl, const char* what) {
-  auto kernel = GemmKernel<NT, kGated, kL2, kRows>;
+  auto kernel = GemmKernel<NT, kGated, kL2>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStreamSmem) != cudaSuccess) {
     return LastError("raising the shared-memory limit");
   }
-  const dim3 grid(static_cast<unsigned>(max_blocks), static_cast<unsigned>(p.rows / (kGated ? 16 : 32) /
-                                                                           (kRows ? kWarps : 1)));
+  const dim3 grid(static_cast<unsigned>(max_blocks), static_cast<unsigned>(p.rows / (kGated ? 16 : 32)));
   return Launch(kernel, grid, kThreads, kStreamSmem, stream, pdl, what, p);
 }
 
 template <int NT, bool kL2>
-ffi::Error LaunchGemms(cudaStream_t stream, const GemmParams& g1, const GemmParams& g2, int max_blocks, bool pdl,
-                       bool rows) {
-  if (ffi::Error e = LaunchGemm<NT, true, kL2, false>(stream, g1, max_blocks, pdl, "gate/up kernel launch");
-      e.failure()) {
+ffi::Error LaunchGemms(cudaStream_t stream, const GemmParams& g1, const GemmParams& g2, int max_blocks, bool pdl) {
+  if (ffi::Error e = LaunchGemm<NT, true, kL2>(stream, g1, max_blocks, pdl, "gate/up kernel launch"); e.failure()) {
     return e;
   }
-  return rows ? LaunchGemm<NT, false, kL2, true>(stream, g2, max_blocks, pdl, "down kernel launch")
-              : LaunchGemm<NT, false, kL2, false>(stream, g2, max_blocks, pdl, "down kernel launch");
+  return LaunchGemm<NT, false, kL2>(stream, g2, max_blocks, pdl, "down kernel launch");
 }
 
 template <bool kL2>
 ffi::Error LaunchStream(cudaStream_t stream, const GemmParams& g1, const GemmParams& g2, int bm, int max_blocks,
-                        bool pdl, bool rows) {
-  return bm == 8    ? LaunchGemms<1, kL2>(stream, g1, g2, max_blocks, pdl, rows)
-         : bm == 16 ? LaunchGemms<2, kL2>(stream, g1, g2, max_blocks, pdl, rows)
-                    : LaunchGemms<4, kL2>(stream, g1, g2, max_blocks, pdl, rows);
+                        bool pdl) {
+  return bm == 8    ? LaunchGemms<1, kL2>(stream, g1, g2, max_blocks, pdl)
+         : bm == 16 ? LaunchGemms<2, kL2>(stream, g1, g2, max_blocks, pdl)
+                    : LaunchGemms<4, kL2>(stream, g1, g2, max_blocks, pdl);
 }
 
 template <bool kGated, bool kSync, int kDepth, int kMaxN>
@@ -1457,9 +1445,8 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
       GemmParams g2{dqp, nullptr, dsp, nullptr, hp, yp, sorted->typed_data(), block_expert->typed_data(),
                     static_cast<int>(D), static_cast<int>(F), static_cast<int>(down_scales), 1, static_cast<int>(S)};
       const int nb = static_cast<int>(max_blocks), bmi = static_cast<int>(bm);
-      const bool rows = (flags & kFlagRows) != 0;
-      ffi::Error err = (flags & kFlagL2Prefetch) ? LaunchStream<true>(stream, g1, g2, bmi, nb, pdl, rows)
-                                                 : LaunchStream<false>(stream, g1, g2, bmi, nb, pdl, rows);
+      ffi::Error err = (flags & kFlagL2Prefetch) ? LaunchStream<true>(stream, g1, g2, bmi, nb, pdl)
+                                                 : LaunchStream<false>(stream, g1, g2, bmi, nb, pdl);
       if (err.failure()) return err;
     }
     return Launch(CombineKernel8, dim3(GridFor(M * D / 8, 256)), 256, 0, stream, pdl, "combine launch",

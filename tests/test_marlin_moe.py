@@ -15,7 +15,7 @@ import pytest
 
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
-from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_FINE, FLAG_L2_256, FLAG_ROWS, FLAG_SERIAL, FLAG_SYNC,
+from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_FINE, FLAG_L2_256, FLAG_SERIAL, FLAG_SYNC,
                                            FLAG_TILE, NARROW_SLOTS, STREAM_FLAGS, TILE_128_MIN_M, TILE_FLAGS, TILE_MIN_M,
                                            _cuda_call, block_size, choose_block_m, choose_path, marlin_moe,
                                            marlin_moe_ref, max_blocks, moe_align, moe_experts_ref, tile_eligible)
@@ -421,8 +421,6 @@ K2_CASES = [
     (24, 8, 16, "uniform", None, None), (40, 8, 16, "few", None, FLAG_DEEP),  # 12 / 20 slots per expert: the
     (44, 8, 16, "uniform", 32, FLAG_TILE | FLAG_FINE | FLAG_L2_256),  # default path is the narrow tiles
 ]  # (`choose_path`); 22 slots per expert with FLAG_FINE: tiles of 24 token columns
-K2_CASES += [(1, 8, 16, "uniform", 8, FLAG_ROWS), (16, 8, 16, "sentinel", 8, FLAG_ROWS),  # FLAG_ROWS (down's warps
-             (64, 8, 16, "repeat", 16, FLAG_ROWS | FLAG_SERIAL), (200, 8, 16, "few", 32, FLAG_ROWS)]  # over rows)
 
 
 @pytest.fixture(scope="module")
