@@ -15,7 +15,8 @@ kernel of an older build (--baseline-lib: a libkdtree_jax_cuda.so whose handler 
 called as that version did: block_m = block_size(M), no flags); `local` = the defaults but the block size chosen
 from the shard's own experts (as before 2026-12-01: at the per-device shape M k / 48 overstated the slots per expert
 8-fold); `stream` / `tile64` / `tile128` force a path, `tile16` / `tile32` the tile path's narrow tiles (FLAG_TILE)
-(`+l2`, `+sync`, `+deep`, `+serial`, `+fine` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL, FLAG_FINE;
+(`+l2`, `+sync`, `+deep`, `+serial`, `+fine`, `+persist` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL,
+FLAG_FINE, FLAG_PERSIST;
 `after+deep` = the defaults plus FLAG_DEEP, `after+serial` the defaults with the stream path's kernels launched
 plainly, one after the other).
 Each variant's output is compared with `after`'s (rel err).
@@ -137,7 +138,7 @@ def variant_fn(name: str, m: int, e: int):
         return baseline_call, mm.block_size(m, TOPK, e), "stream"
     base, *mods = name.split("+")
     flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "serial": mm.FLAG_SERIAL, "deep": mm.FLAG_DEEP,
-                 "fine": mm.FLAG_FINE}[x]
+                 "fine": mm.FLAG_FINE, "persist": mm.FLAG_PERSIST}[x]
                 for x in mods)
     if base in ("tile16", "tile32"):  # the tile path's narrow tiles (FLAG_TILE), with the tile path's flags
         flags |= mm.FLAG_TILE | mm.TILE_FLAGS

@@ -93,6 +93,7 @@ constexpr int64_t kFlagDeep = 8;        // tile path (wgmma): 4 k-steps in fligh
 constexpr int64_t kFlagSerial = 16;     // stream path: plain launches instead of programmatic dependent ones
 constexpr int64_t kFlagTile = 32;       // BM = 16 or 32: the tile path's narrow tiles instead of the stream path
 constexpr int64_t kFlagFine = 64;       // tile path: 17-24 slots run as N = 24 (not 32)
+constexpr int64_t kFlagPersist = 128;   // stream path: resident blocks loop over the used units (GemmKernel)
 
 // ------------------------------------------------------------------------------------------------------------------
 // Small helpers
@@ -614,6 +615,7 @@ struct GemmParams {
   int groups;                  // scales per row (K / 32)
   int src_div;                 // slot -> B row divisor (top-k for gemm1, 1 for gemm2)
   int slots;                   // M k
+  int max_blocks;              // token blocks (entries of block_expert)
 };
 
 // The ring of the stream path, per stage: weights (4 rows x 16 B per thread), then scales (8 B per thread); 4 blocks
@@ -624,27 +626,20 @@ constexpr int kStreamStageBytes = kStreamW + 8 * kThreads;
 constexpr int kStreamSmem = kStreamStages * kStreamStageBytes;
 constexpr uint32_t kMinus136 = 0xC308C308u;  // the bf16 pair (-136, -136)
 
+// One unit of work: row set `set` (16 gate and 16 up rows, or 32 down rows) of expert e for the slots of token block
+// `block`, all 4 warps of the block, each over a quarter of k. Called by every thread of the block.
 template <int NT, bool kGated, bool kL2>
-__global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const GemmParams p) {
+__device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set, int e) {
   constexpr int kBm = 8 * NT;
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   __shared__ int s_src[kBm];  // B row of each token column (-1: padding)
   __shared__ int s_dst[kBm];  // output row (slot) of each token column (-1: padding)
-
-  const int block = blockIdx.x;
-  if (kGated) GridDependencyWait();  // the align stage's arrays
-  const int e = __ldcg(p.block_expert + block);  // (gemm2: gemm1 started after the align stage ended)
-  if (e < 0) {  // uniform over the block
-    if (!kGated) GridDependencyWait();
-    return;
-  }
-  LaunchDependents();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
   // Row set s = 2 tile + rh: rows g + 8 rh of tile `tile` (gate / up, or the two 16-row halves of down). This thread
   // copies group t of its row of every set, and the scales of its row of set t. Running pointers at this warp's
   // next chunk to copy.
-  const int row0 = blockIdx.y * (kGated ? 16 : 32);
+  const int row0 = set * (kGated ? 16 : 32);
   const int64_t words = p.k / 8;
   const int chunks = p.k / kChunk;
   const int mine = (chunks - warp + kWarps - 1) / kWarps;  // chunks warp, warp + 4, ...
@@ -817,6 +812,36 @@ __global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const Ge
       }
     }
   }
+}
+
+
+// The stream-path gemm. kPersist: a grid of as many blocks as fit on the GPU at once, block i taking units i, i + grid,
+// ... in token-block-major order until the first unused token block (no block is launched for nothing: max_blocks
+// bounds every routing, and most are unused when a few experts are touched); else one block per unit, the grid
+// [max_blocks, row sets], the blocks of unused token blocks exiting at once.
+template <int NT, bool kGated, bool kL2, bool kPersist>
+__global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const GemmParams p) {
+  if (kGated) GridDependencyWait();  // the align stage's arrays (gemm2: gemm1 started after the align stage ended)
+  if (!kPersist) {
+    const int e = __ldcg(p.block_expert + blockIdx.x);
+    if (e >= 0) {  // uniform over the block
+      LaunchDependents();
+      GemmUnit<NT, kGated, kL2>(p, blockIdx.x, blockIdx.y, e);
+      return;
+    }
+  } else {
+    LaunchDependents();
+    const int sets = p.rows / (kGated ? 16 : 32);
+    for (int64_t u = blockIdx.x;; u += gridDim.x) {
+      const int block = static_cast<int>(u / sets);
+      if (block >= p.max_blocks) break;
+      const int e = __ldcg(p.block_expert + block);
+      if (e < 0) break;  // and so are the later ones
+      GemmUnit<NT, kGated, kL2>(p, block, static_cast<int>(u % sets), e);
+      __syncthreads();  // the ring and the slot lists are free for the next unit
+    }
+  }
+  if (!kGated) GridDependencyWait();  // no block ends before gemm1 has: the chain completes in order
 }
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -1265,30 +1290,49 @@ ffi::Error Launch(void (*kernel)(Params...), dim3 grid, int threads, int smem, c
   return kdtree::CudaStatus(cudaLaunchKernelEx(&config, kernel, args...), "marlin_moe", what);
 }
 
-template <int NT, bool kGated, bool kL2>
-ffi::Error LaunchGemm(cudaStream_t stream, const GemmParams& p, int max_blocks, bool pdl, const char* what) {
-  auto kernel = GemmKernel<NT, kGated, kL2>;
+// Blocks of a kernel that fit on the current device at once (occupancy x SMs).
+template <typename Kernel>
+ffi::Error ResidentBlocks(Kernel kernel, int threads, int smem, int64_t* blocks) {
+  int device = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess) {
+    return LastError("querying the device's occupancy");
+  }
+  *blocks = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+  return ffi::Error::Success();
+}
+
+template <int NT, bool kGated, bool kL2, bool kPersist>
+ffi::Error LaunchGemm(cudaStream_t stream, const GemmParams& p, bool pdl, const char* what) {
+  auto kernel = GemmKernel<NT, kGated, kL2, kPersist>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStreamSmem) != cudaSuccess) {
     return LastError("raising the shared-memory limit");
   }
-  const dim3 grid(static_cast<unsigned>(max_blocks), static_cast<unsigned>(p.rows / (kGated ? 16 : 32)));
+  const int64_t sets = p.rows / (kGated ? 16 : 32);
+  dim3 grid(static_cast<unsigned>(p.max_blocks), static_cast<unsigned>(sets));
+  if (kPersist) {
+    int64_t resident = 0;
+    if (ffi::Error e = ResidentBlocks(kernel, kThreads, kStreamSmem, &resident); e.failure()) return e;
+    const int64_t units = p.max_blocks * sets;
+    grid = dim3(static_cast<unsigned>(units < resident ? units : resident));
+  }
   return Launch(kernel, grid, kThreads, kStreamSmem, stream, pdl, what, p);
 }
 
-template <int NT, bool kL2>
-ffi::Error LaunchGemms(cudaStream_t stream, const GemmParams& g1, const GemmParams& g2, int max_blocks, bool pdl) {
-  if (ffi::Error e = LaunchGemm<NT, true, kL2>(stream, g1, max_blocks, pdl, "gate/up kernel launch"); e.failure()) {
+template <int NT, bool kL2, bool kPersist>
+ffi::Error LaunchGemms(cudaStream_t stream, const GemmParams& g1, const GemmParams& g2, bool pdl) {
+  if (ffi::Error e = LaunchGemm<NT, true, kL2, kPersist>(stream, g1, pdl, "gate/up kernel launch"); e.failure()) {
     return e;
   }
-  return LaunchGemm<NT, false, kL2>(stream, g2, max_blocks, pdl, "down kernel launch");
+  return LaunchGemm<NT, false, kL2, kPersist>(stream, g2, pdl, "down kernel launch");
 }
 
-template <bool kL2>
-ffi::Error LaunchStream(cudaStream_t stream, const GemmParams& g1, const GemmParams& g2, int bm, int max_blocks,
-                        bool pdl) {
-  return bm == 8    ? LaunchGemms<1, kL2>(stream, g1, g2, max_blocks, pdl)
-         : bm == 16 ? LaunchGemms<2, kL2>(stream, g1, g2, max_blocks, pdl)
-                    : LaunchGemms<4, kL2>(stream, g1, g2, max_blocks, pdl);
+template <bool kL2, bool kPersist>
+ffi::Error LaunchStream(cudaStream_t stream, const GemmParams& g1, const GemmParams& g2, int bm, bool pdl) {
+  return bm == 8    ? LaunchGemms<1, kL2, kPersist>(stream, g1, g2, pdl)
+         : bm == 16 ? LaunchGemms<2, kL2, kPersist>(stream, g1, g2, pdl)
+                    : LaunchGemms<4, kL2, kPersist>(stream, g1, g2, pdl);
 }
 
 template <bool kGated, bool kSync, int kDepth, int kMaxN>
@@ -1439,14 +1483,17 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
                                              : LaunchTiles<false, 2>(stream, g1, g2, max_blocks);
       if (err.failure()) return err;
     } else {
+      const int nb = static_cast<int>(max_blocks), bmi = static_cast<int>(bm);
       GemmParams g1{xq, uqp, gsp, usp, xp, hp, sorted->typed_data(), block_expert->typed_data(),
                     static_cast<int>(F), static_cast<int>(D), static_cast<int>(gate_scales), static_cast<int>(topk),
-                    static_cast<int>(S)};
+                    static_cast<int>(S), nb};
       GemmParams g2{dqp, nullptr, dsp, nullptr, hp, yp, sorted->typed_data(), block_expert->typed_data(),
-                    static_cast<int>(D), static_cast<int>(F), static_cast<int>(down_scales), 1, static_cast<int>(S)};
-      const int nb = static_cast<int>(max_blocks), bmi = static_cast<int>(bm);
-      ffi::Error err = (flags & kFlagL2Prefetch) ? LaunchStream<true>(stream, g1, g2, bmi, nb, pdl)
-                                                 : LaunchStream<false>(stream, g1, g2, bmi, nb, pdl);
+                    static_cast<int>(D), static_cast<int>(F), static_cast<int>(down_scales), 1, static_cast<int>(S), nb};
+      const bool l2 = (flags & kFlagL2Prefetch) != 0, persist = (flags & kFlagPersist) != 0;
+      ffi::Error err = l2 ? (persist ? LaunchStream<true, true>(stream, g1, g2, bmi, pdl)
+                                     : LaunchStream<true, false>(stream, g1, g2, bmi, pdl))
+                          : (persist ? LaunchStream<false, true>(stream, g1, g2, bmi, pdl)
+                                     : LaunchStream<false, false>(stream, g1, g2, bmi, pdl));
       if (err.failure()) return err;
     }
     return Launch(CombineKernel8, dim3(GridFor(M * D / 8, 256)), 256, 0, stream, pdl, "combine launch",

@@ -15,7 +15,7 @@ import pytest
 
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
-from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_FINE, FLAG_L2_256, FLAG_SERIAL, FLAG_SYNC,
+from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_FINE, FLAG_L2_256, FLAG_PERSIST, FLAG_SERIAL, FLAG_SYNC,
                                            FLAG_TILE, NARROW_SLOTS, STREAM_FLAGS, TILE_128_MIN_M, TILE_FLAGS, TILE_MIN_M,
                                            _cuda_call, block_size, choose_block_m, choose_path, marlin_moe,
                                            marlin_moe_ref, max_blocks, moe_align, moe_experts_ref, tile_eligible)
@@ -421,6 +421,11 @@ K2_CASES = [
     (24, 8, 16, "uniform", None, None), (40, 8, 16, "few", None, FLAG_DEEP),  # 12 / 20 slots per expert: the
     (44, 8, 16, "uniform", 32, FLAG_TILE | FLAG_FINE | FLAG_L2_256),  # default path is the narrow tiles
 ]  # (`choose_path`); 22 slots per expert with FLAG_FINE: tiles of 24 token columns
+K2_CASES += [  # the stream path's persistent grid (FLAG_PERSIST): resident blocks looping over the used units
+    (1, 8, 16, "uniform", 8, FLAG_PERSIST), (7, 8, 16, "sentinel", 8, FLAG_PERSIST),
+    (64, 8, 16, "few", 8, FLAG_PERSIST | FLAG_SERIAL), (96, 8, 16, "repeat", 16, FLAG_PERSIST),
+    (256, 8, 16, "one_expert", 32, FLAG_PERSIST | FLAG_L2_256),
+]
 
 
 @pytest.fixture(scope="module")
@@ -542,6 +547,28 @@ def test_gpu_programmatic_launches_equal_plain_ones(k2_experts, m):
     plain = np.asarray(chained(x, args, k2_experts, FLAG_SERIAL), np.float32)
     assert np.all(np.isfinite(plain)) and np.any(plain != 0)
     np.testing.assert_array_equal(np.asarray(chained(x, args, k2_experts, None), np.float32), plain)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("m, kind, bm", [(1, "uniform", 8), (4, "sentinel", 8), (16, "uniform", 8), (33, "few", 16),
+                                         (64, "sentinel", 8), (150, "repeat", 32), (300, "one_expert", 8)])
+def test_gpu_persistent_grid_gives_the_grids_bits(k2_experts, m, kind, bm):
+    """FLAG_PERSIST (as many blocks as fit, each looping over token block x row set units until the first unused
+    token block) computes every unit as the one-block-per-unit grid does: the same bits, for routings that use few
+    or all of the token blocks max_blocks allows (sentinel: a third of the slots to no expert, as on an
+    expert-parallel shard), with and without programmatic launches."""
+    gpu0 = jax.devices("gpu")[0]
+    rng = np.random.default_rng(31 + m)
+    ids, weights = make_routing(rng, m, 8, 16, kind)
+    x = jax.random.normal(jax.random.key(m + 5), (m, K2_D), jnp.bfloat16)
+    _poison((m * 8, K2_D + K2_F))
+    grid = np.asarray(run(x, ids, weights, k2_experts, device=gpu0, block_m=bm, flags=0), np.float32)
+    assert np.all(np.isfinite(grid)) and np.any(grid != 0)
+    for flags in (FLAG_PERSIST, FLAG_PERSIST | FLAG_SERIAL):
+        _poison((m * 8, K2_D + K2_F))
+        got = run(x, ids, weights, k2_experts, device=gpu0, block_m=bm, flags=flags)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), grid)
 
 
 @gpu
