@@ -145,7 +145,7 @@ def variant_fn(name: str, m: int, e: int):
     bm = {"after": None, "stream": mm.block_size(m, TOPK, E), "tile16": 16, "tile32": 32, "tile64": 64,
           "tile128": 128,
           "local": mm.choose_block_m(m, TOPK, e, True)}[base]  # local: the block size chosen by e (before 2026-12-01)
-    chosen_bm, chosen_flags = mm.choose_path(m, TOPK, E if base == "after" else e, True)
+    chosen_bm, chosen_flags = mm.choose_path(m, TOPK, E if base == "after" else e, True, local=e)
     shown = bm or chosen_bm
     if base == "after":  # the defaults (path, block_m, flags), plus any flags named
         flags = None if not mods else flags | chosen_flags

@@ -71,6 +71,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -569,6 +570,7 @@ __global__ void AlignKernel(const int32_t* __restrict__ ids, int slots, int expe
   }
   __syncthreads();
   for (int b = *total / bm + tid; b < max_blocks; b += blockDim.x) block_expert[b] = -1;
+  if (tid == 0) block_expert[max_blocks] = min(*total / bm, max_blocks);  // the used blocks (all first)
 
   for (int base = lo; base < hi; base += 32) {
     const int i = base + lane;
@@ -609,7 +611,7 @@ struct GemmParams {
   const __nv_bfloat16* src;    // B operand rows [*, K]: x [M, K] (gated, row = slot / k) or h [M k, K] (row = slot)
   __nv_bfloat16* dst;          // [M k, rows]: h (gated) or ys
   const int32_t* sorted;       // [max_blocks * BM] slots (M k = padding)
-  const int32_t* block_expert; // [max_blocks] (-1: unused)
+  const int32_t* block_expert; // [max_blocks + 1]: each block's expert (-1: unused), then the used blocks
   int rows;                    // output rows per expert (F or D)
   int k;                       // inputs (D or F), a multiple of 128
   int groups;                  // scales per row (K / 32)
@@ -816,9 +818,9 @@ __device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set
 
 
 // The stream-path gemm. kPersist: a grid of as many blocks as fit on the GPU at once, block i taking units i, i + grid,
-// ... in token-block-major order until the first unused token block (no block is launched for nothing: max_blocks
-// bounds every routing, and most are unused when a few experts are touched); else one block per unit, the grid
-// [max_blocks, row sets], the blocks of unused token blocks exiting at once.
+// ... of the used token blocks x row sets (token blocks fastest; no block is launched for nothing: max_blocks bounds
+// every routing, and most are unused when a few experts are touched); else one block per unit, the grid [max_blocks,
+// row sets], the blocks of unused token blocks exiting at once.
 template <int NT, bool kGated, bool kL2, bool kPersist>
 __global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const GemmParams p) {
   if (kGated) GridDependencyWait();  // the align stage's arrays (gemm2: gemm1 started after the align stage ended)
@@ -831,13 +833,13 @@ __global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const Ge
     }
   } else {
     LaunchDependents();
-    const int sets = p.rows / (kGated ? 16 : 32);
-    for (int64_t u = blockIdx.x;; u += gridDim.x) {
-      const int block = static_cast<int>(u / sets);
-      if (block >= p.max_blocks) break;
+    const int used = min(__ldcg(p.block_expert + p.max_blocks), p.max_blocks);
+    const int64_t units = static_cast<int64_t>(used) * (p.rows / (kGated ? 16 : 32));
+    for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {  // the grid's order: token blocks fastest
+      const int block = static_cast<int>(u % used);
       const int e = __ldcg(p.block_expert + block);
-      if (e < 0) break;  // and so are the later ones
-      GemmUnit<NT, kGated, kL2>(p, block, static_cast<int>(u % sets), e);
+      if (e < 0) break;  // (not reached: the used blocks come first)
+      GemmUnit<NT, kGated, kL2>(p, block, static_cast<int>(u / used), e);
       __syncthreads();  // the ring and the slot lists are free for the next unit
     }
   }
@@ -907,7 +909,7 @@ struct TileParams {
   const __nv_bfloat16* src;    // B rows [*, K] in tile k order: xp [M, D] (gated, row = slot / k) or h [M k, F]
   __nv_bfloat16* dst;          // [M k, rows]: h in tile k order (gated) or ys
   const int32_t* sorted;       // [max_blocks * BM] slots (M k = padding)
-  const int32_t* block_expert; // [max_blocks] (-1: unused)
+  const int32_t* block_expert; // [max_blocks + 1]: each block's expert (-1: unused), then the used blocks
   int rows;                    // output rows per expert (F or D)
   int k;                       // inputs (D or F), a multiple of 128
   int groups;                  // scales per row (K / 32)
@@ -1388,7 +1390,7 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
                              ffi::Buffer<ffi::BF16> down_s,            // [E, D, F/G']
                              ffi::Result<ffi::AnyBuffer> out,          // [M, D]
                              ffi::Result<ffi::Buffer<ffi::S32>> sorted,        // [max_blocks * BM]
-                             ffi::Result<ffi::Buffer<ffi::S32>> block_expert,  // [max_blocks]
+                             ffi::Result<ffi::Buffer<ffi::S32>> block_expert,  // [max_blocks + 1]
                              ffi::Result<ffi::AnyBuffer> h,            // [M k, F]
                              ffi::Result<ffi::AnyBuffer> ys,           // [M k, D]
                              int64_t flags) {
@@ -1424,7 +1426,7 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
     return ffi::Error::InvalidArgument("marlin_moe: sizes beyond the kernel's 32-bit indexing");
   }
 
-  const int64_t max_blocks = static_cast<int64_t>(block_expert->element_count());
+  const int64_t max_blocks = std::max<int64_t>(static_cast<int64_t>(block_expert->element_count()) - 1, 0);
   const int64_t bm = max_blocks > 0 ? static_cast<int64_t>(sorted->element_count()) / max_blocks : 0;
   const int align_warps = AlignWarps(E, S);
   const bool bf16 = t == ffi::DataType::BF16;
@@ -1488,7 +1490,8 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
                     static_cast<int>(F), static_cast<int>(D), static_cast<int>(gate_scales), static_cast<int>(topk),
                     static_cast<int>(S), nb};
       GemmParams g2{dqp, nullptr, dsp, nullptr, hp, yp, sorted->typed_data(), block_expert->typed_data(),
-                    static_cast<int>(D), static_cast<int>(F), static_cast<int>(down_scales), 1, static_cast<int>(S), nb};
+                    static_cast<int>(D), static_cast<int>(F), static_cast<int>(down_scales), 1, static_cast<int>(S),
+                    nb};
       const bool l2 = (flags & kFlagL2Prefetch) != 0, persist = (flags & kFlagPersist) != 0;
       ffi::Error err = l2 ? (persist ? LaunchStream<true, true>(stream, g1, g2, bmi, pdl)
                                      : LaunchStream<true, false>(stream, g1, g2, bmi, pdl))
@@ -1536,7 +1539,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KdMarlinMoeCuda, MarlinMoeCudaImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()       // down scales [E, D, F/group]
                                   .Ret<ffi::AnyBuffer>()               // out [M, D]
                                   .Ret<ffi::Buffer<ffi::S32>>()        // sorted slots [max_blocks * BM]
-                                  .Ret<ffi::Buffer<ffi::S32>>()        // expert of each block [max_blocks]
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // block experts, used blocks [max_blocks + 1]
                                   .Ret<ffi::AnyBuffer>()               // h [M k, F]
                                   .Ret<ffi::AnyBuffer>()               // ys [M k, D]
                                   .Attr<int64_t>("flags"),             // kFlag* bits (0: the defaults)

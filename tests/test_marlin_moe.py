@@ -16,7 +16,8 @@ import pytest
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
 from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_FINE, FLAG_L2_256, FLAG_PERSIST, FLAG_SERIAL, FLAG_SYNC,
-                                           FLAG_TILE, NARROW_SLOTS, STREAM_FLAGS, TILE_128_MIN_M, TILE_FLAGS, TILE_MIN_M,
+                                           FLAG_TILE, NARROW_SLOTS, STREAM_FLAGS, TILE_128_MIN_M, TILE_FLAGS,
+                                           TILE_MIN_M,
                                            _cuda_call, block_size, choose_block_m, choose_path, marlin_moe,
                                            marlin_moe_ref, max_blocks, moe_align, moe_experts_ref, tile_eligible)
 from kdtree_jax.model import forward
@@ -162,6 +163,12 @@ def test_choose_path_by_slots_per_expert_and_m():
     # a tiny config (top-2 of 8): the same density rule, and the narrow range never takes M past TILE_128_MIN_M
     assert choose_path(32, 2, 8, True) == (32, TILE_FLAGS | FLAG_TILE)
     assert choose_path(16, 2, 8, True) == (8, STREAM_FLAGS)
+    # one shard of an 8-way mesh (48 of 384 experts) at M <= 8: about one used token block per local expert touched,
+    # at most PERSIST_USED of max_blocks, so the stream path's persistent grid; not from M = 16, nor on all 384
+    for m, persist in ((1, True), (4, True), (8, True), (16, False), (64, False)):
+        want = STREAM_FLAGS | (FLAG_PERSIST if persist else 0)
+        assert choose_path(m, 8, 384, True, local=48) == (block_size(m, 8, 384), want), m
+    assert choose_path(1, 8, 384, True) == choose_path(1, 8, 384, True, local=384) == (8, STREAM_FLAGS)
 
 
 @pytest.mark.parametrize("m, dtype, flags, want", [
@@ -280,18 +287,20 @@ def test_expert_parallel_shards_choose_the_block_size_of_the_whole_routing(monke
     mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")  # (the package re-exports the function's name)
     seen = []
     real = mm.choose_path
-    monkeypatch.setattr(mm, "choose_path", lambda m, k, e, ok: seen.append((m, k, e)) or real(m, k, e, ok))
+    monkeypatch.setattr(mm, "choose_path", lambda m, k, e, ok, local=None: seen.append((m, k, e, local))
+                        or real(m, k, e, ok, local))
     cfg = kj.configs.tiny(kernels="ffi")
     mesh = kj.make_mesh(ep=4, dp=2)
     params = kj.init_params(cfg, jax.random.key(0), mesh=mesh)
     tokens = jnp.asarray(np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
     with jax.set_mesh(mesh):
         sharded = forward(params, cfg, tokens)
-    assert seen and all(e == cfg.n_routed_experts for _, _, e in seen), seen
-    assert {m for m, _, _ in seen} == {10} and {k for _, k, _ in seen} == {cfg.num_experts_per_tok}
+    assert seen and all(e == cfg.n_routed_experts for _, _, e, _ in seen), seen
+    assert {m for m, *_ in seen} == {10} and {k for _, k, *_ in seen} == {cfg.num_experts_per_tok}
+    assert {local for *_, local in seen} == {cfg.n_routed_experts // 4}  # the shard's own experts (FLAG_PERSIST)
     seen.clear()
     assert rel_err(sharded, forward(kj.init_params(cfg, jax.random.key(0)), cfg, tokens)) <= 1e-5
-    assert seen and all(e == cfg.n_routed_experts for _, _, e in seen)
+    assert seen and all(e == local == cfg.n_routed_experts for _, _, e, local in seen)
     rng = np.random.default_rng(9)
     x, (ids, w), experts = jnp.ones((3, 64), jnp.float32), make_routing(rng, 3, 2, 16), make_experts(rng, 16, 64, 32)
     for bad in (8, 16.0, True):
@@ -399,7 +408,8 @@ def test_gpu_align_stage_equals_moe_align(m, k, e, bm, kind):
     flat = [args[0], args[1], args[2]] + [a for w in experts for a in (w.packed, w.scale)]
     outs = jax.jit(lambda *a: _cuda_call(a, m, d, k, e, f, jnp.bfloat16, bm))(*flat)
     sorted_slots, block_experts = (np.asarray(a) for a in jax.jit(moe_align, static_argnums=(1, 2))(ids, e, bm))
-    np.testing.assert_array_equal(np.asarray(outs[2]), block_experts)
+    np.testing.assert_array_equal(np.asarray(outs[2])[:-1], block_experts)
+    assert int(outs[2][-1]) == int(np.sum(block_experts >= 0))  # the used blocks, for the stream path's FLAG_PERSIST
     used = int(np.sum(block_experts >= 0)) * bm
     np.testing.assert_array_equal(np.asarray(outs[1])[:used], sorted_slots[:used])
 
