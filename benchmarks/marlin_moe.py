@@ -45,9 +45,10 @@ E, D, F, TOPK, GROUP = 384, 7168, 2048, 8, 32
 EP = 8  # the per-device shape: E / EP local experts
 EXPERT_BYTES = (3 * F * D) // 2 + 2 * (3 * F * D) // GROUP  # nibbles + bf16 scales of gate, up and down
 SETS = 4  # routing sets per timed batch of the kernel above SMALL_M tokens
-SMALL_SETS, SMALL_M = 32, 256  # up to SMALL_M tokens: 32 sets per batch, so that dispatching the batch (host time,
-# ~7-14 us per custom call measured on the H200, 2026-12-02) stays under the GPU time; with 4 sets the per-device
-# M = 1 call measured 32-39 us per op, with 32 sets 25 us
+SMALL_SETS, SMALL_M = 32, 256  # up to SMALL_M tokens: 32 sets per batch, so that dispatching the batch (host time:
+# 6-17 us per custom call in batches of 32, 18-22 in batches of 4, H200 2026-12-02,
+# results/marlin_moe_stages_daa4b82.txt) stays under the GPU time; with 4 sets the per-device M = 1 call measured
+# 38 us per op, with 32 sets 25 us
 
 
 def sets_for(m: int) -> int:
@@ -153,6 +154,7 @@ def variant_fn(name: str, m: int, e: int):
         flags |= chosen_flags
     used = chosen_flags if flags is None else flags
     path = "tile" if shown in mm.TILE_BLOCKS or (shown in mm.NARROW_TILE_BLOCKS and used & mm.FLAG_TILE) else "stream"
+    path += "+persist" if path == "stream" and used & mm.FLAG_PERSIST else ""
     return (lambda *a: mm.marlin_moe(*a, block_m=bm, flags=flags, experts_total=E)), shown, path
 
 
@@ -196,6 +198,17 @@ def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with
     return rows
 
 
+def sets_text(rows: list[dict]) -> str:
+    """How many input sets each M's batches held ("32 up to M = 256, 4 above"; rows saved before the count was
+    recorded held 4)."""
+    by = sorted({(r["m"], r.get("sets", SETS)) for r in rows})
+    counts = sorted({n for _, n in by}, reverse=True)
+    if len(counts) <= 1:
+        return str(counts[0] if counts else SETS)
+    parts = [f"{n} up to M = {max(m for m, c in by if c == n):,}" for n in counts[:-1]]
+    return ", ".join(parts) + f", {counts[-1]} above"
+
+
 def shown_path(row: dict | None) -> str:
     """A row's block_m and path ("32 tile"), "-" for no row."""
     return "-" if row is None else f"{row['block_m']} {row.get('path', '')}".strip()
@@ -216,9 +229,9 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], sweep=None) -> None
          f"uniform random routing. Measured in the same run: copy bandwidth {meta['copy_Bps'] / 1e12:.2f} TB/s "
          f"(bytes read + written), bf16 matmul {meta['matmul_flops'] / 1e12:.0f} TFLOP/s. floor = distinct experts "
          f"touched x {EXPERT_BYTES / 1e6:.2f} MB / copy bandwidth; FLOPs floor = 2 x 3 F D x routed slots / matmul "
-         f"rate. Time = median per op of jitted batches over {SMALL_SETS} input sets up to M = {SMALL_M}, {SETS} "
-         "above (a batch's dispatch on the host must not outlast its GPU time). `before` = " + meta.get("before", "-")
-         + "; `after` = this commit (path and block_m chosen by M)."),
+         f"rate. Time = median per op of jitted batches over {sets_text(rows)} input sets (a batch's dispatch on the "
+         "host must not outlast its GPU time). `before` = " + meta.get("before", "-")
+         + "; `after` = this commit (path and block_m chosen by M; `+persist`: the stream path's FLAG_PERSIST)."),
         GOALS + ".",
     ]
     shapes = [s for s in ("k2", "device") if any(r["shape"] == s for r in rows)]

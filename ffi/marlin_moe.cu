@@ -71,7 +71,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -838,7 +838,7 @@ __global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const Ge
     for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {  // the grid's order: token blocks fastest
       const int block = static_cast<int>(u % used);
       const int e = __ldcg(p.block_expert + block);
-      if (e < 0) break;  // (not reached: the used blocks come first)
+      if (e < 0) continue;  // (not reached: the used blocks come first)
       GemmUnit<NT, kGated, kL2>(p, block, static_cast<int>(u / used), e);
       __syncthreads();  // the ring and the slot lists are free for the next unit
     }
@@ -1292,16 +1292,22 @@ ffi::Error Launch(void (*kernel)(Params...), dim3 grid, int threads, int smem, c
   return kdtree::CudaStatus(cudaLaunchKernelEx(&config, kernel, args...), "marlin_moe", what);
 }
 
-// Blocks of a kernel that fit on the current device at once (occupancy x SMs).
+// Blocks of a kernel that fit on the current device at once (occupancy x SMs), queried once per kernel and device
+// into known[device] (0: not yet; the calls that take FLAG_PERSIST are the small ones, where host time counts).
+constexpr int kDevices = 64;
 template <typename Kernel>
-ffi::Error ResidentBlocks(Kernel kernel, int threads, int smem, int64_t* blocks) {
+ffi::Error ResidentBlocks(Kernel kernel, int threads, int smem, std::atomic<int64_t>* known, int64_t* blocks) {
   int device = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+  if (cudaGetDevice(&device) != cudaSuccess) return LastError("querying the current device");
+  if (device >= 0 && device < kDevices && (*blocks = known[device].load(std::memory_order_relaxed)) > 0) {
+    return ffi::Error::Success();
+  }
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess) {
     return LastError("querying the device's occupancy");
   }
   *blocks = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+  if (device >= 0 && device < kDevices) known[device].store(*blocks, std::memory_order_relaxed);
   return ffi::Error::Success();
 }
 
@@ -1314,8 +1320,9 @@ ffi::Error LaunchGemm(cudaStream_t stream, const GemmParams& p, bool pdl, const 
   const int64_t sets = p.rows / (kGated ? 16 : 32);
   dim3 grid(static_cast<unsigned>(p.max_blocks), static_cast<unsigned>(sets));
   if (kPersist) {
+    static std::atomic<int64_t> known[kDevices] = {};  // this kernel's, per device
     int64_t resident = 0;
-    if (ffi::Error e = ResidentBlocks(kernel, kThreads, kStreamSmem, &resident); e.failure()) return e;
+    if (ffi::Error e = ResidentBlocks(kernel, kThreads, kStreamSmem, known, &resident); e.failure()) return e;
     const int64_t units = p.max_blocks * sets;
     grid = dim3(static_cast<unsigned>(units < resident ? units : resident));
   }
@@ -1415,6 +1422,15 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
       out->element_count() != static_cast<size_t>(M * D)) {
     return ffi::Error::InvalidArgument("marlin_moe: scratch h must be [M k, F] and ys [M k, D]");
   }
+  const int64_t max_blocks = static_cast<int64_t>(block_expert->element_count()) - 1;
+  const int64_t bm = max_blocks > 0 ? static_cast<int64_t>(sorted->element_count()) / max_blocks : 0;
+  if (max_blocks < 0 || max_blocks * bm != static_cast<int64_t>(sorted->element_count()) ||
+      (max_blocks > 0 && bm != 8 && bm != 16 && bm != 32 && bm != 64 && bm != 128)) {
+    return ffi::Error::InvalidArgument(
+        "marlin_moe: scratch sorted must be [max_blocks * block_m] and block_expert [max_blocks + 1] with block_m 8, "
+        "16, 32, 64 or 128; got " + std::to_string(sorted->element_count()) + " and " +
+        std::to_string(block_expert->element_count()));
+  }
   if (M == 0 || D == 0) return ffi::Error::Success();
   if (S == 0 || E == 0 || F == 0) {
     if (cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream) != cudaSuccess) {
@@ -1426,8 +1442,6 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
     return ffi::Error::InvalidArgument("marlin_moe: sizes beyond the kernel's 32-bit indexing");
   }
 
-  const int64_t max_blocks = std::max<int64_t>(static_cast<int64_t>(block_expert->element_count()) - 1, 0);
-  const int64_t bm = max_blocks > 0 ? static_cast<int64_t>(sorted->element_count()) / max_blocks : 0;
   const int align_warps = AlignWarps(E, S);
   const bool bf16 = t == ffi::DataType::BF16;
   const bool blocks_ok = align_warps > 0 && max_blocks * bm == static_cast<int64_t>(sorted->element_count()) &&

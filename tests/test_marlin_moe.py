@@ -168,7 +168,11 @@ def test_choose_path_by_slots_per_expert_and_m():
     for m, persist in ((1, True), (4, True), (8, True), (16, False), (64, False)):
         want = STREAM_FLAGS | (FLAG_PERSIST if persist else 0)
         assert choose_path(m, 8, 384, True, local=48) == (block_size(m, 8, 384), want), m
-    assert choose_path(1, 8, 384, True) == choose_path(1, 8, 384, True, local=384) == (8, STREAM_FLAGS)
+    assert choose_path(1, 8, 384, True) == (8, STREAM_FLAGS)
+    for local in (384, 96, 48, 24, 12):  # never again past M = 12, whatever the shard (max_blocks grows with M)
+        for tile_ok in (True, False):
+            for m in range(13, 4097):
+                assert not choose_path(m, 8, 384, tile_ok, local=local)[1] & FLAG_PERSIST, (local, tile_ok, m)
 
 
 @pytest.mark.parametrize("m, dtype, flags, want", [
@@ -564,21 +568,50 @@ def test_gpu_programmatic_launches_equal_plain_ones(k2_experts, m):
 @pytest.mark.parametrize("m, kind, bm", [(1, "uniform", 8), (4, "sentinel", 8), (16, "uniform", 8), (33, "few", 16),
                                          (64, "sentinel", 8), (150, "repeat", 32), (300, "one_expert", 8)])
 def test_gpu_persistent_grid_gives_the_grids_bits(k2_experts, m, kind, bm):
-    """FLAG_PERSIST (as many blocks as fit, each looping over token block x row set units until the first unused
-    token block) computes every unit as the one-block-per-unit grid does: the same bits, for routings that use few
-    or all of the token blocks max_blocks allows (sentinel: a third of the slots to no expert, as on an
-    expert-parallel shard), with and without programmatic launches."""
+    """FLAG_PERSIST (as many blocks as fit, each looping over the used token blocks x row sets) computes every unit
+    as the one-block-per-unit grid does: the same output and the same h for every routed slot, for routings that use
+    few or all of the token blocks max_blocks allows (sentinel: a third of the slots to no expert, as on an
+    expert-parallel shard), with and without programmatic launches. The persistent runs go first, on poisoned
+    memory, so that a unit they skip cannot borrow the grid's results."""
     gpu0 = jax.devices("gpu")[0]
     rng = np.random.default_rng(31 + m)
     ids, weights = make_routing(rng, m, 8, 16, kind)
     x = jax.random.normal(jax.random.key(m + 5), (m, K2_D), jnp.bfloat16)
-    _poison((m * 8, K2_D + K2_F))
-    grid = np.asarray(run(x, ids, weights, k2_experts, device=gpu0, block_m=bm, flags=0), np.float32)
-    assert np.all(np.isfinite(grid)) and np.any(grid != 0)
-    for flags in (FLAG_PERSIST, FLAG_PERSIST | FLAG_SERIAL):
+    flat = jax.device_put([x, ids, weights] + [a for w in k2_experts for a in (w.packed, w.scale)], gpu0)
+    routed = (np.asarray(ids) >= 0).reshape(-1) & (np.asarray(ids) < 16).reshape(-1)  # slots with an expert
+    got = {}
+    for flags in (FLAG_PERSIST, FLAG_PERSIST | FLAG_SERIAL, 0):
         _poison((m * 8, K2_D + K2_F))
-        got = run(x, ids, weights, k2_experts, device=gpu0, block_m=bm, flags=flags)
-        np.testing.assert_array_equal(np.asarray(got, np.float32), grid)
+        outs = jax.jit(lambda *a, flags=flags: _cuda_call(a, m, K2_D, 8, 16, K2_F, jnp.bfloat16, bm, flags))(*flat)
+        got[flags] = (np.asarray(outs[0], np.float32), np.asarray(outs[3], np.float32)[routed])
+    out, h = got[0]
+    assert np.all(np.isfinite(out)) and np.any(out != 0) and np.all(np.isfinite(h)) and np.any(h != 0)
+    for flags in (FLAG_PERSIST, FLAG_PERSIST | FLAG_SERIAL):
+        np.testing.assert_array_equal(got[flags][0], out)
+        np.testing.assert_array_equal(got[flags][1], h)
+
+
+@gpu
+@needs_gpu
+def test_gpu_scratch_of_the_wrong_size_is_refused():
+    """The CUDA call's sorted / block_expert scratch must be [max_blocks * block_m] and [max_blocks + 1]: a caller
+    that declares block_expert [max_blocks] (the layout before the used-block count) is refused with the sizes,
+    rather than run on the generic kernel."""
+    gpu0 = jax.devices("gpu")[0]
+    rng = np.random.default_rng(3)
+    experts = make_experts(rng, 8, 256, 128)
+    ids, weights = make_routing(rng, 4, 2, 8)
+    x = jnp.asarray(rng.standard_normal((4, 256)), jnp.bfloat16)
+    flat = jax.device_put([x, ids, weights] + [a for w in experts for a in (w.packed, w.scale)], gpu0)
+    _registry.register()
+    nb = max_blocks(8, 8, 8)
+    for sorted_n, experts_n in ((nb * 8, nb), (nb * 8 + 3, nb + 1), (nb * 12, nb + 1), (0, 0)):
+        outs = [jax.ShapeDtypeStruct((4, 256), jnp.bfloat16), jax.ShapeDtypeStruct((sorted_n,), jnp.int32),
+                jax.ShapeDtypeStruct((experts_n,), jnp.int32), jax.ShapeDtypeStruct((8, 128), jnp.bfloat16),
+                jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)]
+        call = jax.ffi.ffi_call("kdtree_marlin_moe", outs, vmap_method="sequential")
+        with pytest.raises(Exception, match="scratch sorted must be"):
+            jax.block_until_ready(jax.jit(lambda *a: call(*a, flags=np.int64(0)))(*flat))
 
 
 @gpu

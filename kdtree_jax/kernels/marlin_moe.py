@@ -66,6 +66,7 @@ NARROW_TILE_BLOCKS = (16, 32)  # the block sizes FLAG_TILE applies to
 TILE_FLAGS = FLAG_L2_256  # the tile path's default flags (H200: the 256-byte L2 lines gain ~5% at M = 1,024)
 STREAM_FLAGS = 0  # the stream path's (the L2 hint changes nothing there)
 PERSIST_USED = 0.2  # FLAG_PERSIST by default while the expected used token blocks are at most this part of max_blocks
+PERSIST_SLOTS = 0.25  # ... and an average expert (of all e) has at most this many slots
 
 
 def block_size(m: int, k: int, e: int) -> int:
@@ -90,10 +91,11 @@ def choose_path(m: int, k: int, e: int, tile_ok: bool, local: int | None = None)
     32-slot tiles while an average expert has NARROW_SLOTS slots (K2: M = 384 .. 1,152; H200, 2026-12-01: 1.17-1.27x
     the 64-slot tiles at M = 384 .. 1,152, 1.17x the stream path at 384 and 1.26-2.0x above; the stream path wins at
     M = 256, 5.3 slots), else its 64 from TILE_MIN_M tokens and 128 from TILE_128_MIN_M; the stream path's
-    `block_size` otherwise, with FLAG_PERSIST where uniform routing would use at most PERSIST_USED of the token
-    blocks `max_blocks` must allow for the shard's `local` experts (default e): one shard of an 8-way mesh at M <= 8
-    (H200, 2026-12-02: per-device M = 1 / 4 0.91x / 0.84x the time; 1.04-1.09x at M = 16 .. 256 and on the whole
-    model's experts, which use every token block at small M)."""
+    `block_size` otherwise, with FLAG_PERSIST where an average expert has at most PERSIST_SLOTS slots and uniform
+    routing would use at most PERSIST_USED of the token blocks `max_blocks` must allow for the shard's `local`
+    experts (default e): one shard of an 8-way mesh at M <= 8 (H200, 2026-12-02: per-device M = 1 / 4 0.89x / 0.86x
+    the time of the grid; 1.02-1.09x at M = 16 .. 256 and on the whole model's experts, which use every token block
+    at small M; the slots bound keeps it off at large M, where max_blocks outgrows the local experts)."""
     spe = m * k / max(e, 1)
     if tile_ok and NARROW_SLOTS[0] <= spe <= NARROW_SLOTS[1] and m < TILE_128_MIN_M:
         return 32, TILE_FLAGS | FLAG_TILE
@@ -102,7 +104,8 @@ def choose_path(m: int, k: int, e: int, tile_ok: bool, local: int | None = None)
     bm = block_size(m, k, e)
     loc = e if local is None else local
     used = loc * (1.0 - (1.0 - min(k, e) / max(e, 1)) ** m)  # distinct local experts, about one token block each
-    return bm, STREAM_FLAGS | (FLAG_PERSIST if used <= PERSIST_USED * max_blocks(m * k, loc, bm) else 0)
+    sparse = spe <= PERSIST_SLOTS and used <= PERSIST_USED * max_blocks(m * k, loc, bm)
+    return bm, STREAM_FLAGS | (FLAG_PERSIST if sparse else 0)
 
 
 def choose_block_m(m: int, k: int, e: int, tile_ok: bool, local: int | None = None) -> int:
