@@ -49,15 +49,15 @@ SMALL_SETS, SMALL_M = 32, 256  # up to SMALL_M tokens: 32 sets per batch, so tha
 # 6-17 us per custom call in batches of 32, 18-22 in batches of 4, H200 2026-12-02,
 # results/marlin_moe_stages_daa4b82.txt) stays under the GPU time; with 4 sets the per-device M = 1 call measured
 # 38 us per op, with 32 sets 25 us
+GOALS = ("goals (issue 18): >= 75% of the bandwidth floor for M <= 64 and for M = 256 .. 1,024 (<= 3 ms at M = "
+         "1,024 on the K2 shape); M = 4,096 within 1.5x of max(bytes floor, FLOPs floor); the same at the per-device "
+         "shape")
+BASELINE_TARGET = "kdtree_marlin_moe_before"
 
 
 def sets_for(m: int) -> int:
     """Routing sets in one timed batch of the kernel at M tokens."""
     return SMALL_SETS if m <= SMALL_M else SETS
-GOALS = ("goals (issue 18): >= 75% of the bandwidth floor for M <= 64 and for M = 256 .. 1,024 (<= 3 ms at M = "
-         "1,024 on the K2 shape); M = 4,096 within 1.5x of max(bytes floor, FLOPs floor); the same at the per-device "
-         "shape")
-BASELINE_TARGET = "kdtree_marlin_moe_before"
 
 
 def experts(n_experts: int, seed: int = 0):

@@ -76,21 +76,13 @@ def build(stages: list[str], out_dir: str) -> dict[str, str]:
 
 
 def stage_call(stage: str, m: int, e: int, bm: int, flags: int):
-    """fn(x, ids, w, gate, up, down) -> out calling the stage's handler with the CUDA call's outputs."""
-    import jax
-    import jax.numpy as jnp
-
+    """fn(x, ids, w, gate, up, down) -> out calling the stage's handler as `marlin_moe` calls the real one."""
     mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")
     from marlin_moe import D, F
 
     def fn(x, ids, w, g, u, d):
-        k = ids.shape[1]
-        nb = mm.max_blocks(m * k, e, bm)
-        outs = [jax.ShapeDtypeStruct((m, D), x.dtype), jax.ShapeDtypeStruct((nb * bm,), jnp.int32),
-                jax.ShapeDtypeStruct((nb + 1,), jnp.int32), jax.ShapeDtypeStruct((m * k, F), x.dtype),
-                jax.ShapeDtypeStruct((m * k, D), x.dtype)]
-        return jax.ffi.ffi_call(f"kd_stage{stage}", outs, vmap_method="sequential")(
-            x, ids, w, g.packed, g.scale, u.packed, u.scale, d.packed, d.scale, flags=np.int64(flags))[0]
+        args = (x, ids, w, g.packed, g.scale, u.packed, u.scale, d.packed, d.scale)
+        return mm._cuda_call(args, m, D, ids.shape[1], e, F, x.dtype, bm, flags, target=f"kd_stage{stage}")[0]
     return fn
 
 

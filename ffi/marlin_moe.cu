@@ -816,7 +816,6 @@ __device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set
   }
 }
 
-
 // The stream-path gemm. kPersist: a grid of as many blocks as fit on the GPU at once, block i taking units i, i + grid,
 // ... of the used token blocks x row sets (token blocks fastest; no block is launched for nothing: max_blocks bounds
 // every routing, and most are unused when a few experts are touched); else one block per unit, the grid [max_blocks,

@@ -193,16 +193,17 @@ def _check(x, ids, weights, we_gate, we_up, we_down) -> tuple[int, int, int, int
 
 
 def _cuda_call(args, m: int, d: int, k: int, e: int, f: int, dtype, block_m: int,
-               flags: int = 0) -> list[jax.Array]:
+               flags: int = 0, target: str = TARGET) -> list[jax.Array]:
     """The CUDA custom call: [out [M, D], sorted slots, block experts, h [M k, F], ys [M k, D]] (the GPU tests
-    read the scratch outputs too). In the tile path h holds each 128-column block in the kernel's k order."""
+    read the scratch outputs too). In the tile path h holds each 128-column block in the kernel's k order. target:
+    another registration of the same handler (benchmarks/marlin_stages.py's timing copies)."""
     nb = max_blocks(m * k, e, block_m)
     outs = [jax.ShapeDtypeStruct((m, d), dtype),
             jax.ShapeDtypeStruct((nb * block_m,), jnp.int32),  # slots sorted by expert, padded per expert
             jax.ShapeDtypeStruct((nb + 1,), jnp.int32),  # the expert of each block (-1: unused), the used blocks
             jax.ShapeDtypeStruct((m * k, f), dtype),  # h = silu(gate) * up per slot
             jax.ShapeDtypeStruct((m * k, d), dtype)]  # ys = h @ down.T per slot
-    return jax.ffi.ffi_call(TARGET, outs, vmap_method="sequential")(*args, flags=np.int64(flags))
+    return jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*args, flags=np.int64(flags))
 
 
 def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up, we_down, *, impl: str = "ffi",
