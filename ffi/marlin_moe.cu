@@ -956,18 +956,25 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
     x_off[r] = kTileX + (c16 >> 3) * panel + n * 128 + (((c16 & 7) ^ (n & 7)) << 4);
   }
 
-  // The copies of stage s into the ring slot at sb. (The sources are addressed from s: advancing the pointers by
+  // Part q (0..3) of the copies of stage s into the ring slot at sb: weight row q, the scales (q = 0) and token rows
+  // q, q + 4. In the loop, part q is issued after k-step q's wgmma, so that a thread's 7-13 copies of a stage do not
+  // all reach the load/store unit at once: issued together after the barrier, they stalled the next instruction that
+  // reused one of their address registers until the unit had taken them all (H200, ncu source counters, 2026-12-02:
+  // ~16% of the warps' samples at M = 1,024 and 4,096). (The sources are addressed from s: advancing the pointers by
   // one stage per call instead, the same addresses, computed the tile path's wgmma kernels wrong on the H200 at
   // 32 and 128 slots, not understood; see benchmarks/results/marlin_moe.predictions.md, 2026-12-02.)
-  auto issue = [&](uint32_t sb, int s) {
+  auto issue_part = [&](uint32_t sb, int s, int q) {
+    CopyAsync16Cg(sb + (q * kTileThreads + tid) * 16, w_ptr[q] + 16 * s, l2_256);
+    if (q == 0) CopyAsync8(sb + kTileW + tid * 8, sc_ptr + 4 * s);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) CopyAsync16Cg(sb + (i * kTileThreads + tid) * 16, w_ptr[i] + 16 * s, l2_256);
-    CopyAsync8(sb + kTileW + tid * 8, sc_ptr + 4 * s);
-#pragma unroll
-    for (int r = 0; r < kRowsPer; ++r) {
+    for (int r = q; r < kRowsPer; r += 4) {
       const int n = (tid >> 4) + 16 * r;
       if (N % 16 == 0 || n < N) CopyAsync16CgZ(sb + x_off[r], x_ptr[r] + 128 * s, x_ok[r]);
     }
+  };
+  auto issue = [&](uint32_t sb, int s) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) issue_part(sb, s, q);
   };
 
   float acc[2][N / 2];
@@ -997,8 +1004,8 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
     CopyWaitDyn(stages - 3);  // this thread's copies of stage s have landed
     if (!kSync) ProxyFence();
     __syncthreads();          // everyone's; and every wgmma of stage s - 2 is done (wait_group kDepth - 1 < 8)
-    if (s + stages - 2 < ks) issue(ahead_sb, s + stages - 2);
-    CopyCommit();
+    const bool refill = s + stages - 2 < ks;  // stage s + stages - 2 into ring slot fill_sb, in 4 parts below
+    const uint32_t fill_sb = ahead_sb;
     ahead_sb += stage_bytes;
     if (ahead_sb == ring_end) ahead_sb = base;
     uint4 wv[4];
@@ -1045,6 +1052,7 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
             if (jj + 1 < N / 8) MmaAt(&acc[tau][4 * (jj + 1)], aj[tau], b[2], b[3]);
           }
         }
+        if (j < 4 && refill) issue_part(fill_sb, s + stages - 2, j);
       } else {
         const uint64_t desc =
             (KMajorDesc(0) & ~uint64_t{0xffffffffu}) | (desc0 + (((j >> 2) * panel + (j & 3) * 32) >> 4));
@@ -1052,10 +1060,12 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
         Wgmma<N>::Run(acc[0], aj[0], desc);
         Wgmma<N>::Run(acc[1], aj[1], desc);
         WgmmaCommit();
+        if (j < 4 && refill) issue_part(fill_sb, s + stages - 2, j);
         WgmmaWait<kDepth - 1>();  // k-step j + 1 - kDepth is done: its fragments may be rewritten next
         Pin(a[(j + 1) % kDepth]);
       }
     }
+    CopyCommit();  // one group per stage, empty past the last
   }
   if (!kSync) WgmmaWait<0>();
   Pin(acc[0]);

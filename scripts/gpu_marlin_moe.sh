@@ -10,6 +10,7 @@
 #   OUT=<dir> bash scripts/gpu_marlin_moe.sh testbench  # the GPU tests, then the full benchmark
 #   OUT=<dir> bash scripts/gpu_marlin_moe.sh final      # testbench, then ncu profiles of the gemm kernels ($PROFILES)
 #   OUT=<dir> bash scripts/gpu_marlin_moe.sh probe      # the benchmark (narrowed by BENCH_ARGS), then the profiles
+#                                                       # (PROFILE_SOURCE=1: also the sampled stalls per SASS line)
 #
 # Environment: KDTREE_COMMIT stamps the results (default: git rev-parse --short HEAD); PREBUILT = a directory with
 # libkdtree_jax_cpu.so / libkdtree_jax_cuda.so built elsewhere (skips the build when both load); BASELINE_LIB = an
@@ -103,6 +104,17 @@ if { [ "$MODE" = final ] || [ "$MODE" = probe ]; } && command -v ncu >/dev/null;
       python3 benchmarks/marlin_moe.py --profile "$P" >"$OUT/ncu_${P//:/_}.txt" 2>&1
     echo "ncu $P rc=$?"; grep -E "Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible" "$OUT/ncu_${P//:/_}.txt" | head -24
     awk '$NF+0 > 0.2 && /issue_stalled/ {print $1, $NF} $NF+0 > 10 && /pipe_/ {print $1, $NF}' "$OUT/ncu_${P//:/_}.txt" | head -60
+    if [ -n "${PROFILE_SOURCE:-}" ]; then
+      # where the warps wait, per SASS instruction (sampled): the first gemm launch's source page as gzipped CSV
+      L=$(( $(left) - 5 ))
+      [ $L -lt 20 ] && { echo "no time left for the source profile of $P"; break; }
+      R=/tmp/ncu_src_${P//[:+]/_}
+      timeout $L ncu --clock-control none --kernel-name regex:"GemmKernel|TileKernel" --launch-count 1 \
+        --section WarpStateStats --section SourceCounters -f -o "$R" \
+        python3 benchmarks/marlin_moe.py --profile "$P" >"$R.log" 2>&1 &&
+        ncu --import "$R.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$OUT/src_${P//[:+]/_}.csv.gz"
+      echo "source profile $P rc=$?"
+    fi
   done
 fi
 echo "done in $(($(date +%s) - START)) s; results in $OUT"
