@@ -12,7 +12,8 @@ L2 between calls; time = median per op.
 
 Variants (--variants, comma separated): `after` = marlin_moe as shipped (block_m and path by M); `before` = the
 kernel of an older build (--baseline-lib: a libkdtree_jax_cuda.so whose handler was compiled as KdMarlinMoeCudaOld,
-called as that version did: block_m = block_size(M), no flags); `local` = the defaults but the block size chosen
+called as that version did: block_m = block_size(M), no flags); `base` = the --baseline-lib handler of a build with
+today's attributes, called exactly as `after` (an A/B of two kernel versions in one run); `local` = the defaults but the block size chosen
 from the shard's own experts (as before 2026-12-01: at the per-device shape M k / 48 overstated the slots per expert
 8-fold); `stream` / `tile64` / `tile128` force a path, `tile16` / `tile32` the tile path's narrow tiles (FLAG_TILE)
 (`+l2`, `+sync`, `+deep`, `+serial`, `+fine`, `+persist` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL,
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import functools
 import importlib
 import json
 import math
@@ -137,6 +139,17 @@ def variant_fn(name: str, m: int, e: int):
 
     if name == "before":
         return baseline_call, mm.block_size(m, TOPK, e), "stream"
+    if name == "base":  # the baseline library's handler, called exactly as `after` calls this one
+        fn, shown, path = variant_fn("after", m, e)
+
+        def call(*a):
+            orig = mm._cuda_call
+            mm._cuda_call = functools.partial(orig, target=BASELINE_TARGET)
+            try:
+                return fn(*a)
+            finally:
+                mm._cuda_call = orig
+        return call, shown, path
     base, *mods = name.split("+")
     flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "serial": mm.FLAG_SERIAL, "deep": mm.FLAG_DEEP,
                  "fine": mm.FLAG_FINE, "persist": mm.FLAG_PERSIST}[x]
@@ -353,15 +366,15 @@ def main() -> None:
         return
     variants = [v for v in args.variants.split(",") if v]
     notes = []
-    if "before" in variants:
+    if "before" in variants or "base" in variants:
         try:
             if not args.baseline_lib:
                 raise OSError("no --baseline-lib")
             register_baseline(args.baseline_lib)
         except (OSError, AttributeError) as e:
-            notes.append(f"`before` not measured: {e}")
+            notes.append(f"`before` / `base` not measured: {e}")
             print(notes[-1], flush=True)
-            variants.remove("before")
+            variants = [v for v in variants if v not in ("before", "base")]
     ceil = ceilings()
     bw, flops = ceil["copy_Bps"], ceil["matmul_flops"]
     dev = jax.devices()[0]
