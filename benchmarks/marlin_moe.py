@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
-import functools
 import importlib
 import json
 import math
@@ -139,17 +138,16 @@ def variant_fn(name: str, m: int, e: int):
 
     if name == "before":
         return baseline_call, mm.block_size(m, TOPK, e), "stream"
-    if name == "base":  # the baseline library's handler, called exactly as `after` calls this one
-        fn, shown, path = variant_fn("after", m, e)
+    if name == "base":  # the baseline library's handler, with the path, block_m and flags `after` would pass
+        bm, flags = mm.choose_path(m, TOPK, E, True, local=e)
+        path = ("tile" if bm in mm.TILE_BLOCKS or (bm in mm.NARROW_TILE_BLOCKS and flags & mm.FLAG_TILE)
+                else "stream+persist" if flags & mm.FLAG_PERSIST else "stream")
 
-        def call(*a):
-            orig = mm._cuda_call
-            mm._cuda_call = functools.partial(orig, target=BASELINE_TARGET)
-            try:
-                return fn(*a)
-            finally:
-                mm._cuda_call = orig
-        return call, shown, path
+        def call(x, ids, w, g, u, d):
+            args = (x, ids.astype("int32"), w.astype("float32"), g.packed, g.scale, u.packed, u.scale, d.packed,
+                    d.scale)
+            return mm._cuda_call(args, m, D, TOPK, e, F, x.dtype, bm, flags, target=BASELINE_TARGET)[0]
+        return call, bm, path
     base, *mods = name.split("+")
     flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "serial": mm.FLAG_SERIAL, "deep": mm.FLAG_DEEP,
                  "fine": mm.FLAG_FINE, "persist": mm.FLAG_PERSIST}[x]
