@@ -241,7 +241,7 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], sweep=None) -> None
          f"(bytes read + written), bf16 matmul {meta['matmul_flops'] / 1e12:.0f} TFLOP/s. floor = distinct experts "
          f"touched x {EXPERT_BYTES / 1e6:.2f} MB / copy bandwidth; FLOPs floor = 2 x 3 F D x routed slots / matmul "
          f"rate. Time = median per op of jitted batches over {sets_text(rows)} input sets (a batch's dispatch on the "
-         "host must not outlast its GPU time). `before` = " + meta.get("before", "-")
+         "host must not outlast its GPU time). `before` (`base`: the same calls) = " + meta.get("before", "-")
          + "; `after` = this commit (path and block_m chosen by M; `+persist`: the stream path's FLAG_PERSIST)."),
         GOALS + ".",
     ]
@@ -292,7 +292,7 @@ def plot(out_dir: str, meta: dict, rows: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4))
-    styles = {"after": "o-", "before": "s--"}
+    styles = {"after": "o-", "before": "s--", "base": "s--"}  # (base: the baseline build, called as after)
     for shape, color in (("k2", "C0"), ("device", "C1")):
         sr = [r for r in rows if r["shape"] == shape]
         if not sr:
@@ -335,7 +335,7 @@ def main() -> None:
     ap.add_argument("--variants-at", default="", help="more variants at some M: '1,16=stream,tile64;4096=tile128'")
     ap.add_argument("--variants-at-shapes", default="k2", help="the shapes --variants-at applies to")
     ap.add_argument("--baseline-lib", help="older libkdtree_jax_cuda.so with the handler KdMarlinMoeCudaOld")
-    ap.add_argument("--before-label", default="the kernel before issue 18", help="what `before` is, for the table")
+    ap.add_argument("--before-label", default="the kernel before issue 18", help="what `before` / `base` is, for the table")
     ap.add_argument("--xla", action="store_true", help="also time the XLA reference (slow; fails at large M)")
     ap.add_argument("--profile", metavar="SHAPE:M:VARIANT", help="run that op twice and exit (for ncu; several "
                     "comma separated)")
