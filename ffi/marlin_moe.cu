@@ -62,7 +62,8 @@
 // in logical k order, so the tokens must hold, at logical position l of every 128-block, input TilePhys(l): a
 // small kernel writes x in that order (into the ys scratch, which gemm2 overwrites later), and gemm1 writes h in
 // that order, so gemm2's B is ready as well. A ring of 4 (BM = 128) or 6 (BM = 64) stages of cp.async, refilled
-// two stages behind the compute so that no wgmma still reads a slot being overwritten; the epilogue goes through
+// two stages behind the compute so that no wgmma still reads a slot being overwritten, a stage's copies issued in
+// 4 parts after its first 4 k-steps (not all at once after the barrier); the epilogue goes through
 // shared memory and stores 16-byte row pieces. Two k-steps of wgmma in flight (4 with flag bit 3). The same kernel
 // with mma.sync (ldmatrix for B) is kept for comparison (flag bit 0).
 //
