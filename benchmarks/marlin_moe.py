@@ -20,6 +20,8 @@ from the shard's own experts (as before 2026-12-01: at the per-device shape M k 
 FLAG_FINE, FLAG_PERSIST;
 `after+deep` = the defaults plus FLAG_DEEP, `after+serial` the defaults with the stream path's kernels launched
 plainly, one after the other).
+`triton` = benchmarks/triton_moe.py, a Triton W4A16 fused MoE of the vLLM family on the same inputs (torch shares
+the JAX buffers), its block shapes tuned per M, timed the same way (align, both gemms and the combine per op).
 Each variant's output is compared with `after`'s (rel err).
 
 usage: python benchmarks/marlin_moe.py [--quick] [--shapes k2,device] [--variants after,before] [--ms 1,64,4096]
@@ -188,6 +190,19 @@ def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with
         except jax.errors.JaxRuntimeError as e:  # out of memory: it dequantizes every expert per call
             print(f"XLA reference failed at M={m}: {str(e).splitlines()[0][:160]}", flush=True)
     for name in variants:
+        if name == "triton":  # the Triton anchor (benchmarks/triton_moe.py), tuned per M, timed the same way
+            try:
+                import triton_moe
+
+                got = triton_moe.measure_jax(sets, weights, m, TOPK, local or E)
+            except Exception as e:  # noqa: BLE001 - no triton / torch there, or it failed: report and go on
+                print(f"{shape} M={m} triton: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+                continue
+            outs[name] = got["out"]
+            bm, bn, bk, warps, stages = got["config"]
+            rows.append(dict(shape=shape, m=m, variant=name, time_s=got["time_s"], block_m=bm,
+                             path=f"triton {bm}x{bn}x{bk} w{warps} s{stages}, best of {len(got['tried'])}"))
+            continue
         fn, bm, path = variant_fn(name, m, local or E)
         ker = jax.jit(lambda st, ex, fn=fn: [fn(*a, *ex) for a in st])
         try:
