@@ -13,15 +13,16 @@ L2 between calls; time = median per op.
 Variants (--variants, comma separated): `after` = marlin_moe as shipped (block_m and path by M); `before` = the
 kernel of an older build (--baseline-lib: a libkdtree_jax_cuda.so whose handler was compiled as KdMarlinMoeCudaOld,
 called as that version did: block_m = block_size(M), no flags); `base` = the --baseline-lib handler of a build with
-today's attributes, called exactly as `after` (an A/B of two kernel versions in one run); `local` = the defaults but the block size chosen
-from the shard's own experts (as before 2026-12-01: at the per-device shape M k / 48 overstated the slots per expert
-8-fold); `stream` / `tile64` / `tile128` force a path, `tile16` / `tile32` the tile path's narrow tiles (FLAG_TILE)
-(`+l2`, `+sync`, `+deep`, `+serial`, `+fine`, `+persist` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL,
-FLAG_FINE, FLAG_PERSIST;
+today's attributes, called exactly as `after` (an A/B of two kernel versions in one run); `local` = the defaults but
+the block size chosen from the shard's own experts (as before 2026-12-01: at the per-device shape M k / 48
+overstated the slots per expert 8-fold); `stream` / `tile64` / `tile128` force a path, `tile16` / `tile32` the
+tile path's narrow tiles (FLAG_TILE) (`+l2`, `+sync`, `+deep`, `+serial`, `+fine`, `+persist` add FLAG_L2_256,
+FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL, FLAG_FINE, FLAG_PERSIST;
 `after+deep` = the defaults plus FLAG_DEEP, `after+serial` the defaults with the stream path's kernels launched
 plainly, one after the other).
 `triton` = benchmarks/triton_moe.py, a Triton W4A16 fused MoE of the vLLM family on the same inputs (torch shares
-the JAX buffers), its block shapes tuned per M, timed the same way (align, both gemms and the combine per op).
+the JAX buffers), its block shapes tuned per M, timed per op over the same sets as CUDA-graph replays (align, both
+gemms and the combine; its row says "graph", or "eager" where the capture failed and host dispatch is included).
 Each variant's output is compared with `after`'s (rel err).
 
 usage: python benchmarks/marlin_moe.py [--quick] [--shapes k2,device] [--variants after,before] [--ms 1,64,4096]
@@ -201,7 +202,8 @@ def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with
             outs[name] = got["out"]
             bm, bn, bk, warps, stages = got["config"]
             rows.append(dict(shape=shape, m=m, variant=name, time_s=got["time_s"], block_m=bm,
-                             path=f"triton {bm}x{bn}x{bk} w{warps} s{stages}, best of {len(got['tried'])}"))
+                             path=f"triton {bm}x{bn}x{bk} w{warps} s{stages}, best of {len(got['tried'])}, "
+                                  f"{got['timing']}"))
             continue
         fn, bm, path = variant_fn(name, m, local or E)
         ker = jax.jit(lambda st, ex, fn=fn: [fn(*a, *ex) for a in st])
@@ -256,7 +258,8 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], sweep=None) -> None
          f"(bytes read + written), bf16 matmul {meta['matmul_flops'] / 1e12:.0f} TFLOP/s. floor = distinct experts "
          f"touched x {EXPERT_BYTES / 1e6:.2f} MB / copy bandwidth; FLOPs floor = 2 x 3 F D x routed slots / matmul "
          f"rate. Time = median per op of jitted batches over {sets_text(rows)} input sets (a batch's dispatch on the "
-         "host must not outlast its GPU time). `before` (`base`: the same calls) = " + meta.get("before", "-")
+         "host must not outlast its GPU time). `before` (`base`: that build called as `after`) = "
+         + meta.get("before", "-")
          + "; `after` = this commit (path and block_m chosen by M; `+persist`: the stream path's FLAG_PERSIST)."),
         GOALS + ".",
     ]
@@ -350,7 +353,8 @@ def main() -> None:
     ap.add_argument("--variants-at", default="", help="more variants at some M: '1,16=stream,tile64;4096=tile128'")
     ap.add_argument("--variants-at-shapes", default="k2", help="the shapes --variants-at applies to")
     ap.add_argument("--baseline-lib", help="older libkdtree_jax_cuda.so with the handler KdMarlinMoeCudaOld")
-    ap.add_argument("--before-label", default="the kernel before issue 18", help="what `before` / `base` is, for the table")
+    ap.add_argument("--before-label", default="the kernel before issue 18",
+                    help="what `before` / `base` is, for the table")
     ap.add_argument("--xla", action="store_true", help="also time the XLA reference (slow; fails at large M)")
     ap.add_argument("--profile", metavar="SHAPE:M:VARIANT", help="run that op twice and exit (for ncu; several "
                     "comma separated)")
@@ -364,6 +368,8 @@ def main() -> None:
     if args.profile:
         for spec in args.profile.split(","):
             shape, m, name = spec.split(":")
+            if name in ("before", "base", "triton"):
+                raise SystemExit(f"--profile: {name} is not profiled here (this build's marlin_moe variants only)")
             local = E // EP if shape == "device" else None
             weights = experts(local or E)
             seed = 1

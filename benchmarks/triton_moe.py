@@ -4,8 +4,9 @@ times side by side with marlin_moe.
 What it computes is marlin_moe's function (`kdtree_jax.kernels.marlin_moe.marlin_moe_ref`), from the same checkpoint
 layout: packed int32 [E, out, in / 8] (nibble q + 8, least significant first), bf16 scales [E, out, in / 32].
 How, in the usual Triton way (written here, not taken from elsewhere):
-  1. align (torch, no host sync): the M k slots sorted by expert and padded per expert to BLOCK_M, the expert of
-     every BLOCK_M-slot block (-1: unused), sized for the worst routing as marlin_moe sizes it;
+  1. align (torch, no host sync, so that it can be captured in a CUDA graph): the M k slots sorted by expert and
+     padded per expert to BLOCK_M, the expert of every BLOCK_M-slot block (-1: unused), sized for the worst routing
+     as marlin_moe sizes it;
   2. gemm1: per (slot block, BLOCK_N output columns), h = silu(x . gate) * (x . up), the weights dequantized in the k
      loop to bf16(q * s) (the reference's rounding) and fed to tl.dot with the gathered token rows;
   3. gemm2: ys = h . down, the same kernel without the gate;
@@ -46,7 +47,9 @@ def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, 
     valid = (flat >= 0) & (flat < experts)
     key = torch.where(valid, flat, torch.full_like(flat, experts))
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=experts + 1)[:experts]
+    # (torch.bincount would read its input's max back to the host on CUDA: a sync per call)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, key, torch.ones_like(key))[:experts]
     padded = (counts + block_m - 1) // block_m * block_m
     start = torch.cumsum(padded, 0) - padded  # each expert's first padded position
     first = torch.cumsum(counts, 0) - counts  # its first place in `order`
@@ -130,6 +133,9 @@ def _gemm(src, wq0, ws0, wq1, ws1, dst, sorted_slots, block_expert, src_div, cfg
     k_in = words * 8
     if k_in % bk or bk % GROUP:
         raise ValueError(f"triton_moe: BLOCK_K {bk} must divide the {k_in} inputs and be a multiple of {GROUP}")
+    if tuple(ws0.shape) != (e, n_out, k_in // GROUP):
+        raise ValueError(f"triton_moe: scales {tuple(ws0.shape)} do not match packed weights {tuple(wq0.shape)} with "
+                         f"group {GROUP}")
     grid = (block_expert.numel() * triton.cdiv(n_out, bn),)
     cpu = src.device.type == "cpu"  # Triton's interpreter (TRITON_INTERPRET=1)
     extra = {} if cpu else {"num_warps": warps, "num_stages": stages}
@@ -169,39 +175,51 @@ def _run_sets(sets, ws, cfg):
     return [moe(*s, *ws, cfg) for s in sets]
 
 
-def _sync(ts) -> None:
-    if ts[0][0].device.type == "cuda":
+def time_sets(sets, ws, cfg, samples: int = 5, min_batch: float = 0.05) -> tuple[float, str]:
+    """(median seconds per op of `moe` over the input sets, "graph" or "eager"). On CUDA one CUDA graph holds a call
+    per set (align, both gemms, combine: no host sync inside), and its replays are queued back to back, then waited
+    for, so host dispatch is not timed (the JAX variants' batches are one jitted program too); where the capture
+    fails, and off CUDA, the calls run eagerly (host dispatch included)."""
+    _run_sets(sets, ws, cfg)  # compiles the kernels
+    cuda = sets[0][0].device.type == "cuda"
+    run, mode = (lambda: _run_sets(sets, ws, cfg)), "eager"  # noqa: E731
+    if cuda:
         torch.cuda.synchronize()
-
-
-def time_sets(sets, ws, cfg, samples: int = 5, min_batch: float = 0.05) -> float:
-    """Median seconds per op of `moe` over the input sets, calls queued back to back, then waited for."""
-    _run_sets(sets, ws, cfg)
-    _sync(sets)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                _run_sets(sets, ws, cfg)
+            run, mode = graph.replay, "graph"
+        except RuntimeError as e:
+            print(f"triton_moe: CUDA graph capture failed, timing eagerly: {str(e).splitlines()[0][:160]}", flush=True)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    run()
+    sync()
     t0 = time.perf_counter()
-    _run_sets(sets, ws, cfg)
-    _sync(sets)
+    run()
+    sync()
     calls = max(1, min(50, int(min_batch / max(time.perf_counter() - t0, 1e-6))))
     out = []
     for _ in range(samples):
         t0 = time.perf_counter()
         for _ in range(calls):
-            _run_sets(sets, ws, cfg)
-        _sync(sets)
+            run()
+        sync()
         out.append((time.perf_counter() - t0) / (calls * len(sets)))
-    return statistics.median(out)
+    return statistics.median(out), mode
 
 
-def tune(sets, ws, m: int, k: int, experts: int, budget_s: float = 45.0, configs=None) -> tuple[tuple, float, list]:
-    """(best config, its time per op, [(config, time or error)]) over `configs` (default `candidates`), each timed
-    briefly, until budget_s (compilation included) has passed."""
+def tune(sets, ws, m: int, k: int, experts: int, budget_s: float = 45.0,
+         configs=None) -> tuple[tuple, tuple[float, str], list]:
+    """(best config, (its time per op, timing mode), [(config, time or error)]) over `configs` (default
+    `candidates`), each timed briefly, until budget_s (compilation included) has passed."""
     tried = []
     start = time.perf_counter()
     for cfg in configs or candidates(m, k, experts):
         if time.perf_counter() - start > budget_s and tried:
             break
         try:
-            tried.append((cfg, time_sets(sets, ws, cfg, samples=1, min_batch=0.01)))
+            tried.append((cfg, time_sets(sets, ws, cfg, samples=1, min_batch=0.01)[0]))
         except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is skipped, and reported
             tried.append((cfg, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
     timed_ok = [(c, t) for c, t in tried if isinstance(t, float)]
@@ -218,13 +236,13 @@ def from_jax(a) -> torch.Tensor:
 
 def measure_jax(sets, experts, m: int, k: int, n_experts: int, budget_s: float = 45.0, configs=None) -> dict:
     """Tunes and times `moe` on marlin_moe's benchmark inputs: sets [(x, ids, weights)] and experts (gate, up, down)
-    as `Int4Array`s, JAX arrays (on the GPU; on the CPU through the interpreter). -> {time_s, config, tried, out (the
-    first set's output, float32 numpy)}."""
+    as `Int4Array`s, JAX arrays (on the GPU; on the CPU through the interpreter). -> {time_s, timing ("graph" /
+    "eager"), config, tried, out (the first set's output, float32 numpy)}."""
     import jax
 
     jax.block_until_ready((sets, experts))
     ts = [tuple(from_jax(a) for a in s) for s in sets]
     ws = [from_jax(a) for w in experts for a in (w.packed, w.scale)]
-    best, seconds, tried = tune(ts, ws, m, k, n_experts, budget_s, configs)
+    best, (seconds, mode), tried = tune(ts, ws, m, k, n_experts, budget_s, configs)
     out = moe(*ts[0], *ws, best).float().cpu().numpy()
-    return dict(time_s=seconds, config=best, tried=tried, out=out)
+    return dict(time_s=seconds, timing=mode, config=best, tried=tried, out=out)

@@ -113,7 +113,7 @@ if { [ "$MODE" = final ] || [ "$MODE" = probe ]; } && command -v ncu >/dev/null;
         --section WarpStateStats --section SourceCounters -f -o "$R" \
         python3 benchmarks/marlin_moe.py --profile "$P" >"$R.log" 2>&1 &&
         ncu --import "$R.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$OUT/src_${P//[:+]/_}.csv.gz"
-      echo "source profile $P rc=$?"
+      echo "source profile $P rc=${PIPESTATUS[0]} (see $R.log when not 0)"
     fi
   done
 fi

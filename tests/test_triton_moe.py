@@ -8,12 +8,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel is defined: before the module is imported
-torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+# Triton reads TRITON_INTERPRET when it is imported, when a kernel is defined and when it runs: set from here to the
+# import of the module under test and during each test here (the fixture below), restored otherwise
+_saved = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import triton_moe  # noqa: E402
+finally:
+    if _saved is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
 
-import triton_moe  # noqa: E402
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 from conftest import TOL, rel_err  # noqa: E402
 from test_marlin_moe import experts64, make_experts, make_routing  # noqa: E402
 
@@ -66,7 +79,7 @@ def test_moe_matches_float64_and_reference(m, k, e, kind, cfg1, cfg2):
     assert rel_err(got, ref) < 2 * TOL[jnp.bfloat16]
 
 
-def test_bad_block_k_is_refused():
+def test_bad_block_shapes_and_scales_are_refused():
     rng = np.random.default_rng(0)
     gate, up, down = make_experts(rng, 2, 64, 96)
     x = torch.zeros((1, 64), dtype=torch.bfloat16)
@@ -76,6 +89,9 @@ def test_bad_block_k_is_refused():
         triton_moe.moe(x, ids, torch.ones((1, 1)), *ws, (16, 32, 48, 4, 3))
     with pytest.raises(ValueError, match="BLOCK_M"):
         triton_moe.moe(x, ids, torch.ones((1, 1)), *ws, (16, 32, 32, 4, 3), (32, 32, 32, 4, 3))
+    ws[1] = ws[1][..., :1]  # gate's scales of a group of 64, not 32
+    with pytest.raises(ValueError, match="scales"):
+        triton_moe.moe(x, ids, torch.ones((1, 1)), *ws, (16, 32, 32, 4, 3))
 
 
 def test_candidates_follow_the_slots_per_expert():
@@ -97,4 +113,5 @@ def test_measure_jax_takes_the_benchmarks_jax_inputs():
         sets.append((jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16), ids, weights))
     got = triton_moe.measure_jax(sets, experts, m, k, e, configs=[(16, 32, 32, 4, 3)])
     assert got["config"] == (16, 32, 32, 4, 3) and got["time_s"] > 0 and len(got["tried"]) == 1
+    assert got["timing"] == "eager"  # (CUDA graphs on the GPU only)
     assert rel_err(got["out"], experts64(*sets[0], *experts)) < TOL[jnp.bfloat16]
