@@ -143,14 +143,12 @@ def variant_fn(name: str, m: int, e: int):
         return baseline_call, mm.block_size(m, TOPK, e), "stream"
     if name == "base":  # the baseline library's handler, with the path, block_m and flags `after` would pass
         bm, flags = mm.choose_path(m, TOPK, E, True, local=e)
-        path = ("tile" if bm in mm.TILE_BLOCKS or (bm in mm.NARROW_TILE_BLOCKS and flags & mm.FLAG_TILE)
-                else "stream+persist" if flags & mm.FLAG_PERSIST else "stream")
 
         def call(x, ids, w, g, u, d):
             args = (x, ids.astype("int32"), w.astype("float32"), g.packed, g.scale, u.packed, u.scale, d.packed,
                     d.scale)
             return mm._cuda_call(args, m, D, TOPK, e, F, x.dtype, bm, flags, target=BASELINE_TARGET)[0]
-        return call, bm, path
+        return call, bm, path_name(mm, bm, flags)
     base, *mods = name.split("+")
     flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "serial": mm.FLAG_SERIAL, "deep": mm.FLAG_DEEP,
                  "fine": mm.FLAG_FINE, "persist": mm.FLAG_PERSIST}[x]
@@ -167,9 +165,14 @@ def variant_fn(name: str, m: int, e: int):
     elif base == "local":  # block_m given: the chosen flags passed too, so the path is the one chosen by e
         flags |= chosen_flags
     used = chosen_flags if flags is None else flags
-    path = "tile" if shown in mm.TILE_BLOCKS or (shown in mm.NARROW_TILE_BLOCKS and used & mm.FLAG_TILE) else "stream"
-    path += "+persist" if path == "stream" and used & mm.FLAG_PERSIST else ""
-    return (lambda *a: mm.marlin_moe(*a, block_m=bm, flags=flags, experts_total=E)), shown, path
+    return (lambda *a: mm.marlin_moe(*a, block_m=bm, flags=flags, experts_total=E)), shown, path_name(mm, shown, used)
+
+
+def path_name(mm, block_m: int, flags: int) -> str:
+    """The path marlin_moe takes with this block size and flags: "tile", "stream" or "stream+persist"."""
+    if block_m in mm.TILE_BLOCKS or (block_m in mm.NARROW_TILE_BLOCKS and flags & mm.FLAG_TILE):
+        return "tile"
+    return "stream+persist" if flags & mm.FLAG_PERSIST else "stream"
 
 
 def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with_xla: bool) -> list[dict]:
@@ -191,7 +194,7 @@ def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with
         except jax.errors.JaxRuntimeError as e:  # out of memory: it dequantizes every expert per call
             print(f"XLA reference failed at M={m}: {str(e).splitlines()[0][:160]}", flush=True)
     for name in variants:
-        if name == "triton":  # the Triton anchor (benchmarks/triton_moe.py), tuned per M, timed the same way
+        if name == "triton":  # the Triton anchor (benchmarks/triton_moe.py), tuned per M, timed over the same sets
             try:
                 import triton_moe
 

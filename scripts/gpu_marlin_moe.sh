@@ -60,8 +60,8 @@ command -v cuobjdump >/dev/null && python3 benchmarks/sass_loops.py "$LIBS/libkd
 if [ -z "${BASELINE_LIB:-}" ] && [ -n "${BASELINE_CU:-}" ] && [ -f "${BASELINE_CU}" ]; then
   BASELINE_LIB=/tmp/kd_marlin_before.so
   timeout 120 nvcc -std=c++17 -shared -Xcompiler -fPIC -cudart static -gencode=arch=compute_90a,code=sm_90a -O3 \
-    -diag-suppress=940,2473,177 -DKdMarlinMoeCuda=KdMarlinMoeCudaOld -I"$JAXINC" -I"$(dirname "$BASELINE_CU")" -I"$PWD/ffi" \
-    "$BASELINE_CU" -o "$BASELINE_LIB" >"$OUT/baseline_build.log" 2>&1 || BASELINE_LIB=""
+    -diag-suppress=940,2473,177 -DKdMarlinMoeCuda=KdMarlinMoeCudaOld -I"$JAXINC" -I"$(dirname "$BASELINE_CU")" \
+    -I"$PWD/ffi" "$BASELINE_CU" -o "$BASELINE_LIB" >"$OUT/baseline_build.log" 2>&1 || BASELINE_LIB=""
 fi
 
 if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = testbench ] || [ "$MODE" = final ]; then
