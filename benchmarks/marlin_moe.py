@@ -175,7 +175,8 @@ def path_name(mm, block_m: int, flags: int) -> str:
     return "stream+persist" if flags & mm.FLAG_PERSIST else "stream"
 
 
-def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with_xla: bool) -> list[dict]:
+def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with_xla: bool,
+            triton_budget: float = 45.0) -> list[dict]:
     import jax
 
     from kdtree_jax.kernels.marlin_moe import marlin_moe_ref
@@ -198,7 +199,7 @@ def measure(shape: str, m: int, weights, bw: float, flops: float, variants, with
             try:
                 import triton_moe
 
-                got = triton_moe.measure_jax(sets, weights, m, TOPK, local or E)
+                got = triton_moe.measure_jax(sets, weights, m, TOPK, local or E, budget_s=triton_budget)
             except Exception as e:  # noqa: BLE001 - no triton / torch there, or it failed: report and go on
                 print(f"{shape} M={m} triton: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
                 continue
@@ -358,6 +359,8 @@ def main() -> None:
     ap.add_argument("--baseline-lib", help="older libkdtree_jax_cuda.so with the handler KdMarlinMoeCudaOld")
     ap.add_argument("--before-label", default="the kernel before issue 18",
                     help="what `before` / `base` is, for the table")
+    ap.add_argument("--triton-budget", type=float, default=45.0,
+                    help="seconds of tuning the Triton anchor per shape and M (compilation included)")
     ap.add_argument("--xla", action="store_true", help="also time the XLA reference (slow; fails at large M)")
     ap.add_argument("--profile", metavar="SHAPE:M:VARIANT", help="run that op twice and exit (for ncu; several "
                     "comma separated)")
@@ -421,7 +424,7 @@ def main() -> None:
                     for v in group.split("=")[1].split(",") if str(m) in group.split("=")[0].split(",")]
             more = more if shape in args.variants_at_shapes.split(",") else []
             got = measure(shape, m, weights, bw, flops, variants + [v for v in more if v not in variants],
-                          args.xla and m <= 256)
+                          args.xla and m <= 256, args.triton_budget)
             rows += got
             for r in got:
                 print(f"{shape} M={m} {r['variant']:>14}: {r['time_s'] * 1e6:10,.1f} us "
