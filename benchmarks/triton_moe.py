@@ -11,8 +11,8 @@ How, in the usual Triton way (written here, not taken from elsewhere):
      loop to bf16(q * s) (the reference's rounding) and fed to tl.dot with the gathered token rows;
   3. gemm2: ys = h . down, the same kernel without the gate;
   4. combine (torch): out[m] = sum_j weights[m, j] ys[m k + j] in fp32, dropped slots skipped.
-Each k step loads every packed word once per input it holds (8 loads of one word, from L1), as the vLLM family's
-GPTQ / AWQ MoE kernels do; that is part of what this anchor measures. The block shapes are tuned per M over CONFIGS.
+Each k step loads a tile's packed words and scales once, along the weight rows (coalesced), and spreads them to the
+inputs in registers. The block shapes are tuned per M over CONFIGS.
 
 Runs on CUDA; on CPU with TRITON_INTERPRET=1 (tests/test_triton_moe.py, tiny shapes), where tl.dot gets the same
 bf16 values as fp32 and the fp32 -> bf16 rounding is done on the bits (triton 3.9.0's interpreter returned garbage
@@ -78,6 +78,21 @@ def _bf16(v, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _dequant(w_ptrs, s_ptrs, col_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """bf16(q * s) [BLOCK_N, BLOCK_K] of the words at w_ptrs [BLOCK_N, BLOCK_K / 8] (nibble j of word w: input 8 w + j,
+    q = nibble - 8) and the scales at s_ptrs [BLOCK_N, BLOCK_K / 32] (fp32 on the interpreter, see `_moe_gemm`)."""
+    words = tl.load(w_ptrs, mask=col_ok[:, None], other=0)
+    q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    q = tl.reshape(q, (BLOCK_N, BLOCK_K)) - 8
+    sc = tl.load(s_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+    b = _bf16(q.to(tl.float32) * sc, INTERPRET)
+    if INTERPRET:
+        b = b.to(tl.float32)
+    return b
+
+
+@triton.jit
 def _moe_gemm(src, w0, s0, w1, s1, dst, sorted_slots, block_expert, n_out, k_in, src_div, slots,
               GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               INTERPRET: tl.constexpr):
@@ -98,27 +113,21 @@ def _moe_gemm(src, w0, s0, w1, s1, dst, sorted_slots, block_expert, n_out, k_in,
         groups = k_in // 32
         wrow = e.to(tl.int64) * n_out + offs_n  # weight rows of this tile
         x_ptrs = src + row[:, None] * k_in + offs_k[None, :]
-        w_off = wrow[None, :] * words + (offs_k[:, None] // 8)  # [BLOCK_K, BLOCK_N]: the word holding input k
-        s_off = wrow[None, :] * groups + (offs_k[:, None] // 32)
-        shift = (offs_k[:, None] % 8) * 4
+        # [BLOCK_N, BLOCK_K / 8] words and [BLOCK_N, BLOCK_K / 32] scales: each loaded once, along the rows' contiguous
+        # inputs, then spread to [BLOCK_N, BLOCK_K] in registers
+        w_off = wrow[:, None] * words + tl.arange(0, BLOCK_K // 8)[None, :]
+        s_off = wrow[:, None] * groups + tl.arange(0, BLOCK_K // 32)[None, :]
         acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(0, k_in, BLOCK_K):
             a = tl.load(x_ptrs + kk, mask=real[:, None], other=0.0)
-            q = ((tl.load(w0 + w_off + kk // 8, mask=col_ok[None, :], other=0) >> shift) & 0xF) - 8
-            s = tl.load(s0 + s_off + kk // 32, mask=col_ok[None, :], other=0.0)
-            b = _bf16(q.to(tl.float32) * s.to(tl.float32), INTERPRET)
+            b = _dequant(w0 + w_off + kk // 8, s0 + s_off + kk // 32, col_ok, BLOCK_N, BLOCK_K, INTERPRET)
             if INTERPRET:  # the interpreter's bf16 dot is wrong; fp32 of the same bf16 values gives the same products
                 a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc0 = tl.dot(a, b, acc0)
+            acc0 = tl.dot(a, tl.trans(b), acc0)
             if GATED:
-                q1 = ((tl.load(w1 + w_off + kk // 8, mask=col_ok[None, :], other=0) >> shift) & 0xF) - 8
-                s1v = tl.load(s1 + s_off + kk // 32, mask=col_ok[None, :], other=0.0)
-                b1 = _bf16(q1.to(tl.float32) * s1v.to(tl.float32), INTERPRET)
-                if INTERPRET:
-                    b1 = b1.to(tl.float32)
-                acc1 = tl.dot(a, b1, acc1)
+                b1 = _dequant(w1 + w_off + kk // 8, s1 + s_off + kk // 32, col_ok, BLOCK_N, BLOCK_K, INTERPRET)
+                acc1 = tl.dot(a, tl.trans(b1), acc1)
         if GATED:
             res = acc0 / (1.0 + tl.exp(-acc0)) * acc1
         else:
@@ -187,7 +196,9 @@ def time_sets(sets, ws, cfg, samples: int = 5, min_batch: float = 0.05) -> tuple
         torch.cuda.synchronize()
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: JAX's own threads keep using the GPU while this thread captures (the default, global,
+            # fails their calls and leaves JAX's stream in an error state)
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 _run_sets(sets, ws, cfg)
             run, mode = graph.replay, "graph"
         except RuntimeError as e:
