@@ -391,7 +391,8 @@ def main() -> None:
         return
     variants = [v for v in args.variants.split(",") if v]
     notes = []
-    if "before" in variants or "base" in variants:
+    at = {v for group in args.variants_at.split(";") if "=" in group for v in group.split("=")[1].split(",")}
+    if {"before", "base"} & (set(variants) | at):
         try:
             if not args.baseline_lib:
                 raise OSError("no --baseline-lib")
