@@ -264,13 +264,6 @@ __device__ __forceinline__ uint4 LoadGlobal16Cg(const void* ptr) {
   return v;
 }
 
-// 4 bytes global -> a register, from L2 (a volatile load: issued where it is written, not sunk to its first use).
-__device__ __forceinline__ int LoadGlobal4Cg(const int32_t* ptr) {
-  int v;
-  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
-  return v;
-}
-
 // Programmatic dependent launch (sm_90): wait until the kernel before this one on the stream has ended and its
 // writes are visible; let the kernel after this one start launching. Both do nothing without a PDL launch.
 __device__ __forceinline__ void GridDependencyWait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
@@ -637,10 +630,9 @@ constexpr int kStreamSmem = kStreamStages * kStreamStageBytes;
 constexpr uint32_t kMinus136 = 0xC308C308u;  // the bf16 pair (-136, -136)
 
 // One unit of work: row set `set` (16 gate and 16 up rows, or 32 down rows) of expert e for the slots of token block
-// `block`, all 4 warps of the block, each over a quarter of k. Called by every thread of the block; thread i < 8 NT
-// brings slot i of the block (`UnitSlot`, loaded in the round trip that brought e).
+// `block`, all 4 warps of the block, each over a quarter of k. Called by every thread of the block.
 template <int NT, bool kGated, bool kL2>
-__device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set, int e, int slot) {
+__device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set, int e) {
   constexpr int kBm = 8 * NT;
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   __shared__ int s_src[kBm];  // B row of each token column (-1: padding)
@@ -694,6 +686,7 @@ __device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set
 
   int real = 0;
   if (tid < kBm) {
+    const int slot = __ldcg(p.sorted + static_cast<int64_t>(block) * kBm + tid);
     real = slot >= 0 && slot < p.slots;
     s_dst[tid] = real ? slot : -1;
     s_src[tid] = real ? slot / p.src_div : -1;
@@ -824,13 +817,6 @@ __device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set
   }
 }
 
-// Slot threadIdx.x of token block `block` for threads < 8 NT (0 for the others): loaded next to the block's expert,
-// so that a unit's token values wait for one round trip (the slot), not two (the expert, then the slot).
-template <int NT>
-__device__ __forceinline__ int UnitSlot(const GemmParams& p, int block) {
-  return threadIdx.x < 8 * NT ? LoadGlobal4Cg(p.sorted + static_cast<int64_t>(block) * (8 * NT) + threadIdx.x) : 0;
-}
-
 // The stream-path gemm. kPersist: a grid of as many blocks as fit on the GPU at once, block i taking units i, i + grid,
 // ... of the used token blocks x row sets (token blocks fastest; no block is launched for nothing: max_blocks bounds
 // every routing, and most are unused when a few experts are touched); else one block per unit, the grid [max_blocks,
@@ -839,11 +825,10 @@ template <int NT, bool kGated, bool kL2, bool kPersist>
 __global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const GemmParams p) {
   if (kGated) GridDependencyWait();  // the align stage's arrays (gemm2: gemm1 started after the align stage ended)
   if (!kPersist) {
-    const int e = LoadGlobal4Cg(p.block_expert + blockIdx.x);
-    const int slot = UnitSlot<NT>(p, blockIdx.x);  // (an unused block's entries are read and not used)
+    const int e = __ldcg(p.block_expert + blockIdx.x);
     if (e >= 0) {  // uniform over the block
       LaunchDependents();
-      GemmUnit<NT, kGated, kL2>(p, blockIdx.x, blockIdx.y, e, slot);
+      GemmUnit<NT, kGated, kL2>(p, blockIdx.x, blockIdx.y, e);
       return;
     }
   } else {
@@ -852,10 +837,9 @@ __global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const Ge
     const int64_t units = static_cast<int64_t>(used) * (p.rows / (kGated ? 16 : 32));
     for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {  // the grid's order: token blocks fastest
       const int block = static_cast<int>(u % used);
-      const int e = LoadGlobal4Cg(p.block_expert + block);
-      const int slot = UnitSlot<NT>(p, block);
+      const int e = __ldcg(p.block_expert + block);
       if (e < 0) continue;  // (not reached: the used blocks come first)
-      GemmUnit<NT, kGated, kL2>(p, block, static_cast<int>(u / used), e, slot);
+      GemmUnit<NT, kGated, kL2>(p, block, static_cast<int>(u / used), e);
       __syncthreads();  // the ring and the slot lists are free for the next unit
     }
   }
