@@ -314,7 +314,8 @@ def plot(out_dir: str, meta: dict, rows: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4))
-    styles = {"after": "o-", "before": "s--", "base": "s--"}  # (base: the baseline build, called as after)
+    # (base: the baseline build, called as after; triton: the Triton anchor, benchmarks/triton_moe.py)
+    styles = {"after": "o-", "before": "s--", "base": "s--", "triton": "^-."}
     for shape, color in (("k2", "C0"), ("device", "C1")):
         sr = [r for r in rows if r["shape"] == shape]
         if not sr:
