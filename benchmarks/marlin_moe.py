@@ -59,6 +59,19 @@ GOALS = ("goals (issue 18): >= 75% of the bandwidth floor for M <= 64 and for M 
 BASELINE_TARGET = "kdtree_marlin_moe_before"
 
 
+def variants_at(spec: str, m: int | None = None) -> list[str]:
+    """The extra variants that --variants-at gives M = m ('1,16=stream,tile64;4096=tile128': stream and tile64 at
+    M = 1 and 16), or at any M (m None), each once, in the order given."""
+    out = []
+    for group in spec.split(";"):
+        if "=" not in group:
+            continue
+        ms, names = group.split("=", 1)
+        if m is None or str(m) in [x.strip() for x in ms.split(",")]:
+            out += [v.strip() for v in names.split(",") if v.strip() and v.strip() not in out]
+    return out
+
+
 def sets_for(m: int) -> int:
     """Routing sets in one timed batch of the kernel at M tokens."""
     return SMALL_SETS if m <= SMALL_M else SETS
@@ -392,8 +405,7 @@ def main() -> None:
         return
     variants = [v for v in args.variants.split(",") if v]
     notes = []
-    at = {v for group in args.variants_at.split(";") if "=" in group for v in group.split("=")[1].split(",")}
-    if {"before", "base"} & (set(variants) | at):
+    if {"before", "base"} & set(variants + variants_at(args.variants_at)):
         try:
             if not args.baseline_lib:
                 raise OSError("no --baseline-lib")
@@ -422,9 +434,7 @@ def main() -> None:
             if time.perf_counter() - start > args.budget:
                 print(f"budget reached: skipping {shape} M={m}", flush=True)
                 continue
-            more = [v for group in args.variants_at.split(";") if "=" in group
-                    for v in group.split("=")[1].split(",") if str(m) in group.split("=")[0].split(",")]
-            more = more if shape in args.variants_at_shapes.split(",") else []
+            more = variants_at(args.variants_at, m) if shape in args.variants_at_shapes.split(",") else []
             got = measure(shape, m, weights, bw, flops, variants + [v for v in more if v not in variants],
                           args.xla and m <= 256, args.triton_budget)
             rows += got
