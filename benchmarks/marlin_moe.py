@@ -404,7 +404,7 @@ def main() -> None:
             del weights
         return
     variants = [v for v in args.variants.split(",") if v]
-    notes = []
+    notes, unmeasured = [], set()
     if {"before", "base"} & set(variants + variants_at(args.variants_at)):
         try:
             if not args.baseline_lib:
@@ -413,12 +413,14 @@ def main() -> None:
         except (OSError, AttributeError) as e:
             notes.append(f"`before` / `base` not measured: {e}")
             print(notes[-1], flush=True)
-            variants = [v for v in variants if v not in ("before", "base")]
+            unmeasured = {"before", "base"}
+            variants = [v for v in variants if v not in unmeasured]
     ceil = ceilings()
     bw, flops = ceil["copy_Bps"], ceil["matmul_flops"]
     dev = jax.devices()[0]
     meta = dict(date=datetime.date.today().isoformat(), device=f"{dev.device_kind} ({dev.platform})",
                 commit=args.commit, jax=jax.__version__, copy_Bps=bw, matmul_flops=flops, before=args.before_label,
+                triton_budget_s=args.triton_budget,
                 notes=notes)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, matmul {flops / 1e12:.0f} TFLOP/s; expert {EXPERT_BYTES / 1e6:.2f} MB",
           flush=True)
@@ -435,6 +437,7 @@ def main() -> None:
                 print(f"budget reached: skipping {shape} M={m}", flush=True)
                 continue
             more = variants_at(args.variants_at, m) if shape in args.variants_at_shapes.split(",") else []
+            more = [v for v in more if v not in unmeasured]
             got = measure(shape, m, weights, bw, flops, variants + [v for v in more if v not in variants],
                           args.xla and m <= 256, args.triton_budget)
             rows += got
