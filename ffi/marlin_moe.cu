@@ -977,6 +977,9 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
 #pragma unroll
     for (int q = 0; q < 4; ++q) issue_part(sb, s, q);
   };
+  // 32-slot tiles issue a stage's copies in one burst after the barrier: spread over the k-steps they were 2-3%
+  // slower at M = 512 on the H200 (2026-12-02 and 12-03), while 128-slot tiles gained 5-6% from the spread.
+  constexpr bool kSpread = N > 32;
 
   float acc[2][N / 2];
 #pragma unroll
@@ -1007,6 +1010,7 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
     __syncthreads();          // everyone's; and every wgmma of stage s - 2 is done (wait_group kDepth - 1 < 8)
     const bool refill = s + stages - 2 < ks;  // stage s + stages - 2 into ring slot fill_sb, in 4 parts below
     const uint32_t fill_sb = ahead_sb;
+    if (!kSpread && refill) issue(fill_sb, s + stages - 2);
     ahead_sb += stage_bytes;
     if (ahead_sb == ring_end) ahead_sb = base;
     uint4 wv[4];
@@ -1053,7 +1057,7 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
             if (jj + 1 < N / 8) MmaAt(&acc[tau][4 * (jj + 1)], aj[tau], b[2], b[3]);
           }
         }
-        if (j < 4 && refill) issue_part(fill_sb, s + stages - 2, j);
+        if (kSpread && j < 4 && refill) issue_part(fill_sb, s + stages - 2, j);
       } else {
         const uint64_t desc =
             (KMajorDesc(0) & ~uint64_t{0xffffffffu}) | (desc0 + (((j >> 2) * panel + (j & 3) * 32) >> 4));
@@ -1061,7 +1065,7 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
         Wgmma<N>::Run(acc[0], aj[0], desc);
         Wgmma<N>::Run(acc[1], aj[1], desc);
         WgmmaCommit();
-        if (j < 4 && refill) issue_part(fill_sb, s + stages - 2, j);
+        if (kSpread && j < 4 && refill) issue_part(fill_sb, s + stages - 2, j);
         WgmmaWait<kDepth - 1>();  // k-step j + 1 - kDepth is done: its fragments may be rewritten next
         Pin(a[(j + 1) % kDepth]);
       }
