@@ -15,8 +15,8 @@ kernel of an older build (--baseline-lib: a libkdtree_jax_cuda.so whose handler 
 called as that version did: block_m = block_size(M), no flags); `base` = the --baseline-lib handler of a build with
 today's attributes, called exactly as `after` (an A/B of two kernel versions in one run); `local` = the defaults but
 the block size chosen from the shard's own experts (as before 2026-12-01: at the per-device shape M k / 48
-overstated the slots per expert 8-fold); `stream` / `tile64` / `tile128` force a path, `tile16` / `tile32` the
-tile path's narrow tiles (FLAG_TILE) (`+l2`, `+sync`, `+deep`, `+serial`, `+fine`, `+persist` add FLAG_L2_256,
+overstated the slots per expert 8-fold); `stream` / `tile64` / `tile128` force a path, `stream8` / `stream16` /
+`stream32` the stream path with that block size, `tile16` / `tile32` the tile path's narrow tiles (FLAG_TILE) (`+l2`, `+sync`, `+deep`, `+serial`, `+fine`, `+persist` add FLAG_L2_256,
 FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL, FLAG_FINE, FLAG_PERSIST;
 `after+deep` = the defaults plus FLAG_DEEP, `after+serial` the defaults with the stream path's kernels launched
 plainly, one after the other).
@@ -168,7 +168,8 @@ def variant_fn(name: str, m: int, e: int):
                 for x in mods)
     if base in ("tile16", "tile32"):  # the tile path's narrow tiles (FLAG_TILE), with the tile path's flags
         flags |= mm.FLAG_TILE | mm.TILE_FLAGS
-    bm = {"after": None, "stream": mm.block_size(m, TOPK, E), "tile16": 16, "tile32": 32, "tile64": 64,
+    bm = {"after": None, "stream": mm.block_size(m, TOPK, E), "stream8": 8, "stream16": 16, "stream32": 32,
+          "tile16": 16, "tile32": 32, "tile64": 64,
           "tile128": 128,
           "local": mm.choose_block_m(m, TOPK, e, True)}[base]  # local: the block size chosen by e (before 2026-12-01)
     chosen_bm, chosen_flags = mm.choose_path(m, TOPK, E if base == "after" else e, True, local=e)

@@ -63,7 +63,8 @@
 // small kernel writes x in that order (into the ys scratch, which gemm2 overwrites later), and gemm1 writes h in
 // that order, so gemm2's B is ready as well. A ring of 4 (BM = 128) or 6 (BM = 64) stages of cp.async, refilled
 // two stages behind the compute so that no wgmma still reads a slot being overwritten, a stage's copies issued in
-// 4 parts after its first 4 k-steps (not all at once after the barrier); the epilogue goes through
+// 4 parts after its first 4 k-steps in tiles of more than 32 slots (all at once after the barrier in narrower ones,
+// where that measured 2-5% faster at M = 512 on the H200); the epilogue goes through
 // shared memory and stores 16-byte row pieces. Two k-steps of wgmma in flight (4 with flag bit 3). The same kernel
 // with mma.sync (ldmatrix for B) is kept for comparison (flag bit 0).
 //
@@ -977,8 +978,8 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
 #pragma unroll
     for (int q = 0; q < 4; ++q) issue_part(sb, s, q);
   };
-  // 32-slot tiles issue a stage's copies in one burst after the barrier: spread over the k-steps they were 2-3%
-  // slower at M = 512 on the H200 (2026-12-02 and 12-03), while 128-slot tiles gained 5-6% from the spread.
+  // Tiles of at most 32 slots issue a stage's copies in one burst after the barrier: spread over the k-steps they
+  // were 2-5% slower at M = 512 on the H200 (three runs, 2026-12-02 and 12-03); the 128-slot tiles gained 5-6% from it.
   constexpr bool kSpread = N > 32;
 
   float acc[2][N / 2];
