@@ -84,7 +84,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kWarps = 4;                 // warps per stream-path gemm block (the K split); 8 with kFlagWide
+constexpr int kWarps = 4;                 // warps per stream-path gemm block (the K split)
+constexpr int kThreads = 32 * kWarps;
 constexpr int kChunk = 128;               // inputs per warp step
 constexpr int kMaxAlignSmem = 200 * 1024;
 
@@ -96,7 +97,6 @@ constexpr int64_t kFlagSerial = 16;     // stream path: plain launches instead o
 constexpr int64_t kFlagTile = 32;       // BM = 16 or 32: the tile path's narrow tiles instead of the stream path
 constexpr int64_t kFlagFine = 64;       // tile path: 17-24 slots run as N = 24 (not 32)
 constexpr int64_t kFlagPersist = 128;   // stream path: resident blocks loop over the used units (GemmKernel)
-constexpr int64_t kFlagWide = 256;      // stream path, BM = 8: blocks of 8 warps, each an eighth of K (few units)
 
 // ------------------------------------------------------------------------------------------------------------------
 // Small helpers
@@ -622,20 +622,19 @@ struct GemmParams {
   int max_blocks;              // token blocks (entries of block_expert)
 };
 
-// The ring of the stream path, per stage: weights (4 rows x 16 B per thread), then scales (8 B per thread), for the
-// kW warps of a block; 4 blocks of 4 warps per SM, or 2 of 8.
+// The ring of the stream path, per stage: weights (4 rows x 16 B per thread), then scales (8 B per thread); 4 blocks
+// of 4 warps per SM.
 constexpr int kStreamStages = 6;
-__host__ __device__ constexpr int StreamW(int kW) { return 16 * 4 * 32 * kW; }
-__host__ __device__ constexpr int StreamStageBytes(int kW) { return StreamW(kW) + 8 * 32 * kW; }
-__host__ __device__ constexpr int StreamSmem(int kW) { return kStreamStages * StreamStageBytes(kW); }
+constexpr int kStreamW = 16 * 4 * kThreads;
+constexpr int kStreamStageBytes = kStreamW + 8 * kThreads;
+constexpr int kStreamSmem = kStreamStages * kStreamStageBytes;
 constexpr uint32_t kMinus136 = 0xC308C308u;  // the bf16 pair (-136, -136)
 
 // One unit of work: row set `set` (16 gate and 16 up rows, or 32 down rows) of expert e for the slots of token block
-// `block`, all kW warps of the block, each over 1 / kW of k. Called by every thread of the block.
-template <int NT, bool kGated, bool kL2, int kW>
+// `block`, all 4 warps of the block, each over a quarter of k. Called by every thread of the block.
+template <int NT, bool kGated, bool kL2>
 __device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set, int e) {
   constexpr int kBm = 8 * NT;
-  constexpr int kStreamW = StreamW(kW), kStreamStageBytes = StreamStageBytes(kW), kStreamSmem = StreamSmem(kW);
   extern __shared__ __align__(16) unsigned char gemm_smem[];
   __shared__ int s_src[kBm];  // B row of each token column (-1: padding)
   __shared__ int s_dst[kBm];  // output row (slot) of each token column (-1: padding)
@@ -647,7 +646,7 @@ __device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set
   const int row0 = set * (kGated ? 16 : 32);
   const int64_t words = p.k / 8;
   const int chunks = p.k / kChunk;
-  const int mine = (chunks - warp + kW - 1) / kW;  // chunks warp, warp + kW, ...
+  const int mine = (chunks - warp + kWarps - 1) / kWarps;  // chunks warp, warp + 4, ...
   const uint32_t* a_ptr[4];
   const __nv_bfloat16* sc_ptr = nullptr;
 #pragma unroll
@@ -674,10 +673,10 @@ __device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       CopyAsync16Cg(copy_stage + w_copy + 512 * s, a_ptr[s], kL2);
-      a_ptr[s] += kW * 16;
+      a_ptr[s] += kWarps * 16;
     }
     CopyAsync8(copy_stage + s_copy, sc_ptr);
-    sc_ptr += kW * 4;
+    sc_ptr += kWarps * 4;
     next_stage(copy_stage, ring);
   };
 #pragma unroll
@@ -711,7 +710,7 @@ __device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set
   for (int j = 0; j < NT; ++j) {
 #pragma unroll
     for (int grp = 0; grp < 4; ++grp) xv[j][grp] = x_ok[j] ? load_x(j, grp) : make_uint4(0, 0, 0, 0);
-    x_ptr[j] += kW * kChunk;
+    x_ptr[j] += kWarps * kChunk;
   }
   float acc[2][NT][4];
 #pragma unroll
@@ -769,7 +768,7 @@ __device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set
       }
     }
 #pragma unroll
-    for (int j = 0; j < NT; ++j) x_ptr[j] += kW * kChunk;
+    for (int j = 0; j < NT; ++j) x_ptr[j] += kWarps * kChunk;
     next_stage(read_stage, ring);
     __syncwarp();  // every lane is done with the slot before it is copied into again
   }
@@ -791,7 +790,7 @@ __device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set
   __syncthreads();
   if (warp != 0) return;
 #pragma unroll
-  for (int w = 1; w < kW; ++w) {
+  for (int w = 1; w < kWarps; ++w) {
 #pragma unroll
     for (int tile = 0; tile < 2; ++tile) {
 #pragma unroll
@@ -822,15 +821,15 @@ __device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set
 // The stream-path gemm. kPersist: a grid of as many blocks as fit on the GPU at once, block i taking units i, i + grid,
 // ... of the used token blocks x row sets (token blocks fastest; no block is launched for nothing: max_blocks bounds
 // every routing, and most are unused when a few experts are touched); else one block per unit, the grid [max_blocks,
-// row sets], the blocks of unused token blocks exiting at once. kW warps per block (4; 8 with kFlagWide).
-template <int NT, bool kGated, bool kL2, bool kPersist, int kW>
-__global__ void __launch_bounds__(32 * kW, kW == 8 ? 2 : NT == 4 ? 3 : 4) GemmKernel(const GemmParams p) {
+// row sets], the blocks of unused token blocks exiting at once.
+template <int NT, bool kGated, bool kL2, bool kPersist>
+__global__ void __launch_bounds__(kThreads, NT == 4 ? 3 : 4) GemmKernel(const GemmParams p) {
   if (kGated) GridDependencyWait();  // the align stage's arrays (gemm2: gemm1 started after the align stage ended)
   if (!kPersist) {
     const int e = __ldcg(p.block_expert + blockIdx.x);
     if (e >= 0) {  // uniform over the block
       LaunchDependents();
-      GemmUnit<NT, kGated, kL2, kW>(p, blockIdx.x, blockIdx.y, e);
+      GemmUnit<NT, kGated, kL2>(p, blockIdx.x, blockIdx.y, e);
       return;
     }
   } else {
@@ -841,7 +840,7 @@ __global__ void __launch_bounds__(32 * kW, kW == 8 ? 2 : NT == 4 ? 3 : 4) GemmKe
       const int block = static_cast<int>(u % used);
       const int e = __ldcg(p.block_expert + block);
       if (e < 0) continue;  // (not reached: the used blocks come first)
-      GemmUnit<NT, kGated, kL2, kW>(p, block, static_cast<int>(u / used), e);
+      GemmUnit<NT, kGated, kL2>(p, block, static_cast<int>(u / used), e);
       __syncthreads();  // the ring and the slot lists are free for the next unit
     }
   }
@@ -1327,10 +1326,9 @@ ffi::Error ResidentBlocks(Kernel kernel, int threads, int smem, std::atomic<int6
   return ffi::Error::Success();
 }
 
-template <int NT, bool kGated, bool kL2, bool kPersist, int kW>
+template <int NT, bool kGated, bool kL2, bool kPersist>
 ffi::Error LaunchGemm(cudaStream_t stream, const GemmParams& p, bool pdl, const char* what) {
-  auto kernel = GemmKernel<NT, kGated, kL2, kPersist, kW>;
-  constexpr int kThreads = 32 * kW, kStreamSmem = StreamSmem(kW);
+  auto kernel = GemmKernel<NT, kGated, kL2, kPersist>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStreamSmem) != cudaSuccess) {
     return LastError("raising the shared-memory limit");
   }
@@ -1346,20 +1344,16 @@ ffi::Error LaunchGemm(cudaStream_t stream, const GemmParams& p, bool pdl, const 
   return Launch(kernel, grid, kThreads, kStreamSmem, stream, pdl, what, p);
 }
 
-template <int NT, bool kL2, bool kPersist, int kW = kWarps>
+template <int NT, bool kL2, bool kPersist>
 ffi::Error LaunchGemms(cudaStream_t stream, const GemmParams& g1, const GemmParams& g2, bool pdl) {
-  if (ffi::Error e = LaunchGemm<NT, true, kL2, kPersist, kW>(stream, g1, pdl, "gate/up kernel launch"); e.failure()) {
+  if (ffi::Error e = LaunchGemm<NT, true, kL2, kPersist>(stream, g1, pdl, "gate/up kernel launch"); e.failure()) {
     return e;
   }
-  return LaunchGemm<NT, false, kL2, kPersist, kW>(stream, g2, pdl, "down kernel launch");
+  return LaunchGemm<NT, false, kL2, kPersist>(stream, g2, pdl, "down kernel launch");
 }
 
-// wide (kFlagWide): BM = 8 only, without the L2 hint (the handler checks).
 template <bool kL2, bool kPersist>
-ffi::Error LaunchStream(cudaStream_t stream, const GemmParams& g1, const GemmParams& g2, int bm, bool pdl, bool wide) {
-  if constexpr (!kL2) {
-    if (wide) return LaunchGemms<1, false, kPersist, 8>(stream, g1, g2, pdl);
-  }
+ffi::Error LaunchStream(cudaStream_t stream, const GemmParams& g1, const GemmParams& g2, int bm, bool pdl) {
   return bm == 8    ? LaunchGemms<1, kL2, kPersist>(stream, g1, g2, pdl)
          : bm == 16 ? LaunchGemms<2, kL2, kPersist>(stream, g1, g2, pdl)
                     : LaunchGemms<4, kL2, kPersist>(stream, g1, g2, pdl);
@@ -1477,10 +1471,6 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
     return ffi::Error::InvalidArgument("marlin_moe: the tile path (blocks of 64 or 128 slots, or 16 or 32 with the "
                                        "tile flag) needs bf16, D a multiple of 256, F of 128 and group size 32");
   }
-  if (stream_ok && (flags & kFlagWide) && (bm != 8 || (flags & kFlagL2Prefetch))) {
-    return ffi::Error::InvalidArgument("marlin_moe: the wide flag (8-warp stream blocks) takes block_m 8 without the "
-                                       "L2 flag; got block_m " + std::to_string(bm));
-  }
   const auto* xq = reinterpret_cast<const uint32_t*>(gate_q.typed_data());
   const auto* uqp = reinterpret_cast<const uint32_t*>(up_q.typed_data());
   const auto* dqp = reinterpret_cast<const uint32_t*>(down_q.typed_data());
@@ -1532,11 +1522,10 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
                     static_cast<int>(D), static_cast<int>(F), static_cast<int>(down_scales), 1, static_cast<int>(S),
                     nb};
       const bool l2 = (flags & kFlagL2Prefetch) != 0, persist = (flags & kFlagPersist) != 0;
-      const bool wide = (flags & kFlagWide) != 0;
-      ffi::Error err = l2 ? (persist ? LaunchStream<true, true>(stream, g1, g2, bmi, pdl, wide)
-                                     : LaunchStream<true, false>(stream, g1, g2, bmi, pdl, wide))
-                          : (persist ? LaunchStream<false, true>(stream, g1, g2, bmi, pdl, wide)
-                                     : LaunchStream<false, false>(stream, g1, g2, bmi, pdl, wide));
+      ffi::Error err = l2 ? (persist ? LaunchStream<true, true>(stream, g1, g2, bmi, pdl)
+                                     : LaunchStream<true, false>(stream, g1, g2, bmi, pdl))
+                          : (persist ? LaunchStream<false, true>(stream, g1, g2, bmi, pdl)
+                                     : LaunchStream<false, false>(stream, g1, g2, bmi, pdl));
       if (err.failure()) return err;
     }
     return Launch(CombineKernel8, dim3(GridFor(M * D / 8, 256)), 256, 0, stream, pdl, "combine launch",

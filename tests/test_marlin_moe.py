@@ -16,8 +16,8 @@ import pytest
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
 from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_FINE, FLAG_L2_256, FLAG_PERSIST, FLAG_SERIAL, FLAG_SYNC,
-                                           FLAG_TILE, FLAG_WIDE, NARROW_SLOTS, STREAM_FLAGS, TILE_128_MIN_M,
-                                           TILE_FLAGS, TILE_MIN_M,
+                                           FLAG_TILE, NARROW_SLOTS, STREAM_FLAGS, TILE_128_MIN_M, TILE_FLAGS,
+                                           TILE_MIN_M,
                                            _cuda_call, block_size, choose_block_m, choose_path, marlin_moe,
                                            marlin_moe_ref, max_blocks, moe_align, moe_experts_ref, tile_eligible)
 from kdtree_jax.model import forward
@@ -440,10 +440,6 @@ K2_CASES += [  # the stream path's persistent grid (FLAG_PERSIST): resident bloc
     (64, 8, 16, "few", 8, FLAG_PERSIST | FLAG_SERIAL), (96, 8, 16, "repeat", 16, FLAG_PERSIST),
     (256, 8, 16, "one_expert", 32, FLAG_PERSIST | FLAG_L2_256),
 ]
-K2_CASES += [  # the stream path's 8-warp blocks (FLAG_WIDE, block_m 8): K split 8 ways, on the grid and persistent
-    (1, 8, 16, "uniform", 8, FLAG_WIDE), (5, 8, 16, "sentinel", 8, FLAG_WIDE | FLAG_PERSIST),
-    (64, 8, 16, "few", 8, FLAG_WIDE | FLAG_SERIAL), (3, 8, 16, "one_expert", 8, FLAG_WIDE | FLAG_PERSIST | FLAG_SERIAL),
-]
 
 
 @pytest.fixture(scope="module")
@@ -616,19 +612,6 @@ def test_gpu_scratch_of_the_wrong_size_is_refused():
         call = jax.ffi.ffi_call("kdtree_marlin_moe", outs, vmap_method="sequential")
         with pytest.raises(Exception, match="scratch sorted must be"):
             jax.block_until_ready(jax.jit(lambda *a: call(*a, flags=np.int64(0)))(*flat))
-
-
-@gpu
-@needs_gpu
-@pytest.mark.parametrize("bm, flags", [(16, FLAG_WIDE), (32, FLAG_WIDE | FLAG_PERSIST), (8, FLAG_WIDE | FLAG_L2_256)])
-def test_gpu_wide_flag_off_its_block_size_is_refused(k2_experts, bm, flags):
-    """FLAG_WIDE (8-warp stream blocks) exists for block_m 8 without the L2 hint; other combinations are refused with
-    a message, not run as something else."""
-    rng = np.random.default_rng(5)
-    ids, weights = make_routing(rng, 4, 8, 16)
-    x = jnp.asarray(rng.standard_normal((4, K2_D)), jnp.bfloat16)
-    with pytest.raises(Exception, match="wide flag"):
-        jax.block_until_ready(run(x, ids, weights, k2_experts, device=jax.devices("gpu")[0], block_m=bm, flags=flags))
 
 
 @gpu
