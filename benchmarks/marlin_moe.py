@@ -16,8 +16,9 @@ called as that version did: block_m = block_size(M), no flags); `base` = the --b
 today's attributes, called exactly as `after` (an A/B of two kernel versions in one run); `local` = the defaults but
 the block size chosen from the shard's own experts (as before 2026-12-01: at the per-device shape M k / 48
 overstated the slots per expert 8-fold); `stream` / `tile64` / `tile128` force a path, `stream8` / `stream16` /
-`stream32` the stream path with that block size, `tile16` / `tile32` the tile path's narrow tiles (FLAG_TILE) (`+l2`, `+sync`, `+deep`, `+serial`, `+fine`, `+persist` add FLAG_L2_256,
-FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL, FLAG_FINE, FLAG_PERSIST;
+`stream32` the stream path with that block size, `tile16` / `tile32` the tile path's narrow tiles (FLAG_TILE)
+(`+l2`, `+sync`, `+deep`, `+serial`, `+fine`, `+persist` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL, FLAG_FINE,
+FLAG_PERSIST;
 `after+deep` = the defaults plus FLAG_DEEP, `after+serial` the defaults with the stream path's kernels launched
 plainly, one after the other).
 `triton` = benchmarks/triton_moe.py, a Triton W4A16 fused MoE of the vLLM family on the same inputs (torch shares

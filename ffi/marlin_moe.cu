@@ -1009,7 +1009,7 @@ __device__ __forceinline__ void TileBlock(const TileParams& p, int e, int rt, in
     CopyWaitDyn(stages - 3);  // this thread's copies of stage s have landed
     if (!kSync) ProxyFence();
     __syncthreads();          // everyone's; and every wgmma of stage s - 2 is done (wait_group kDepth - 1 < 8)
-    const bool refill = s + stages - 2 < ks;  // stage s + stages - 2 into ring slot fill_sb, in 4 parts below
+    const bool refill = s + stages - 2 < ks;  // stage s + stages - 2 into ring slot fill_sb (4 parts below if kSpread)
     const uint32_t fill_sb = ahead_sb;
     if (!kSpread && refill) issue(fill_sb, s + stages - 2);
     ahead_sb += stage_bytes;
