@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gzip
 import json
 import os
 import sys
@@ -52,6 +53,19 @@ PROFILED = [(4096, 1, 1), (4096, 1, 17)]
 COMM_PER_LAYER_S = {(1, 1): 0.115e-3, (1, 65): 0.127e-3, (10, 1): 0.123e-3, (10, 65): 0.498e-3}  # sharding.md
 COMM_CELLS = [(1, 1), (1, 65), (10, 1), (10, 65)]
 TAU = {17: 3.00, 65: 3.69}  # embedded model, kdtree-jax bench, H200, batch 1, budgets 16 / 64
+
+
+def parse_cells(text: str) -> list[tuple[int, int, int]]:
+    """"4096:1x1,131072:1x17" -> [(4096, 1, 1), (131072, 1, 17)]: (context, batch, tree nodes per row)."""
+    cells = []
+    for part in text.split(","):
+        context, _, bt = part.strip().partition(":")
+        batch, _, t = bt.partition("x")
+        try:
+            cells.append((int(context), int(batch), int(t)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"cell {part!r} is not CONTEXT:BATCHxNODES (e.g. 4096:1x17)") from None
+    return cells
 
 
 def per_device_cfg(n: int, layers: int, small: bool, kernels: str) -> kj.ModelConfig:
@@ -82,7 +96,7 @@ def per_device_model(n: int, layers: int, small: bool, kernels: str, key=None):
             return lp
         rng = np.random.default_rng(1000 + i)
         e, d = cfg.n_routed_experts, cfg.hidden_size
-        mlp = dataclasses.replace(lp.mlp, router=jnp.asarray(0.02 * rng.standard_normal((d, e), np.float32)),
+        mlp = dataclasses.replace(lp.mlp, router=jnp.asarray(0.02 * rng.standard_normal((d, e)), lp.mlp.router.dtype),
                                   router_bias=jnp.asarray(0.02 * rng.standard_normal(e, np.float32)))
         return dataclasses.replace(lp, mlp=mlp)
 
@@ -93,12 +107,14 @@ def per_device_model(n: int, layers: int, small: bool, kernels: str, key=None):
 
 
 def narrow_shared(params, width: int):
-    """The shared expert of every MoE layer cut to `width` (its 1/N column/row share), donating the rest."""
+    """The shared expert of every MoE layer cut to `width` (its 1/N column/row share), donating the rest. Every
+    projection of the MLP has the width last except `down` ([F, D]), whichever weights the layout holds."""
     def cut(lp):
         if not isinstance(lp.mlp, MoE):
             return lp
         sh = lp.mlp.shared
-        sh = MLP(gate=sh.gate[:, :width], up=sh.up[:, :width], down=sh.down[:width])
+        sh = MLP(**{f.name: getattr(sh, f.name)[:width] if f.name == "down" else getattr(sh, f.name)[..., :width]
+                    for f in dataclasses.fields(sh)})
         return dataclasses.replace(lp, mlp=dataclasses.replace(lp.mlp, shared=sh))
 
     return jax.jit(lambda p: dataclasses.replace(p, layers=tuple(cut(lp) for lp in p.layers)), donate_argnums=0)(
@@ -131,8 +147,9 @@ def floor_bytes(params, cfg, batch: int, t: int, context: int) -> dict:
     return dict(weights=other, experts=experts, cache=cache, total=other + experts + cache)
 
 
-def time_step(params, cfg, batch: int, t: int, context: int, rng, repeats: int, profile: bool):
-    """(seconds per step, compile s, profile or None) for T tree nodes per row after `context` cached tokens."""
+def time_step(params, cfg, batch: int, t: int, context: int, rng, repeats: int, profile: bool, hlo: str | None = None):
+    """(seconds per step, compile s, profile or None) for T tree nodes per row after `context` cached tokens; with
+    `hlo` (a path), the compiled step's optimized HLO is written there (gzip)."""
     depths, vis = random_trees(batch, t, rng)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, t)), jnp.int32)
     cache = init_cache(cfg, batch, context + t + 8)
@@ -147,8 +164,12 @@ def time_step(params, cfg, batch: int, t: int, context: int, rng, repeats: int, 
 
     with trace_context(params, cfg):
         t0 = time.perf_counter()
-        fn.lower(*state).compile()
+        compiled = fn.lower(*state).compile()
         compile_s = time.perf_counter() - t0
+        if hlo:
+            with gzip.open(hlo, "wt") as f:
+                f.write(compiled.as_text())
+        del compiled
         jax.block_until_ready(call(state))
         samples = []
         for _ in range(repeats):
@@ -206,6 +227,37 @@ def measure_comm(rng, small: bool, kernels: str) -> dict:
     return out
 
 
+def cell_key(r: dict) -> tuple[int, int, int]:
+    return r["context"], r["batch"], r["tokens"]
+
+
+def per_layer(extra: dict, r: dict, layers: int) -> str:
+    """Kernels a layer launches in the profiled cell of row r ("-" when it was not profiled)."""
+    prof = extra.get("profiles", {}).get(f"context {r['context']}, {r['batch']} x {r['tokens']}")
+    return f"{prof['launches'] / layers:.1f}" if prof else "-"
+
+
+def ab_lines(meta: dict, rows: list[dict], extra: dict, base: dict) -> list[str]:
+    """The side-by-side table of this run's cells and the same cells of an earlier build, run on the same machine
+    just before (`--base`): each step against its own bytes floor (the builds may move different bytes)."""
+    old = {cell_key(r): r for r in base["rows"]}
+    out = [f"## This build ({meta['commit']}) against {base['meta']['commit']}, the same cells in the same call", "",
+           f"Both on {meta['device']}; {base['meta']['commit']} ran first. Each step is divided by its own build's "
+           "bytes floor.", "",
+           "| context | batch x nodes | step ms before | step ms now | speedup | floor ms before | floor ms now | "
+           "x floor before | x floor now | kernels a layer before | now |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = old.get(cell_key(r))
+        if b is None:
+            continue
+        out.append(f"| {r['context']} | {r['batch']} x {r['tokens']} | {1e3 * b['step_s']:.2f} | "
+                   f"{1e3 * r['step_s']:.2f} | {b['step_s'] / r['step_s']:.2f}x | {1e3 * b['floor_s']:.2f} | "
+                   f"{1e3 * r['floor_s']:.2f} | {b['step_s'] / b['floor_s']:.2f} | {r['step_s'] / r['floor_s']:.2f} | "
+                   f"{per_layer(base, b, base['meta']['layers'])} | {per_layer(extra, r, meta['layers'])} |")
+    return out + [""]
+
+
 def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "full_scale.json"), "w") as f:
@@ -218,6 +270,9 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> Non
              "local experts the tokens touch, the cache read and written). `python benchmarks/full_scale.py`.", "",
              "| context | batch x nodes | step ms | floor ms | x floor | weights GB | experts GB | cache GB | "
              "compile s |", "|---|---|---|---|---|---|---|---|---|"]
+    base = extra.get("base")
+    if base:
+        lines[-2:-2] = ab_lines(meta, rows, extra, base) + ["", "This build alone:", ""]
     for r in rows:
         lines.append(f"| {r['context']} | {r['batch']} x {r['tokens']} | {1e3 * r['step_s']:.2f} | "
                      f"{1e3 * r['floor_s']:.2f} | {r['step_s'] / r['floor_s']:.2f} | {r['bytes']['weights'] / 1e9:.2f}"
@@ -229,8 +284,9 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> Non
                       f"{d['context']}): {1e3 * d['step_s']:.2f} ms vs a {1e3 * d['bytes'] / bw:.2f} ms floor "
                       f"({d['bytes'] / bw / d['step_s']:.0%} of the floor)."]
     for name, prof in extra.get("profiles", {}).items():
-        lines += ["", f"## Kernel profile, {name} (per step; {prof['launches']:.0f} kernels, GPU busy "
-                      f"{prof['busy_us'] / 1e3:.2f} ms)", "", "| kernel | launches | µs | share |", "|---|---|---|---|"]
+        lines += ["", f"## Kernel profile, {name} (per step; {prof['launches']:.0f} kernels, "
+                      f"{prof['launches'] / meta['layers']:.1f} a layer; GPU busy {prof['busy_us'] / 1e3:.2f} ms)", "",
+                  "| kernel | launches | µs | share |", "|---|---|---|---|"]
         for k, c, us in prof["top"]:
             lines.append(f"| `{k[:80]}` | {c:.0f} | {us:.0f} | {us / prof['busy_us']:.0%} |")
     proj = extra.get("projection")
@@ -255,8 +311,14 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> Non
         fig, ax = plt.subplots(figsize=(8, 4))
         labels = [f"{r['context'] // 1024}k\n{r['batch']}x{r['tokens']}" for r in rows]
         x = np.arange(len(rows))
-        ax.bar(x - 0.2, [1e3 * r["step_s"] for r in rows], 0.4, label="measured step")
-        ax.bar(x + 0.2, [1e3 * r["floor_s"] for r in rows], 0.4, label="bytes floor")
+        old = {cell_key(r): r for r in base["rows"]} if base else {}
+        if old:
+            ax.bar(x - 0.3, [1e3 * old[cell_key(r)]["step_s"] if cell_key(r) in old else 0 for r in rows], 0.3,
+                   label=f"step at {base['meta']['commit']}", color="tab:gray")
+        ax.bar(x + (0.0 if old else -0.2), [1e3 * r["step_s"] for r in rows], 0.3 if old else 0.4,
+               label=f"step at {meta['commit']}", color="tab:blue")
+        ax.bar(x + (0.3 if old else 0.2), [1e3 * r["floor_s"] for r in rows], 0.3 if old else 0.4,
+               label="bytes floor", color="tab:green")
         ax.set_xticks(x, labels, fontsize=7)
         ax.set_ylabel("ms")
         ax.set_title(f"K2.6 per-device step (ep={meta['n']}), {meta['device']}, {meta['commit']}")
@@ -277,10 +339,18 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="a tiny config (CPU smoke run)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget", type=float, default=1e9, help="stop starting new cells after this many seconds")
+    ap.add_argument("--cells", type=parse_cells, help="CONTEXT:BxT,... the cells to time (default: all of CELLS)")
+    ap.add_argument("--profile", type=parse_cells, help="CONTEXT:BxT,... the cells to profile (default: PROFILED)")
+    ap.add_argument("--base", metavar="JSON", help="an earlier build's full_scale.json from the same machine: the "
+                    "report puts its cells beside this run's")
+    ap.add_argument("--hlo", action="store_true", help="write the profiled cells' optimized HLO (.hlo.txt.gz) to --out")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     rng = np.random.default_rng(0)
     rows, extra = [], {"profiles": {}}
+    if args.base:
+        with open(args.base) as f:
+            extra["base"] = json.load(f)
     comm, comm_source = {k: (v, None) for k, v in COMM_PER_LAYER_S.items()}, "results/sharding.md (2 H200s, 98aa1f1)"
     if jax.device_count() >= 2:
         comm = measure_comm(rng, args.small, args.kernels)
@@ -301,13 +371,19 @@ def main(argv=None) -> int:
         print(f"drafter {1e3 * extra['drafter']['step_s']:.2f} ms", flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"drafter failed: {str(e).splitlines()[0][:200]}", flush=True)
-    for context, batch, t in (SMALL_CELLS if args.small else CELLS):
+    cells = args.cells or (SMALL_CELLS if args.small else CELLS)
+    profiled = args.profile or ([SMALL_CELLS[0]] if args.small else PROFILED)
+    for context, batch, t in cells:
         if time.perf_counter() - t_start > args.budget:
             print("time budget reached", flush=True)
             break
-        prof_it = (context, batch, t) in PROFILED or args.small and (context, batch, t) == SMALL_CELLS[0]
+        prof_it = (context, batch, t) in profiled
         try:
-            step_s, compile_s, prof = time_step(params, cfg, batch, t, context, rng, args.repeats, prof_it)
+            hlo = (os.path.join(args.out, f"step_{context}_{batch}x{t}.hlo.txt.gz") if args.hlo and prof_it
+                   else None)
+            if hlo:
+                os.makedirs(args.out, exist_ok=True)
+            step_s, compile_s, prof = time_step(params, cfg, batch, t, context, rng, args.repeats, prof_it, hlo)
         except Exception as e:  # noqa: BLE001 (out of memory at the largest cells is a result to record)
             print(f"context {context} {batch}x{t}: failed: {str(e).splitlines()[0][:200]}", flush=True)
             continue

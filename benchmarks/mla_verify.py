@@ -128,7 +128,8 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], sweep: list[dict]) 
                          f"{pct(r['kernel_s'], r['roofline_s'])} |")
     with open(os.path.join(out_dir, "mla_verify.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot(out_dir, meta, rows)
+    if rows:
+        plot(out_dir, meta, rows)
 
 
 def plot(out_dir: str, meta: dict, rows: list[dict]) -> None:
@@ -168,6 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="ten configurations instead of the full grid")
     ap.add_argument("--sweep", action="store_true", help="also time several key-split counts in the decode regime")
+    ap.add_argument("--sweep-at", metavar="B:N:H:S,...", help="sweep only these cases (splits 1, 2, 4, .. 128; no grid)")
     add_report_args(ap, "configurations")
     args = ap.parse_args()
     if replot(args, write_report):
@@ -183,7 +185,7 @@ def main() -> None:
           flush=True)
     start = time.perf_counter()
     rows, sweep = [], []
-    for b, n, h, s in grid(args.quick):
+    for b, n, h, s in ([] if args.sweep_at else grid(args.quick)):
         if time.perf_counter() - start > args.budget:
             print(f"budget reached: skipping B={b} N={n} H={h} S={s}", flush=True)
             continue
@@ -193,14 +195,18 @@ def main() -> None:
         print(f"B={b} N={n} H={h} S={s}: kernel {r['kernel_s'] * 1e6:.1f} us "
               f"({100 * r['roofline_s'] / r['kernel_s']:.0f}% of roofline), XLA {xla} us, "
               f"splits {r['splits']}, err {r['rel_err_vs_xla']}", flush=True)
-    if args.sweep:
+    if args.sweep or args.sweep_at:
         from kdtree_jax.kernels.mla_verify import plan_splits
 
-        for b, n, h, s in sweep_cases():
+        cases = ([tuple(int(v) for v in c.split(":")) for c in args.sweep_at.split(",")] if args.sweep_at
+                 else sweep_cases())
+        for b, n, h, s in cases:
             if time.perf_counter() - start > args.budget:
                 break
             base = plan_splits(b, n, h, s)
             options = sorted({max(1, base // 4), max(1, base // 2), base, 2 * base, max(1, s // 64 // 16)})
+            if args.sweep_at:
+                options = sorted({base, *(2 ** i for i in range(8) if 2 ** i <= -(-(s + n) // 64))})
             for r in measure(b, n, h, s, ceil, with_xla=False, splits_list=options):
                 sweep.append(r)
                 print(f"sweep B={b} N={n} H={h} S={s} splits {r['splits']}: {r['kernel_s'] * 1e6:.1f} us", flush=True)

@@ -1,5 +1,5 @@
-// Shared by the C++ (CPU) and CUDA handlers of mla_verify and marlin_moe: the operand-shape checks (one rule per
-// op for both platforms, with the same error text) and, in CUDA builds, CUDA status -> ffi::Error.
+// Shared by the C++ (CPU) and CUDA handlers of mla_verify, marlin_moe and moe_route: the operand-shape checks (one
+// rule per op for both platforms, with the same error text) and, in CUDA builds, CUDA status -> ffi::Error.
 #pragma once
 
 #include <cstdint>
@@ -80,6 +80,33 @@ inline xffi::Error CheckMoeShape(Dims xd, Dims id, Dims wd, Dims gq, Dims gs, Di
                                         ShapeString(id) + " gate " + ShapeString(gq) + "/" + ShapeString(gs) +
                                         " up " + ShapeString(uq) + "/" + ShapeString(us) + " down " +
                                         ShapeString(dq) + "/" + ShapeString(ds));
+  }
+  *shape = d;
+  return xffi::Error::Success();
+}
+
+// moe_route: logits [M, E], bias [E] -> ids and weights [M, k]; E divisible by n_group, 1 <= topk_group <= n_group,
+// k <= the experts of the kept groups, each group at least 2 experts when there are several.
+struct RouteShape {
+  int64_t m, e, k;
+};
+
+inline xffi::Error CheckRouteShape(Dims ld, Dims bd, Dims id, Dims wd, int64_t n_group, int64_t topk_group,
+                                   RouteShape* shape) {
+  if (ld.size() != 2 || bd.size() != 1 || id.size() != 2 || wd.size() != 2) {
+    return xffi::Error::InvalidArgument("moe_route: expected logits [M, E], bias [E], ids and weights [M, k]");
+  }
+  const RouteShape d{ld[0], ld[1], id[1]};
+  if (bd[0] != d.e || id[0] != d.m || wd[0] != d.m || wd[1] != d.k) {
+    return xffi::Error::InvalidArgument("moe_route: inconsistent shapes logits " + ShapeString(ld) + " bias " +
+                                        ShapeString(bd) + " ids " + ShapeString(id) + " weights " +
+                                        ShapeString(wd));
+  }
+  if (n_group < 1 || d.e % n_group != 0 || topk_group < 1 || topk_group > n_group ||
+      (n_group > 1 && d.e / n_group < 2) || d.k < 1 || d.k > d.e / n_group * topk_group) {
+    return xffi::Error::InvalidArgument("moe_route: E = " + std::to_string(d.e) + ", k = " + std::to_string(d.k) +
+                                        ", n_group = " + std::to_string(n_group) + ", topk_group = " +
+                                        std::to_string(topk_group) + " do not describe a routing");
   }
   *shape = d;
   return xffi::Error::Success();

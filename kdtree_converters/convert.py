@@ -536,7 +536,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, experts: 
     """Convert the Hugging Face checkpoint in src_dir into a kdtree-jax checkpoint at out_dir.
 
     experts: "int4" or "bf16" (dense arrays in `dtype`); default: int4 when the source's experts are INT4, else bf16.
-    dtype: "bfloat16" or "float32", for every weight except the router (fp32) and INT4 experts.
+    dtype: "bfloat16" or "float32", for every weight except the INT4 experts and the router bias (fp32).
     drafter: a DFlash drafter checkpoint directory, converted along into out_dir/drafter (checked first).
     overwrite: replace out_dir when it is a checkpoint (or empty); when out_dir is a symbolic link, its target.
     With dry_run, check the source from its headers and return the plan without reading tensors or writing.
@@ -574,7 +574,8 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, experts: 
     if dry_run:
         return manifest
 
-    job = json.loads(json.dumps({"source": manifest["source"], "converted": manifest["converted"],
+    job = json.loads(json.dumps({"format_version": ckpt.FORMAT_VERSION, "source": manifest["source"],
+                                 "converted": manifest["converted"],
                                  "drafter": manifest.get("drafter"),
                                  "mtimes": [os.stat(os.path.join(src.dir, f)).st_mtime_ns for f in src.files]}))
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -687,7 +688,7 @@ def _complete(work: str, job: dict) -> bool:
     if not os.path.exists(path):
         return False
     manifest = ckpt.read_json(path)
-    return all(manifest.get(k) == job[k] for k in ("source", "converted", "drafter"))
+    return all(manifest.get(k) == job[k] for k in ("format_version", "source", "converted", "drafter"))
 
 
 def _prepare_work(work: str, job: dict, log) -> dict | None:
@@ -798,7 +799,7 @@ def _parser() -> argparse.ArgumentParser:
                         "sources, quantized from float ones) or bf16 (dense, in --dtype). Default: int4 for INT4 "
                         "sources, bf16 otherwise")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="dtype of the other weights (the router stays fp32). Default: bfloat16")
+                   help="dtype of the weights other than the INT4 experts (the router bias stays fp32). Default: bfloat16")
     p.add_argument("--dry-run", action="store_true",
                    help="check the source against its config from the safetensors headers and print the plan; "
                         "reads no tensor data and writes nothing")

@@ -60,25 +60,24 @@ def _vec(get: Getter, name: str, n: int, dt) -> np.ndarray:
 
 
 def _mlp(get: Getter, prefix: str, d: int, f: int, dt) -> MLP:
-    return MLP(gate=_linear(get, f"{prefix}.gate_proj.weight", f, d, dt),
-               up=_linear(get, f"{prefix}.up_proj.weight", f, d, dt),
-               down=_linear(get, f"{prefix}.down_proj.weight", d, f, dt))
+    gate, up = (_linear(get, f"{prefix}.{name}_proj.weight", f, d, dt) for name in ("gate", "up"))
+    return MLP(gate_up=np.stack([gate, up], axis=1), down=_linear(get, f"{prefix}.down_proj.weight", d, f, dt))
 
 
 def _attention(get: Getter, prefix: str, cfg: ModelConfig, dt) -> Attention:
     d, h, rq, r = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
     dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    kv_a = _linear(get, f"{prefix}.kv_a_proj_with_mqa.weight", r + dr, d, dt)
     if rq is None:
-        q_a = q_a_norm = None
+        qkv_a, q_a_norm = kv_a, None
         q_b = _linear(get, f"{prefix}.q_proj.weight", h * (dn + dr), d, dt).reshape(d, h, dn + dr)
     else:
-        q_a = _linear(get, f"{prefix}.q_a_proj.weight", rq, d, dt)
+        qkv_a = np.concatenate([_linear(get, f"{prefix}.q_a_proj.weight", rq, d, dt), kv_a], axis=1)
         q_a_norm = _vec(get, f"{prefix}.q_a_layernorm.weight", rq, dt)
         q_b = _linear(get, f"{prefix}.q_b_proj.weight", h * (dn + dr), rq, dt).reshape(rq, h, dn + dr)
     kv_b = checked(get, f"{prefix}.kv_b_proj.weight", (h * (dn + dv), r)).astype(np.float32).reshape(h, dn + dv, r)
     o = _linear(get, f"{prefix}.o_proj.weight", d, h * dv, dt).reshape(h, dv, d)
-    return Attention(q_a=q_a, q_a_norm=q_a_norm, q_b=q_b,
-                     kv_a=_linear(get, f"{prefix}.kv_a_proj_with_mqa.weight", r + dr, d, dt),
+    return Attention(qkv_a=qkv_a, q_a_norm=q_a_norm, q_b=q_b,
                      kv_a_norm=_vec(get, f"{prefix}.kv_a_layernorm.weight", r, dt),
                      k_b=np.ascontiguousarray(kv_b[:, :dn, :].transpose(2, 0, 1)).astype(dt),
                      v_b=np.ascontiguousarray(kv_b[:, dn:, :].transpose(2, 0, 1)).astype(dt), o=o)
@@ -125,7 +124,7 @@ def _moe(get: Getter, has, prefix: str, cfg: ModelConfig, dt) -> MoE:
     experts = {proj: _stack_experts((expert_weight(get, has, f"{prefix}.experts.{j}.{proj}_proj", *shape, cfg)
                                      for j in range(e)), e)
                for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f)))}
-    return MoE(router=_linear(get, f"{prefix}.gate.weight", e, d, np.float32),
+    return MoE(router=_linear(get, f"{prefix}.gate.weight", e, d, dt),
                router_bias=_vec(get, f"{prefix}.gate.e_score_correction_bias", e, np.float32),  # noaux_tc's
                we_gate=experts["gate"], we_up=experts["up"], we_down=experts["down"],
                shared=_mlp(get, f"{prefix}.shared_experts", d, f * cfg.n_shared_experts, dt))

@@ -30,14 +30,25 @@ def available(directory: str | os.PathLike | None = None) -> bool:
     return all((d / f).exists() for f in ("config.json", "target.npz", "drafter.npz", "drafter_config.json"))
 
 
+def _shipped_as_is(path, x) -> bool:
+    """Leaves the package keeps in their own dtype: INT4 packs and scales, and the router (trained in fp32)."""
+    return isinstance(x, Int4Array) or "router" in jax.tree_util.keystr(path)
+
+
 def to_shipping(tree):
     """Float weights rounded to bf16 for the package (the fp32 router and INT4 packs/scales kept as they are)."""
 
     def cast(path, x):
-        keep = isinstance(x, Int4Array) or "router" in jax.tree_util.keystr(path)
-        return x if keep or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.bfloat16)
+        return x if _shipped_as_is(path, x) or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.bfloat16)
 
     return jax.tree_util.tree_map_with_path(cast, tree, is_leaf=lambda x: isinstance(x, Int4Array))
+
+
+def shipping_struct(cfg: ModelConfig):
+    """ShapeDtypeStructs of the target as `to_shipping` stores it (floats bf16, the router fp32)."""
+    structs = abstract_params(dataclasses.replace(cfg, dtype="bfloat16"))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(x.shape, jnp.float32) if _shipped_as_is(path, x) else x, structs)
 
 
 def from_shipping(tree, dtype):
@@ -93,7 +104,7 @@ def load_builtin(directory: str | os.PathLike | None = None, dtype: str = "float
     if not available(d):
         raise FileNotFoundError(f"no embedded model in {d} (train one with `python -m kdtree_jax.train`)")
     cfg, dcfg = read_configs(d)
-    params = load_npz(d / "target.npz", abstract_params(dataclasses.replace(cfg, dtype="bfloat16")))
+    params = load_npz(d / "target.npz", shipping_struct(cfg))
     dlike = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                          drafter_info(dataclasses.replace(dcfg, dtype="bfloat16")),
                          is_leaf=lambda x: isinstance(x, ArrayInfo))

@@ -18,7 +18,7 @@ import jax
 DTYPES = ("float32", "bfloat16")
 EXPERT_FORMATS = ("bf16", "int4")
 KERNELS = ("xla", "ffi", "dense")
-FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe")
+FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route")
 CACHE_SHARDINGS = ("replicated", "sequence")
 
 

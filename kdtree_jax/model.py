@@ -27,6 +27,7 @@ from .config import ModelConfig
 from .quant import Int4Array, quantize_int4
 from .kernels.marlin_moe import marlin_moe
 from .kernels.mla_verify import combine_lse, mask_softmax, mla_prefix, mla_verify, tree_attention_lse
+from .kernels.moe_route import moe_route
 from .sharding import (ShardingError, checked_sharding, current_mesh, logical_to_spec, mla_head_parallel,
                        mla_sequence_parallel, moe_expert_parallel, sequence_sharded, take_rows_sequence,
                        trace_context, vocab_parallel_lookup, write_rows_sequence)
@@ -55,10 +56,11 @@ def pytree_dataclass(cls):
 
 @pytree_dataclass
 class Attention:
-    q_a: jax.Array | None  # [D, Rq]            (None when q_lora_rank is None)
+    qkv_a: jax.Array  # [D, Rq + R + dr]      the projections of the normed input, as one weight: q_a (the query
+    #                                         LoRA, absent when q_lora_rank is None), then kv_a (the latent and the
+    #                                         shared rope key): one matmul at small M instead of two
     q_a_norm: jax.Array | None  # [Rq]
     q_b: jax.Array  # [Rq or D, H, dn + dr]
-    kv_a: jax.Array  # [D, R + dr]           latent and the shared rope key
     kv_a_norm: jax.Array  # [R]
     k_b: jax.Array  # [R, H, dn]            W_UK: latent -> per-head nope key
     v_b: jax.Array  # [R, H, dv]            W_UV: latent -> per-head value
@@ -67,14 +69,13 @@ class Attention:
 
 @pytree_dataclass
 class MLP:
-    gate: jax.Array  # [D, F]
-    up: jax.Array  # [D, F]
+    gate_up: jax.Array  # [D, 2, F]   the SwiGLU gate (index 0) and up (index 1) projections, one matmul
     down: jax.Array  # [F, D]
 
 
 @pytree_dataclass
 class MoE:
-    router: jax.Array  # f32 [D, E]
+    router: jax.Array  # [D, E]             in the model's dtype (bf16 in K2 checkpoints); logits in fp32
     router_bias: jax.Array  # f32 [E]            e_score_correction_bias: selection only
     we_gate: jax.Array | Int4Array  # [E, F, D]   routed experts, [out, in] per expert (checkpoint order)
     we_up: jax.Array | Int4Array  # [E, F, D]
@@ -105,8 +106,7 @@ class Params:
 
 def _mlp_info(cfg: ModelConfig, width: int) -> MLP:
     dt, d = cfg.jnp_dtype, cfg.hidden_size
-    return MLP(gate=ArrayInfo((d, width), dt, ("embed", "mlp")),
-               up=ArrayInfo((d, width), dt, ("embed", "mlp")),
+    return MLP(gate_up=ArrayInfo((d, 2, width), dt, ("embed", None, "mlp")),
                down=ArrayInfo((width, d), dt, ("mlp", "embed")))
 
 
@@ -115,10 +115,9 @@ def _attention_info(cfg: ModelConfig) -> Attention:
     rq, r, dn, dr, dv = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     q_in = rq if rq is not None else d
     return Attention(
-        q_a=ArrayInfo((d, rq), dt, ("embed", "q_lora")) if rq is not None else None,
+        qkv_a=ArrayInfo((d, (rq or 0) + r + dr), dt, ("embed", None)),
         q_a_norm=ArrayInfo((rq,), dt, ("q_lora",), "ones") if rq is not None else None,
         q_b=ArrayInfo((q_in, h, dn + dr), dt, ("q_lora", "heads", None)),
-        kv_a=ArrayInfo((d, r + dr), dt, ("embed", "kv_lora")),
         kv_a_norm=ArrayInfo((r,), dt, ("kv_lora",), "ones"),
         k_b=ArrayInfo((r, h, dn), dt, ("kv_lora", "heads", None)),
         v_b=ArrayInfo((r, h, dv), dt, ("kv_lora", "heads", None)),
@@ -129,7 +128,7 @@ def _attention_info(cfg: ModelConfig) -> Attention:
 def _moe_info(cfg: ModelConfig) -> MoE:
     dt, d, e, f = cfg.jnp_dtype, cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     kind = "int4" if cfg.expert_format == "int4" else "fan_in"
-    return MoE(router=ArrayInfo((d, e), jnp.float32, ("embed", None), "small"),
+    return MoE(router=ArrayInfo((d, e), dt, ("embed", None), "small"),
                router_bias=ArrayInfo((e,), jnp.float32, (None,), "small"),
                we_gate=ArrayInfo((e, f, d), dt, ("experts", "expert_mlp", "embed"), kind, fan_in_axes=(2,)),
                we_up=ArrayInfo((e, f, d), dt, ("experts", "expert_mlp", "embed"), kind, fan_in_axes=(2,)),
@@ -509,14 +508,16 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
     """
     dt, f32 = x.dtype, jnp.float32
     dn, scale = cfg.qk_nope_head_dim, softmax_scale(cfg)
+    rq = cfg.q_lora_rank or 0
+    with jax.named_scope("qkv_a"):
+        a = x @ p.qkv_a  # [B, T, Rq + R + dr]
     with jax.named_scope("q"):
-        cq = rms_norm(x @ p.q_a, p.q_a_norm, cfg.rms_norm_eps) if p.q_a is not None else x  # [B, T, Rq]
+        cq = rms_norm(a[..., :rq], p.q_a_norm, cfg.rms_norm_eps) if rq else x  # [B, T, Rq]
         q = jnp.einsum("btq,qhk->bthk", cq, p.q_b)  # [B, T, H, dn + dr]
         q_nope, q_pe = q[..., :dn], apply_rope(q[..., dn:], cos, sin)
     with jax.named_scope("kv"):
-        kv = x @ p.kv_a  # [B, T, R + dr]
-        c_kv = rms_norm(kv[..., :cfg.kv_lora_rank], p.kv_a_norm, cfg.rms_norm_eps)  # [B, T, R]
-        k_pe = apply_rope(kv[..., cfg.kv_lora_rank:], cos, sin)  # [B, T, dr]
+        c_kv = rms_norm(a[..., rq:rq + cfg.kv_lora_rank], p.kv_a_norm, cfg.rms_norm_eps)  # [B, T, R]
+        k_pe = apply_rope(a[..., rq + cfg.kv_lora_rank:], cos, sin)  # [B, T, dr]
     if mode == "prefill":
         with jax.named_scope("naive_attention"):
             k_nope = jnp.einsum("btr,rhn->bthn", c_kv, p.k_b)  # [B, T, H, dn]
@@ -558,31 +559,22 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
 
 
 def swiglu(p: MLP, x: jax.Array) -> jax.Array:
-    return (jax.nn.silu(x @ p.gate) * (x @ p.up)) @ p.down
+    gu = jnp.einsum("...d,dgf->...gf", x, p.gate_up)  # [..., 2, F]
+    return (jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]) @ p.down
 
 
 def route(p: MoE, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """The sigmoid noaux_tc router on x [M, D]: (expert ids [M, k] int32, weights [M, k] fp32).
 
-    The correction bias only chooses the experts; the weights are the unbiased sigmoid scores, normalized
-    (norm_topk_prob) and scaled by routed_scaling_factor. With n_group > 1, only the topk_group groups with the
-    largest sum of their two best biased scores compete.
+    The logits are an fp32-accumulated matmul; the choice (`kernels.moe_route`): the correction bias only chooses the
+    experts, the weights are the unbiased sigmoid scores, normalized (norm_topk_prob) and scaled by
+    routed_scaling_factor; with n_group > 1, only the topk_group groups with the largest sum of their two best biased
+    scores compete.
     """
-    logits = x.astype(jnp.float32) @ p.router.astype(jnp.float32)  # [M, E]
-    scores = jax.nn.sigmoid(logits)
-    choice = scores + p.router_bias  # [M, E]
-    if cfg.n_group > 1:
-        m, e = choice.shape
-        grouped = choice.reshape(m, cfg.n_group, e // cfg.n_group)
-        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [M, G]
-        _, keep = jax.lax.top_k(group_scores, cfg.topk_group)  # [M, topk_group]
-        group_mask = jnp.zeros_like(group_scores, bool).at[jnp.arange(m)[:, None], keep].set(True)
-        choice = jnp.where(jnp.repeat(group_mask, e // cfg.n_group, axis=-1), choice, -jnp.inf)
-    _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)  # [M, k]
-    w = jnp.take_along_axis(scores, ids, axis=-1)
-    if cfg.norm_topk_prob:
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    return ids.astype(jnp.int32), w * cfg.routed_scaling_factor
+    logits = jnp.einsum("md,de->me", x, p.router, preferred_element_type=jnp.float32)  # [M, E]
+    return moe_route(logits, p.router_bias.astype(jnp.float32), k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+                     topk_group=cfg.topk_group, renormalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor,
+                     impl=cfg.impl("moe_route"))
 
 
 def moe(p: MoE, x: jax.Array, cfg: ModelConfig, active: jax.Array | None = None) -> jax.Array:
@@ -603,7 +595,7 @@ def moe(p: MoE, x: jax.Array, cfg: ModelConfig, active: jax.Array | None = None)
 
         if current_mesh() is not None:  # the shared expert's slice added before the one all-reduce
             sh = p.shared
-            return moe_expert_parallel(experts, flat, ids, w, p.we_gate, p.we_up, p.we_down, (sh.gate, sh.up, sh.down),
+            return moe_expert_parallel(experts, flat, ids, w, p.we_gate, p.we_up, p.we_down, (sh.gate_up, sh.down),
                                        lambda gud, v: swiglu(MLP(*gud), v)).reshape(b, t, d)
         y = experts(flat, ids, w, p.we_gate, p.we_up, p.we_down)
     with jax.named_scope("shared_expert"):

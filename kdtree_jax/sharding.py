@@ -275,9 +275,8 @@ def moe_expert_parallel(experts, x, ids, weights, we_gate, we_up, we_down, share
     up, down = P("ep", "tp", None), P("ep", None, "tp")
     spec = lambda w, s: Int4Array(packed=s, scale=s) if isinstance(w, Int4Array) else s
     shared_spec = None
-    if shared is not None:  # (gate [D, F], up [D, F], down [F, D]), F split like the "mlp" axis
-        cols, rows = logical_to_spec(("embed", "mlp")), logical_to_spec(("mlp", "embed"))
-        shared_spec = (cols, cols, rows)
+    if shared is not None:  # (gate_up [D, 2, F], down [F, D]), F split like the "mlp" axis
+        shared_spec = (logical_to_spec(("embed", None, "mlp")), logical_to_spec(("mlp", "embed")))
 
     def local(x, ids, weights, g, u, d, sh):
         e_loc = g.shape[0]

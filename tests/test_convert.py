@@ -264,10 +264,16 @@ def test_load_checks_every_array(fp32, tmp_path):
     shutil.copytree(fp32[2], out)
     cfg = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**cfg, "kv_lora_rank": 48}))
-    with pytest.raises(CheckpointError, match=r"layer_000: array 'attn\.kv_a' has shape \(64, 48\) float32, "
-                                              r"expected \(64, 64\) float32"):
+    # attn.qkv_a is [D, Rq + R + dr] = [64, 48 + 32 + 16]; the config now says R = 48
+    with pytest.raises(CheckpointError, match=r"layer_000: array 'attn\.qkv_a' has shape \(64, 96\) float32, "
+                                              r"expected \(64, 112\) float32"):
         kj.load(str(out))
     (out / "config.json").write_text(json.dumps(cfg))
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
+    with pytest.raises(CheckpointError, match="older kdtree-convert .* convert the Hugging Face checkpoint again"):
+        kj.load(str(out))
+    (out / "manifest.json").write_text(json.dumps(manifest))
     shutil.rmtree(out / "params" / "layer_002")
     with pytest.raises(CheckpointError, match="layer_002: item .* is missing"):
         kj.load(str(out))

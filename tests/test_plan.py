@@ -32,7 +32,7 @@ def test_k2_6_weights_on_ep8_match_a_hand_count(capsys):
     f = c.moe_intermediate_size
     expert = 2 * int4(f, d) + int4(d, f)
     assert 24.7e6 < expert < 24.9e6  # ~24.8 MB per expert
-    moe = (c.n_routed_experts // ep) * expert + d * c.n_routed_experts * f32 + c.n_routed_experts * f32
+    moe = (c.n_routed_experts // ep) * expert + d * c.n_routed_experts * bf16 + c.n_routed_experts * f32
     moe += 3 * d * f * c.n_shared_experts * bf16 // ep
     expected = top + n_layers * (attn + norms) + n_dense * dense_mlp + n_moe * moe
     assert 75e9 < expected < 78e9

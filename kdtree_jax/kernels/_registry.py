@@ -28,12 +28,14 @@ CPU_TARGETS = {
     "kdtree_tree_accept": "KdTreeAcceptCpu",
     "kdtree_mla_verify": "KdMlaVerifyCpu",
     "kdtree_marlin_moe": "KdMarlinMoeCpu",
+    "kdtree_moe_route": "KdMoeRouteCpu",
 }
 CUDA_TARGETS = {
     "kdtree_tree_build": "KdTreeBuildCuda",
     "kdtree_tree_accept": "KdTreeAcceptCuda",
     "kdtree_mla_verify": "KdMlaVerifyCuda",
     "kdtree_marlin_moe": "KdMarlinMoeCuda",
+    "kdtree_moe_route": "KdMoeRouteCuda",
 }
 
 _cuda_error: str | None = None

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Issue 41 (few, full kernels per layer) on one H200 in one call: the GPU tests of the custom calls the small-M path
+# adds or changes, then benchmarks/full_scale.py (the per-device program of an ep=8 mesh, 61 layers) in the cells
+# DDTree runs, with kernel profiles. Every step has a time limit; the logs go to $OUT/all.log and every result file
+# into $OUT/results.tar.gz (the device tool returns at most 8 files).
+#
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh probe   # tests; this build with and without the PDL/streams XLA flags;
+#                                                    # a 3-layer step's optimized HLO; ncu of mla_verify at 1 x 1
+#   OUT=/tmp/out BASE_DIR=<dir> BASE_COMMIT=<commit> bash scripts/gpu_small_m.sh ab
+#                                                    # tests; the same cells at an older commit (its tree in BASE_DIR)
+#                                                    # and at this build, side by side in one report (AB_FLAGS=1:
+#                                                    # this build with the XLA flags above)
+#
+# Environment: KDTREE_COMMIT stamps the results (default: git rev-parse --short HEAD); KDTREE_JAX_FFI_DIR = prebuilt
+# libraries of this build (else built here); CELLS, PROFILE = full_scale.py's --cells / --profile.
+set -uo pipefail
+MODE=${1:-probe}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/results"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false
+export KDTREE_COMMIT=${KDTREE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+LOG=$OUT/all.log
+CELLS=${CELLS:-4096:1x1,4096:1x17,4096:1x65,4096:10x17,4096:10x65,131072:1x1}
+PROFILE=${PROFILE:-4096:1x1,4096:1x17}
+FLAGS="--xla_gpu_enable_pdl=true --xla_gpu_executable_num_compute_streams=2"
+FLAGS="$FLAGS --xla_gpu_graph_enable_concurrent_region=true"
+BIG=(env XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_PYTHON_CLIENT_MEM_FRACTION=0.92)
+step() {  # step NAME SECONDS COMMAND...: run with a limit, append to $LOG, show the last lines
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s) $(date +%T)" | tee -a "$LOG"
+  timeout -k 5 "$limit" "$@" > "$OUT/results/$name.log" 2>&1
+  local rc=$?
+  grep -v -i "warn\|donat" "$OUT/results/$name.log" >> "$LOG"
+  echo "rc=$rc" | tee -a "$LOG"
+  grep -v -i "warn\|donat" "$OUT/results/$name.log" | tail -"${TAIL:-12}"
+}
+finish() { tar -czf "$OUT/results.tar.gz" -C "$OUT" results; }
+trap finish EXIT
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | tee -a "$LOG"
+. scripts/ffi_env.sh
+step tests 120 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_moe_route.py \
+  "tests/test_mla_verify.py::test_gpu_fast_path_matches_float64_and_cpu_kernel"
+
+case $MODE in
+probe)
+  step new 230 "${BIG[@]}" python3 benchmarks/full_scale.py --out "$OUT/results/new" --cells "$CELLS" \
+    --profile "$PROFILE" --repeats 3 --commit "$KDTREE_COMMIT"
+  step flags 150 "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/flags" \
+    --cells "${CELLS%,131072:1x1}" --profile 4096:1x1 --repeats 3 --commit "$KDTREE_COMMIT+flags"
+  step hlo 60 python3 benchmarks/full_scale.py --layers 3 --out "$OUT/results/hlo" --cells 4096:10x17,4096:1x1 \
+    --profile 4096:10x17,4096:1x1 --hlo --repeats 2
+  step ncu_mla 60 ncu --clock-control none --kernel-name regex:MlaVerifyKernel --launch-skip 2 --launch-count 2 \
+    --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+    --section SchedulerStats python3 -c "
+import jax, jax.numpy as jnp, numpy as np
+from kdtree_jax.kernels.mla_verify import mla_verify
+r = np.random.default_rng(0)
+b, n, h, s = 1, 1, 8, 4113
+a = [jnp.asarray(r.standard_normal(x), jnp.bfloat16) for x in ((b, n, h, 512), (b, n, h, 64), (b, s, 512), (b, s, 64))]
+lens, mask = jnp.full((b,), s - n, jnp.int32), jnp.ones((b, n, n), bool)
+for splits in (16, 64):
+    f = jax.jit(lambda *x: mla_verify(*x, 0.1, num_splits=splits))
+    for _ in range(2):
+        f(*a, lens, mask).block_until_ready()
+"
+  ;;
+ab)
+  # BASE_DIR: the older commit's kdtree_jax, kdtree_converters and ffi/ (git archive <commit> into a folder the call
+  # carries), with its libraries in BASE_DIR/lib (else built here); it runs this commit's benchmark script
+  BASE_DIR=${BASE_DIR:?BASE_DIR=<folder of the older commit> is required}
+  if ! python3 -c "import ctypes, sys; [ctypes.CDLL(sys.argv[1] + '/lib/' + n) for n in
+      ('libkdtree_jax_cpu.so', 'libkdtree_jax_cuda.so')]" "$BASE_DIR" 2>/dev/null; then
+    (cmake -S "$BASE_DIR" -B /tmp/base_build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DPython_EXECUTABLE="$(command -v python3)" && cmake --build /tmp/base_build -j "$(nproc)" &&
+      mkdir -p "$BASE_DIR/lib" && cp /tmp/base_build/ffi/*.so "$BASE_DIR/lib/") \
+      > "$OUT/results/base_build.log" 2>&1 || { tail -20 "$OUT/results/base_build.log"; exit 1; }
+  fi
+  cp benchmarks/full_scale.py benchmarks/common.py benchmarks/profile_tools.py "$BASE_DIR/benchmarks/"
+  step base 260 "${BIG[@]}" KDTREE_JAX_FFI_DIR="$BASE_DIR/lib" PYTHONPATH="$BASE_DIR" python3 \
+    "$BASE_DIR/benchmarks/full_scale.py" --out "$OUT/results/base" --cells "$CELLS" --profile "$PROFILE" \
+    --repeats 3 --commit "${BASE_COMMIT:-base}"
+  step new 260 "${BIG[@]}" ${AB_FLAGS:+XLA_FLAGS="$FLAGS"} python3 benchmarks/full_scale.py --out "$OUT/results/new" \
+    --cells "$CELLS" --profile "$PROFILE" --repeats 3 --commit "$KDTREE_COMMIT" \
+    --base "$OUT/results/base/full_scale.json"
+  ;;
+esac
