@@ -1,6 +1,7 @@
 // moe_route on CUDA: the function of moe_route.cc (which has the math), one warp per token. The warp holds the
-// token's choices (sigmoid(logit) + bias) in shared memory; every selection (a group's two best, the kept groups,
-// the k experts) is a warp-wide arg-max with ties to the lower index, so the result is the CPU handler's.
+// token's choices (sigmoid(logit) + bias) in registers, spread over its lanes; every selection (a group's two best,
+// the kept groups, the k experts) is a warp-wide arg-max with ties to the lower index, so the result is the CPU
+// handler's.
 // No workspace, no host sync (kCmdBufferCompatible).
 #include <cuda_runtime.h>
 
@@ -20,8 +21,8 @@ using I32Mat = ffi::Buffer<ffi::S32, 2>;
 namespace kdtree {
 namespace {
 
-constexpr int kWarps = 4;         // tokens per block
-constexpr int kMaxExperts = 2048;  // E
+constexpr int kWarps = 4;          // tokens per block
+constexpr int kMaxExperts = 2048;  // E (64 per lane)
 constexpr int kMaxGroups = 64;     // n_group
 constexpr int kMaxK = 32;          // experts per token (one lane each)
 constexpr unsigned kAll = 0xffffffffu;
@@ -37,12 +38,7 @@ __device__ __forceinline__ Best Better(Best a, Best b) {
   return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
 }
 
-// The largest v[i] over i in [first, first + n) with !taken[i], ties to the lower index, known to every lane.
-__device__ __forceinline__ Best WarpArgMax(const float* v, const unsigned char* taken, int first, int n, int lane) {
-  Best b{0.0f, -1};
-  for (int i = first + lane; i < first + n; i += 32) {
-    if (!taken[i]) b = Better(b, Best{v[i], i});
-  }
+__device__ __forceinline__ Best WarpBest(Best b) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) b = Better(b, Best{__shfl_xor_sync(kAll, b.v, o), __shfl_xor_sync(kAll, b.i, o)});
   return b;
@@ -50,65 +46,124 @@ __device__ __forceinline__ Best WarpArgMax(const float* v, const unsigned char* 
 
 __device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// Lane `lane` holds experts lane + 32 u (u < PER) in registers: choice c[u], and bit u of `out` set for experts it
+// must not pick (taken, or past E). The best of them, ties to the lower index.
+template <int PER>
+__device__ __forceinline__ Best LaneBest(const float (&c)[PER], uint64_t out, int lane) {
+  Best b{0.0f, -1};
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    if (!((out >> u) & 1)) b = Better(b, Best{c[u], lane + 32 * u});
+  }
+  return b;
+}
+
+// One warp per token; PER = experts per lane (E <= 32 PER). Every value a lane needs is loaded before the first
+// is used (one round trip to memory), then each of the k rounds is a warp arg-max after which only the lane that
+// held the winner looks at its experts again.
+template <int PER>
 __global__ void __launch_bounds__(kWarps * 32) RouteKernel(const float* __restrict__ logits,
                                                            const float* __restrict__ bias, int m, int e, int k,
                                                            int n_group, int topk_group, bool renormalize,
                                                            float scale, int32_t* ids, float* weights) {
-  __shared__ float choice_s[kWarps][kMaxExperts];
-  __shared__ unsigned char taken_s[kWarps][kMaxExperts];
   __shared__ float group_s[kWarps][kMaxGroups];
-  __shared__ unsigned char gtaken_s[kWarps][kMaxGroups];
+  __shared__ unsigned char kept_s[kWarps][kMaxGroups];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.x * kWarps + warp;
   if (row >= m) return;  // whole warps leave together
-  float* choice = choice_s[warp];
-  unsigned char* taken = taken_s[warp];
   const float* x = logits + static_cast<int64_t>(row) * e;
-  for (int i = lane; i < e; i += 32) {
-    choice[i] = Sigmoid(x[i]) + bias[i];
-    taken[i] = 0;
+  float xs[PER], bs[PER], s[PER], c[PER];
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int i = lane + 32 * u;
+    xs[u] = i < e ? x[i] : 0.0f;
+    bs[u] = i < e ? bias[i] : 0.0f;
   }
-  __syncwarp();
+  uint64_t out = 0;
+#pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    s[u] = Sigmoid(xs[u]);
+    c[u] = s[u] + bs[u];
+    if (lane + 32 * u >= e) out |= uint64_t{1} << u;
+  }
   if (n_group > 1) {
     const int per = e / n_group;
     for (int g = 0; g < n_group; ++g) {  // the sum of the group's two best choices
-      const Best a = WarpArgMax(choice, taken, g * per, per, lane);
-      if (lane == 0) taken[a.i] = 1;
-      __syncwarp();
-      const Best b = WarpArgMax(choice, taken, g * per, per, lane);
-      if (lane == 0) {
-        taken[a.i] = 0;
-        group_s[warp][g] = a.v + b.v;
+      Best a{0.0f, -1}, b{0.0f, -1};     // this lane's best two in group g
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        const int i = lane + 32 * u;
+        if (i < e && i / per == g) {
+          const Best t{c[u], i};
+          if (Better(a, t).i == t.i) {
+            b = a;
+            a = t;
+          } else {
+            b = Better(b, t);
+          }
+        }
       }
-      __syncwarp();
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {  // merge the two best of two lanes
+        const Best oa{__shfl_xor_sync(kAll, a.v, o), __shfl_xor_sync(kAll, a.i, o)};
+        const Best ob{__shfl_xor_sync(kAll, b.v, o), __shfl_xor_sync(kAll, b.i, o)};
+        const Best top = Better(a, oa);
+        const Best second = top.i == a.i ? Better(b, oa) : Better(a, ob);
+        a = top;
+        b = second;
+      }
+      if (lane == 0) group_s[warp][g] = a.v + b.v;
     }
-    for (int g = lane; g < n_group; g += 32) gtaken_s[warp][g] = 0;
+    for (int g = lane; g < n_group; g += 32) kept_s[warp][g] = 0;
     __syncwarp();
     for (int j = 0; j < topk_group; ++j) {
-      const Best g = WarpArgMax(group_s[warp], gtaken_s[warp], 0, n_group, lane);
-      if (lane == 0) gtaken_s[warp][g.i] = 1;
+      Best g{0.0f, -1};
+      for (int t = lane; t < n_group; t += 32) {
+        if (!kept_s[warp][t]) g = Better(g, Best{group_s[warp][t], t});
+      }
+      g = WarpBest(g);
+      if (lane == 0) kept_s[warp][g.i] = 1;
       __syncwarp();
     }
-    for (int i = lane; i < e; i += 32) {
-      if (!gtaken_s[warp][i / per]) choice[i] = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int i = lane + 32 * u;
+      if (i < e && !kept_s[warp][i / per]) c[u] = -INFINITY;
     }
-    __syncwarp();
   }
-  int mine = 0;
+  Best mine = LaneBest(c, out, lane);
+  int id = 0;
+  float w = 0.0f;
   for (int j = 0; j < k; ++j) {
-    const Best b = WarpArgMax(choice, taken, 0, e, lane);
-    if (lane == j) mine = b.i;
-    if (lane == 0) taken[b.i] = 1;
-    __syncwarp();
+    const Best b = WarpBest(mine);
+    const int owner = b.i & 31, slot = b.i >> 5;
+    float score = 0.0f;  // the winner's unbiased score, from its lane's registers
+#pragma unroll
+    for (int u = 0; u < PER; ++u) score = u == slot ? s[u] : score;
+    score = __shfl_sync(kAll, score, owner);
+    if (lane == j) {
+      id = b.i;
+      w = score;
+    }
+    if (lane == owner) {
+      out |= uint64_t{1} << slot;
+      mine = LaneBest(c, out, lane);
+    }
   }
-  const float w = lane < k ? Sigmoid(x[mine]) : 0.0f;
   float total = 0.0f;  // summed in order j = 0 .. k-1, as the CPU handler does
   for (int j = 0; j < k; ++j) total += __shfl_sync(kAll, w, j);
   if (lane < k) {
     const int64_t at = static_cast<int64_t>(row) * k + lane;
-    ids[at] = mine;
+    ids[at] = id;
     weights[at] = (renormalize ? w / (total + 1e-20f) : w) * scale;
   }
+}
+
+template <int PER>
+void Launch(cudaStream_t stream, unsigned blocks, const float* logits, const float* bias, int m, int e, int k,
+            int n_group, int topk_group, bool renormalize, float scale, int32_t* ids, float* weights) {
+  RouteKernel<PER><<<blocks, kWarps * 32, 0, stream>>>(logits, bias, m, e, k, n_group, topk_group, renormalize,
+                                                       scale, ids, weights);
 }
 
 ffi::Error MoeRouteCuda(cudaStream_t stream, F32Mat logits, F32Vec bias, int64_t n_group, int64_t topk_group,
@@ -126,10 +181,15 @@ ffi::Error MoeRouteCuda(cudaStream_t stream, F32Mat logits, F32Vec bias, int64_t
   }
   if (d.m == 0) return ffi::Error::Success();
   const unsigned blocks = static_cast<unsigned>((d.m + kWarps - 1) / kWarps);
-  RouteKernel<<<blocks, kWarps * 32, 0, stream>>>(logits.typed_data(), bias.typed_data(), static_cast<int>(d.m),
-                                                 static_cast<int>(d.e), static_cast<int>(d.k),
-                                                 static_cast<int>(n_group), static_cast<int>(topk_group),
-                                                 renormalize, scale, ids->typed_data(), weights->typed_data());
+  const auto launch = d.e <= 32 * 4    ? Launch<4>
+                      : d.e <= 32 * 8  ? Launch<8>
+                      : d.e <= 32 * 12 ? Launch<12>  // 384 experts (Kimi K2, DeepSeek-V3 has 256)
+                      : d.e <= 32 * 16 ? Launch<16>
+                      : d.e <= 32 * 32 ? Launch<32>
+                                       : Launch<64>;
+  launch(stream, blocks, logits.typed_data(), bias.typed_data(), static_cast<int>(d.m), static_cast<int>(d.e),
+         static_cast<int>(d.k), static_cast<int>(n_group), static_cast<int>(topk_group), renormalize, scale,
+         ids->typed_data(), weights->typed_data());
   return CudaStatus(cudaGetLastError(), "moe_route", "kernel launch");
 }
 
