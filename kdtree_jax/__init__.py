@@ -6,10 +6,10 @@ Public API (README, "Use"): ModelConfig, configs, init_params, forward, init_dra
 
 from . import configs, kernels
 from .config import ConfigError, ModelConfig
-from .model import KVCache, Model, Params, decode_step, forward, init_cache, init_params, prefill, shard_params
+from .model import KVCache, Model, Params, decode_step, init_cache, init_params, prefill, shard_params
 from .drafter import Drafter, DrafterProtocol, OracleDrafter, init_drafter
 from .decoding import GenerateOutput, Sampler
-from .generate import generate
+from .generate import forward, generate  # forward: model.forward behind the API's checks
 from .distributed import init_distributed
 from .sharding import make_mesh
 from .checkpoint import load

@@ -16,16 +16,16 @@ way for every method (commit, EOS, the histogram, non-finite logits), in one car
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from functools import partial
-from typing import Any, Callable, Iterator, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import validate
 from .budget_policy import RELIABILITY_BINS
 from .config import ModelConfig
 from .distributed import to_host
@@ -72,23 +72,10 @@ class Sampler:
     top_k: int | None = None  # keep the top_k most likely tokens (and any tied with the k-th); None: all
     top_p: float | None = None  # then keep the most likely tokens until they hold top_p of the mass; None or 1: all
 
-    def __post_init__(self):
-        t, k, p = self.temperature, self.top_k, self.top_p
-        if isinstance(t, bool) or not (isinstance(t, (int, float, np.integer, np.floating)) and math.isfinite(t)
-                                       and t >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        tiny, huge = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
-        if 0 < t < tiny or t > huge:  # sampling divides float32 logits by it
-            raise ValueError(f"temperature {t!r} is outside float32's normal range [{tiny:.4g}, {huge:.4g}] "
-                             "(it would round to 0 or inf); use 0 for greedy decoding")
-        if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1):
-            raise ValueError(f"top_k must be None or an integer >= 1, got {k!r}")
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating))
-                              or not 0 < p <= 1):
-            raise ValueError(f"top_p must be None or a number in (0, 1], got {p!r}")
-        object.__setattr__(self, "temperature", float(t))
-        object.__setattr__(self, "top_k", None if k is None else int(k))
-        object.__setattr__(self, "top_p", None if p is None or p == 1 else float(p))
+    def __post_init__(self):  # the rules of kdtree_jax.validate, shared with the server and the command line
+        object.__setattr__(self, "temperature", validate.temperature(self.temperature))
+        object.__setattr__(self, "top_k", validate.top_k(self.top_k))
+        object.__setattr__(self, "top_p", validate.top_p(self.top_p))
 
     @property
     def greedy(self) -> bool:
@@ -185,32 +172,11 @@ def prepare(cfg: ModelConfig, prompts, max_new_tokens: int, sampler: Sampler = S
 
     `extra_slots` is the room the method needs past the last token (the speculative tree's nodes).
     """
-    if isinstance(prompts, (np.ndarray, jax.Array)):
-        arr = np.asarray(prompts)
-        if arr.ndim != 2:
-            raise ValueError(f"prompts as an array must be [B, T], got shape {arr.shape}")
-        prompts = [list(r) for r in arr]
-    if not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists (or a [B, T] array)")
-    if all(isinstance(p, (int, np.integer)) for p in prompts):
-        raise ValueError("prompts must be a list of prompts (a list of token-id lists); wrap a single prompt in []")
-    rows = []
-    for i, p in enumerate(prompts):
-        a = np.asarray(p)
-        if a.ndim != 1 or a.size == 0:
-            raise ValueError(f"prompt {i} must be a non-empty 1-D sequence of token ids, got shape {a.shape}")
-        if not np.issubdtype(a.dtype, np.integer):
-            raise TypeError(f"prompt {i} must hold integer token ids, got dtype {a.dtype}")
-        if a.min() < 0 or a.max() >= cfg.vocab_size:
-            bad = int(a[(a < 0) | (a >= cfg.vocab_size)][0])
-            raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {cfg.vocab_size})")
-        rows.append(a.astype(np.int32))
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    rows = validate.token_rows(prompts, cfg.vocab_size)
+    max_new_tokens = validate.integer("max_new_tokens", max_new_tokens, 1, validate.INT32_LIMIT)
     if not isinstance(sampler, Sampler):
         raise TypeError(f"sampler must be a kdtree_jax.decoding.Sampler, got {type(sampler).__name__}")
-    if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
-        raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    eos_id = validate.token_id("eos_id", eos_id, cfg.vocab_size, optional=True)
     longest = max(len(r) for r in rows)
     need = longest + int(max_new_tokens) + extra_slots
     if need > cfg.max_position_embeddings:

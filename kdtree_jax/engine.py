@@ -44,8 +44,9 @@ import numpy as np
 
 from .config import ModelConfig
 from .ddtree import Speculative
+from . import validate
 from .decoding import DecodeState, Method, Sampler, commit, initial_state, no_reliability, prepare, run_steps
-from .generate import auto_method, check_auto, make_method
+from .generate import auto_method, check_auto, check_params, make_method
 from .model import init_cache
 from .sharding import trace_context
 
@@ -83,12 +84,14 @@ class _Request:
     tokens: np.ndarray  # int32 [1, T_pad] the right-padded prompt
     lengths: np.ndarray  # int32 [1]
     chunk: int | None  # prefill chunk (None: one pass)
-    max_new: int
-    temperature: float  # 0: greedy
-    top_k: int  # 0: none
-    top_p: float  # 1: none
-    seed: int
-    eos: int  # -1: none
+    max_new: np.int32
+    # the sampling options and the rest of the request's row, in the dtypes of the engine's columns (converted, and
+    # so range-checked, when the request is submitted)
+    temperature: np.float32  # 0: greedy
+    top_k: np.int32  # 0: none
+    top_p: np.float32  # 1: none
+    seed: np.ndarray  # uint32 [2]   the high and low words of the seed
+    eos: np.int32  # -1: none
     on_event: Callable[[Event], None]
     slot: int = -1
     shown: int = 0  # tokens handed to on_event so far
@@ -301,8 +304,9 @@ class Engine:
                              f"got {context!r}")
         if context > cfg.max_position_embeddings:
             raise ValueError(f"max_context {context} exceeds the model's context of {cfg.max_position_embeddings}")
-        if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
-            raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
+        check_params(params, cfg)
+        eos_id = validate.token_id("eos_id", eos_id, cfg.vocab_size, optional=True)
+        seed = validate.seed(seed)
         auto = check_auto(method, budget, max_budget)
         extra = make_method(cfg, method, drafter, max_budget if auto else budget).extra_slots
         if context < extra + 2:  # a prompt of one token and one new token must fit beside the tree
@@ -356,21 +360,25 @@ class Engine:
         tokens, the last time with `finish` set. Sampling as `decoding.Sampler(temperature, top_k, top_p)` (greedy at
         temperature 0); `seed` fixes every token drawn, whatever else runs (not with budget="auto": see the class;
         None: one from the engine's generator).
-        ValueError/TypeError for bad inputs (with the reason: token ids, max_tokens, temperature, top_k, top_p, seed;
-        ContextOverflow when they do not fit a row), QueueFull, EngineClosed."""
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        need = len(prompt) + int(max_tokens) + self.extra_slots
+        ValueError/TypeError for bad inputs (with the reason: token ids, max_tokens, temperature, top_k, top_p, seed,
+        by the rules of `kdtree_jax.validate`; ContextOverflow when they do not fit a row), QueueFull, EngineClosed.
+        Every value is converted to the dtype of the engine's column here, so nothing about one request can fail
+        later in a call that other requests share."""
+        max_tokens = validate.integer("max_tokens", max_tokens, 1, validate.INT32_LIMIT)
+        seed = None if seed is None else validate.seed(seed)
+        ignore_eos = validate.flag("ignore_eos", ignore_eos)
+        if not callable(on_event):
+            raise TypeError(f"on_event must be callable, got {type(on_event).__name__}")
+        rows = validate.token_rows([prompt], self.cfg.vocab_size, name="prompt")
+        need = len(rows[0]) + max_tokens + self.extra_slots
         if need > self.max_context:
-            raise ContextOverflow(f"prompt of {len(prompt)} tokens + max_tokens {max_tokens}"
+            raise ContextOverflow(f"prompt of {len(rows[0])} tokens + max_tokens {max_tokens}"
                                   + (f" + {self.extra_slots} speculative slots" if self.extra_slots else "")
                                   + f" = {need} exceeds the server's context of {self.max_context} tokens")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
-                                 or not 0 <= seed < 2**63):
-            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed!r}")
         eos = None if ignore_eos or self.eos_id < 0 else self.eos_id
-        req = prepare(self.cfg, [prompt], int(max_tokens), Sampler(temperature, top_k, top_p), eos,
+        req = prepare(self.cfg, rows, max_tokens, Sampler(temperature, top_k, top_p), eos,
                       extra_slots=self.extra_slots)
+        s = req.sampler
         with self._cond:
             if self._closing or not self._thread.is_alive():
                 raise EngineClosed("the engine is shut down")
@@ -378,11 +386,12 @@ class Engine:
             if waiting >= self.max_queue:
                 raise QueueFull(f"{waiting} requests are already waiting for a slot (the limit)")
             if seed is None:
-                seed = self._seeds.integers(2**63)
-            s = req.sampler
+                seed = int(self._seeds.integers(2**63))
             r = _Request(id=next(self._ids), tokens=req.tokens, lengths=req.lengths, chunk=req.chunk,
-                         max_new=req.max_new, temperature=s.temperature, top_k=s.top_k or 0,
-                         top_p=1.0 if s.top_p is None else s.top_p, seed=int(seed), eos=req.eos_id, on_event=on_event)
+                         max_new=np.int32(req.max_new), temperature=np.float32(s.temperature),
+                         top_k=np.int32(s.top_k or 0), top_p=np.float32(1.0 if s.top_p is None else s.top_p),
+                         seed=np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32), eos=np.int32(req.eos_id),
+                         on_event=on_event)
             self._pending.append(r)
             self._idle.clear()
             self._cond.notify()
@@ -526,11 +535,8 @@ class Engine:
                 admit, self._pending = self._pending[:len(free)], self._pending[len(free):]
             try:
                 self._iterate(list(zip(admit, free)))
-            except Exception as e:  # a device or compiler failure: the running requests fail, the engine goes on
-                log.exception("engine iteration failed")
-                for r in [*self._active.values(), *(r for r, _ in zip(admit, free) if r.slot < 0)]:
-                    self._finish(r, "error", error=f"{type(e).__name__}: {e}")
-                self._state, self._keys = self._empty()
+            except Exception as e:  # outside the steps `_iterate` guards (a bug): this iteration's requests fail
+                self._fail([*self._active.values(), *(r for r in admit if r.slot < 0)], e, "engine iteration")
         with self._cond:
             leftover, self._pending = [*self._pending, *self._active.values()], []
             self._active.clear()
@@ -538,14 +544,46 @@ class Engine:
             self._deliver(r, Event([], "error", "the server is shutting down"))
         self._idle.set()
 
+    def _fail(self, requests: list[_Request], e: Exception, what: str) -> None:
+        """`what` raised e for these requests: they finish with an error and the others go on, unless the batch's
+        state did not survive the failure (a call that failed after its donated state was consumed): then every
+        running request fails with them and the state starts over empty."""
+        log.error("%s failed for request(s) %s: %s: %s", what, [r.id for r in requests], type(e).__name__, e,
+                  exc_info=e)
+        message = f"{type(e).__name__}: {e}"
+        for r in requests:
+            self._finish(r, "error", error=message)
+        if not self._usable():
+            log.error("the batch's state was lost with it: the running requests fail too")
+            for r in list(self._active.values()):
+                self._finish(r, "error", error=f"{message} (in another request; the batch's state was lost)")
+            self._state, self._keys = self._empty()
+
+    def _usable(self) -> bool:
+        """Whether the batch's state survived a failed call: no buffer donated away, none holding a failed result."""
+        try:
+            leaves = jax.tree.leaves((self._state, self._keys))
+            if any(x.is_deleted() for x in leaves):
+                return False
+            jax.block_until_ready(leaves)
+            return True
+        except Exception:  # the failed computation's error, raised where its result is read
+            return False
+
     def _iterate(self, admit: list[tuple[_Request, int]]) -> None:
         """Prefill `admit` into their slots (one call per padded prompt length), run one chunk for every live row,
-        hand out the new tokens."""
+        hand out the new tokens. A failure fails the requests it concerns (`_fail`): a prefill its group's, the chunk
+        every live row's, the reading or handing out of one request's tokens that request's."""
         by_length: dict[int, list[tuple[_Request, int]]] = {}
         for r, slot in admit:
             by_length.setdefault(r.tokens.shape[1], []).append((r, slot))
+        firsts = []
         with trace_context(self.params, self.cfg):
-            firsts = [(group, self._prefill(group)) for group in by_length.values()]
+            for group in by_length.values():
+                try:
+                    firsts.append((group, self._prefill(group)))
+                except Exception as e:
+                    self._fail([r for r, _ in group], e, "prefill")
             chunk = None
             if self._active:
                 t0 = time.perf_counter()
@@ -557,29 +595,51 @@ class Engine:
                 sampled = live & (self._temps > 0)
                 options = (self._temps.copy(), self._top_k.copy(), self._top_p.copy()) if sampled.any() else None
                 filtered = bool((sampled & ((self._top_k > 0) | (self._top_p < 1))).any())
-                self._state, self._keys, *chunk = _advance(
-                    self._method, self.params, self.cfg, self._state, self._keys, jnp.asarray(~live),
-                    jnp.asarray(since), options, steps=self.chunk_steps, width=self._width, filtered=filtered)
+                try:
+                    self._state, self._keys, *chunk = _advance(
+                        self._method, self.params, self.cfg, self._state, self._keys, jnp.asarray(~live),
+                        jnp.asarray(since), options, steps=self.chunk_steps, width=self._width, filtered=filtered)
+                except Exception as e:
+                    self._fail(list(self._active.values()), e, "decoding chunk")
         for group, first in firsts:
-            tokens, done, nonfinite = jax.device_get(first)
+            try:
+                tokens, done, nonfinite = jax.device_get(first)
+            except Exception as e:
+                self._fail([r for r, _ in group], e, "prefill")
+                continue
             for i, (r, _) in enumerate(group):
-                self._hand_out(r, [int(tokens[i])], bool(done[i]), bool(nonfinite[i]))
-        if chunk is not None:
+                self._guarded(r, lambda: self._hand_out(r, [int(tokens[i])], bool(done[i]), bool(nonfinite[i])))
+        if chunk is None:
+            return
+        try:
             window, start, steps, row_steps, step_tokens, step_nodes = jax.device_get(chunk)
             num_out, done, nonfinite = jax.device_get((self._state.num_out, self._state.done, self._state.nonfinite))
-            seconds = time.perf_counter() - t0
-            with self._cond:
-                self.counters["steps"] += int(steps)
-                self.counters["row_steps"] += int(row_steps)
-                self.counters["step_tokens"] += int(step_tokens)
-                self.counters["step_nodes"] += int(step_nodes)
-                self.counters["chunk_seconds"] += seconds
-                self.counters["last_step_seconds"] = seconds / max(int(steps), 1)
-            for slot, r in list(self._active.items()):
+        except Exception as e:
+            self._fail(list(self._active.values()), e, "decoding chunk")
+            return
+        seconds = time.perf_counter() - t0
+        with self._cond:
+            self.counters["steps"] += int(steps)
+            self.counters["row_steps"] += int(row_steps)
+            self.counters["step_tokens"] += int(step_tokens)
+            self.counters["step_nodes"] += int(step_nodes)
+            self.counters["chunk_seconds"] += seconds
+            self.counters["last_step_seconds"] = seconds / max(int(steps), 1)
+        for slot, r in list(self._active.items()):
+            def hand_out(slot=slot, r=r):
                 lo = self._row_start(r) + r.shown - int(start[slot])
                 new = window[slot, lo:int(num_out[slot]) - int(start[slot])].tolist()
                 r.shown += len(new)
                 self._hand_out(r, new, bool(done[slot]), bool(nonfinite[slot]))
+
+            self._guarded(r, hand_out)
+
+    def _guarded(self, r: _Request, work: Callable[[], None]) -> None:
+        """work() (reading and handing out r's tokens); if it raises, r alone fails."""
+        try:
+            work()
+        except Exception as e:
+            self._fail([r], e, "handing out tokens")
 
     def _prefill(self, group: list[tuple[_Request, int]]) -> tuple:
         """One prefill call for requests of one padded prompt length into their slots, the rows padded to a power of
@@ -595,7 +655,7 @@ class Engine:
         tokens[:n] = np.concatenate([r.tokens for r in reqs])
         options = (column((r.temperature for r in reqs), 0, np.float32), column((r.top_k for r in reqs), 0, np.int32),
                    column((r.top_p for r in reqs), 1, np.float32))
-        seeds = column(((r.seed >> 32, r.seed & 0xFFFFFFFF) for r in reqs), (0, 0), np.uint32)
+        seeds = column((r.seed for r in reqs), (0, 0), np.uint32)
         self._state, self._keys, *first = _admit(
             self._method, self.params, self.cfg, self._state, self._keys,
             column((slot for _, slot in group), self.max_batch, np.int32), tokens,

@@ -1,24 +1,30 @@
-"""The API's decoding: `generate` (prefill, then a `lax.while_loop` of steps, compiled as one function) and `stream`
-(the same loop resumed a few steps at a time, for showing text as it comes).
+"""The API: `generate` (prefill, then a `lax.while_loop` of steps, compiled as one function), `stream` (the same loop
+resumed a few steps at a time, for showing text as it comes) and `forward` (teacher-forced logits).
 
-Input checks run on the host before anything compiles; the loop itself never returns to the host. `method="ar"` is
+Input checks run on the host before anything compiles (the rules of `kdtree_jax.validate`, and `check_params`: the
+params must have the layout of the cfg they come with); the loop itself never returns to the host. `method="ar"` is
 plain autoregressive decoding; "ddtree" and "chain" are the speculative methods of `kdtree_jax.ddtree` (lossless:
 at temperature 0 they return exactly the "ar" tokens). All three are run by the driver of `kdtree_jax.decoding`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, Generator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .budget import BudgetPolicy, resolve
 from .config import ModelConfig
 from .ddtree import speculative
 from .decoding import (AR, DecodeState, GenerateOutput, Method, Request, Sampler, advance, finish, prepare, run,
                        run_compiled, start, stream_tokens)
-from .model import Params
+from . import validate
+from .model import MoE, Params, abstract_params
+from .model import forward as model_forward
 from .sharding import trace_context
 
 METHODS = ("ar", "chain", "ddtree")
@@ -36,7 +42,7 @@ def make_method(cfg: ModelConfig, method: str, drafter=None, budget: int = 64,
 
 
 def _unpack(params, cfg, prompts, drafter):
-    """Accept generate(model, prompts) as well as generate(params, cfg, prompts)."""
+    """Accept generate(model, prompts) as well as generate(params, cfg, prompts); the params checked against cfg."""
     if hasattr(params, "params") and hasattr(params, "cfg"):
         model = params
         if prompts is None and cfg is not None and not isinstance(cfg, ModelConfig):
@@ -46,7 +52,103 @@ def _unpack(params, cfg, prompts, drafter):
         return model.params, model.cfg, prompts, drafter if drafter is not None else getattr(model, "drafter", None)
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"generate(params, cfg, prompts, ...) needs a ModelConfig as cfg, got {type(cfg).__name__}")
+    check_params(params, cfg)
     return params, cfg, prompts, drafter
+
+
+def _leaves(tree) -> dict[str, Any]:
+    """{path as jax writes it (".layers[0].attn.q_b"): leaf} of a pytree."""
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@functools.lru_cache(maxsize=16)
+def _expected(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    return _leaves(abstract_params(cfg))
+
+
+# what decides that an array exists at all (structure, not shape), by a piece of its path: routed experts are
+# INT4 (packed, scale) or dense; the query's LoRA norm exists with q_lora_rank
+_STRUCTURE_FIELDS = {".mlp.we_": "expert_format", ".q_a_norm": "q_lora_rank"}
+
+
+def _shape_fields(cfg: ModelConfig, path: str, dim: int) -> list[str]:
+    """The integer config fields that dimension `dim` of the array at `path` follows: those whose change changes it
+    (each doubled in turn; values the config refuses are skipped)."""
+    want = _expected(cfg)[path].shape[dim]
+    fields = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name == "num_hidden_layers" or isinstance(value, bool) or not isinstance(value, int):
+            continue
+        try:
+            other = _expected(dataclasses.replace(cfg, **{f.name: 2 * value})).get(path)
+        except (ValueError, TypeError, ZeroDivisionError):
+            continue
+        if other is not None and other.shape[dim] != want:
+            fields.append(f.name)
+    return fields
+
+
+def check_params(params, cfg: ModelConfig) -> None:
+    """Raise a ValueError when `params` do not have the layout `init_params(cfg)` makes (arrays, their shapes),
+    naming the first array that differs, its shape and the config field(s) that shape follows; a TypeError when they
+    are not model parameters at all. Dtypes are not compared (a model may run in another precision)."""
+    layers = getattr(params, "layers", None)
+    if not isinstance(layers, tuple) or not all(hasattr(params, k) for k in ("embed", "final_norm", "lm_head")):
+        raise TypeError(f"params must be a kdtree_jax.Params (init_params, kj.load), got {type(params).__name__}")
+    if len(layers) != cfg.num_hidden_layers:
+        raise ValueError(f"params have {len(layers)} decoder layers but cfg.num_hidden_layers is "
+                         f"{cfg.num_hidden_layers}: they were made for another config")
+    for i, layer in enumerate(layers):
+        moe, want_moe = isinstance(getattr(layer, "mlp", None), MoE), i >= cfg.num_dense_layers
+        if moe != want_moe:
+            raise ValueError(f"params.layers[{i}].mlp is a {'MoE' if moe else 'dense MLP'} but cfg makes it a "
+                             f"{'MoE' if want_moe else 'dense MLP'} (it follows cfg.first_k_dense_replace = "
+                             f"{cfg.first_k_dense_replace}): the params were made for another config")
+    got, want = _leaves(params), _expected(cfg)
+    for path, problem in [*((p, "lack") for p in want if p not in got), *((p, "have") for p in got if p not in want)]:
+        field = next((f for piece, f in _STRUCTURE_FIELDS.items() if piece in path), None)
+        raise ValueError(f"params {problem} the array params{path}, which cfg "
+                         + ("declares" if problem == "lack" else "does not declare")
+                         + (f" (it follows cfg.{field} = {getattr(cfg, field)!r})" if field else "")
+                         + ": they were made for another config")
+    for path, w in want.items():
+        shape = tuple(getattr(got[path], "shape", ()))
+        if shape != tuple(w.shape):
+            dims = [i for i, (a, b) in enumerate(zip(shape, w.shape)) if a != b] if len(shape) == len(w.shape) else []
+            fields = _shape_fields(cfg, path, dims[0]) if dims else []
+            follows = (f" (dimension {dims[0]} follows " + ", ".join(f"cfg.{f} = {getattr(cfg, f)}" for f in fields)
+                       + ")") if fields else ""
+            raise ValueError(f"params{path} has shape {shape} but cfg gives {tuple(w.shape)}{follows}: the params "
+                             "were made for another config")
+
+
+def seed_key(seed: int) -> jax.Array:
+    """The PRNG key of a seed in [0, 2**63): key(seed) below 2**32, else key(the low word) with the high word folded
+    in (jax.random.key keeps only 32 bits without x64, so every seed gets its own key either way)."""
+    seed = validate.seed(seed)
+    key = jax.random.key(seed & 0xFFFFFFFF)
+    return jax.random.fold_in(key, seed >> 32) if seed >> 32 else key
+
+
+def forward(params: Params, cfg: ModelConfig, tokens, return_hidden: bool = False):
+    """Teacher-forced logits: tokens [B, T] (token ids in [0, vocab_size), at least one row of at least one token)
+    -> logits [B, T, V] float32 (`kdtree_jax.model.forward`), after the checks `generate` makes: cfg a ModelConfig,
+    params of its layout, the ids in the vocabulary. With `return_hidden`, returns (logits, hidden [L, B, T, D]) with
+    every decoder layer's output. Traced tokens (inside jit) are checked for shape only."""
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"forward(params, cfg, tokens) needs a ModelConfig as cfg, got {type(cfg).__name__}")
+    check_params(params, cfg)
+    validate.flag("return_hidden", return_hidden)
+    if isinstance(tokens, jax.core.Tracer) or (isinstance(tokens, jax.Array) and not tokens.is_fully_addressable):
+        if tokens.ndim != 2 or 0 in tokens.shape or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be integer ids [B, T] with B, T >= 1, got {tokens.dtype} {tokens.shape}")
+    else:
+        rows = validate.token_rows(tokens, cfg.vocab_size, name="tokens", row="row")
+        if len({len(r) for r in rows}) > 1:
+            raise ValueError(f"tokens must be [B, T]: rows of one length, got lengths {[len(r) for r in rows]}")
+        tokens = jnp.asarray(np.stack(rows)) if not isinstance(tokens, jax.Array) else tokens
+    return model_forward(params, cfg, tokens, return_hidden=return_hidden)
 
 
 def check_auto(method: str, budget, max_budget) -> bool:
@@ -69,7 +171,9 @@ def auto_method(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: in
 
 
 def _request(params, cfg, prompts, drafter, *, max_new_tokens, method, budget, temperature, top_k, top_p, eos_id,
-             prefill_chunk, max_budget=64, tiers=None, cost_model=None) -> tuple[Method, Request]:
+             prefill_chunk, seed, max_budget=64, tiers=None, cost_model=None) -> tuple[Method, Request]:
+    """The method and the checked, padded inputs (every argument checked before a cost model is measured)."""
+    validate.seed(seed)
     auto = check_auto(method, budget, max_budget)
     m = make_method(cfg, method, drafter, max_budget if auto else budget)
     req = prepare(cfg, prompts, max_new_tokens, Sampler(temperature, top_k, top_p), eos_id,
@@ -81,8 +185,7 @@ def _request(params, cfg, prompts, drafter, *, max_new_tokens, method, budget, t
 
 
 def _start_args(m: Method, params, cfg: ModelConfig, req: Request, seed: int) -> tuple[tuple, dict]:
-    args = (m, params, cfg, jnp.asarray(req.tokens), jnp.asarray(req.lengths), jax.random.key(seed),
-            jnp.int32(req.eos_id))
+    args = (m, params, cfg, jnp.asarray(req.tokens), jnp.asarray(req.lengths), seed_key(seed), jnp.int32(req.eos_id))
     return args, dict(sampler=req.sampler, cache_len=req.cache_len, max_new=req.max_new, chunk=req.chunk)
 
 
@@ -105,7 +208,7 @@ def generate(params: Params | Any, cfg: ModelConfig | None = None, prompts=None,
     params, cfg, prompts, drafter = _unpack(params, cfg, prompts, drafter)
     m, req = _request(params, cfg, prompts, drafter, max_new_tokens=max_new_tokens, method=method, budget=budget,
                       temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, prefill_chunk=prefill_chunk,
-                      max_budget=max_budget, tiers=tiers, cost_model=cost_model)
+                      seed=seed, max_budget=max_budget, tiers=tiers, cost_model=cost_model)
     args, static = _start_args(m, params, cfg, req, seed)
     state, timing = run_compiled(run, args, static)
     return finish(state, timing, method=m.name, budget=m.budget)
@@ -123,11 +226,8 @@ def stream(params: Params | Any, cfg: ModelConfig | None = None, prompt=None, *,
     params, cfg, prompt, drafter = _unpack(params, cfg, prompt, drafter)
     m, req = _request(params, cfg, [prompt], drafter, max_new_tokens=max_new_tokens, method=method, budget=budget,
                       temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, prefill_chunk=prefill_chunk,
-                      max_budget=max_budget, tiers=tiers, cost_model=cost_model)
-    if every is None:
-        every = max(1, 16 // m.tokens_per_step)
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every must be an integer >= 1, got {every!r}")
+                      seed=seed, max_budget=max_budget, tiers=tiers, cost_model=cost_model)
+    every = max(1, 16 // m.tokens_per_step) if every is None else validate.integer("every", every, 1)
     args, static = _start_args(m, params, cfg, req, seed)
     with trace_context(params, cfg):
         state = start(*args, **static)

@@ -10,8 +10,8 @@ PACKAGE = ROOT / "kdtree_jax"
 
 # lowest first; a module may import from its own layer and every layer below
 LAYERS = [
-    {"config", "configs", "quant", "tokenizer"},
-    {"kernels", "kernels._registry", "kernels.marlin_moe", "kernels.mla_verify", "kernels.tree_accept",
+    {"config", "configs", "quant", "tokenizer", "validate"},
+    {"kernels", "kernels._registry", "kernels.marlin_moe", "kernels.mla_verify", "kernels.moe_route", "kernels.tree_accept",
      "kernels.tree_build", "distributed"},
     {"sharding"},
     {"model"},

@@ -1,0 +1,142 @@
+"""Argument checks shared by the API (`generate`, `stream`, `forward`), the serving engine, the HTTP server and the
+command line: one rule per kind of argument, so that a value refused in one place is refused in all of them.
+
+Each rule returns the value in its canonical Python type or raises an `ArgumentError` (a ValueError) that names the
+argument, the range it must lie in and the value given. Integers refuse floats and booleans (`eos_id=4.7` is an
+error, not token 4); numbers refuse booleans, NaN and infinities; every range is that of the dtype the value is
+stored in on the device: token ids and top_k in int32, temperature and top_p in float32 (a value that would round to
+0 or inf there is refused), seeds below 2**63 (two uint32 words).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+INT32_LIMIT = 2**31  # top_k, max_tokens and token ids are int32 on the device
+SEED_LIMIT = 2**63
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+class ArgumentError(ValueError):
+    """An argument of the wrong type or outside its range; `name` is the argument as its caller spells it."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
+def _bound(n: int) -> str:
+    """n as written in a message: 2**63 rather than 9223372036854775808."""
+    return f"2**{n.bit_length() - 1}" if n >= 2**16 and n & (n - 1) == 0 else str(n)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def integer(name: str, value, low: int | None = None, high: int | None = None, *, optional: bool = False):
+    """value as an int: a Python or numpy integer (not a bool, not a float) in [low, high) (None: unbounded); None
+    passes when `optional`."""
+    if value is None and optional:
+        return None
+    if not _is_int(value) or (low is not None and value < low) or (high is not None and value >= high):
+        if low is not None and high is not None:
+            need = f"an integer in [{_bound(low)}, {_bound(high)})"
+        elif low is not None:
+            need = f"an integer >= {_bound(low)}"
+        else:
+            need = "an integer" + (f" < {_bound(high)}" if high is not None else "")
+        raise ArgumentError(name, f"{name} must be {'None or ' if optional else ''}{need}, got {value!r}")
+    return int(value)
+
+
+def flag(name: str, value) -> bool:
+    """value as a bool: True or False only (not 0, 1 or "yes")."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentError(name, f"{name} must be true or false, got {value!r}")
+    return bool(value)
+
+
+def temperature(value, name: str = "temperature") -> float:
+    """A sampling temperature: a finite number >= 0 (0: greedy), inside float32's normal range when it is not 0
+    (sampling divides float32 logits by it)."""
+    if not _is_real(value) or not math.isfinite(value) or value < 0:
+        raise ArgumentError(name, f"{name} must be a finite number >= 0, got {value!r}")
+    if 0 < value < FLOAT32_TINY or value > FLOAT32_MAX:
+        raise ArgumentError(name, f"{name} {value!r} is outside float32's normal range [{FLOAT32_TINY:.4g}, "
+                                  f"{FLOAT32_MAX:.4g}] (it would round to 0 or inf); use 0 for greedy decoding")
+    return float(value)
+
+
+def top_k(value, name: str = "top_k") -> int | None:
+    """None (all tokens) or an integer in [1, 2**31): the number of most likely tokens kept."""
+    return integer(name, value, 1, INT32_LIMIT, optional=True)
+
+
+def top_p(value, name: str = "top_p") -> float | None:
+    """None or a number in (0, 1], at least float32's smallest normal number: the nucleus' mass; 1 is returned as
+    None (no nucleus)."""
+    if value is None:
+        return None
+    if not _is_real(value) or not 0 < value <= 1:
+        raise ArgumentError(name, f"{name} must be None or a number in (0, 1], got {value!r}")
+    if value < FLOAT32_TINY:
+        raise ArgumentError(name, f"{name} {value!r} is below float32's normal range (>= {FLOAT32_TINY:.4g}): it "
+                                  "would round to 0")
+    return None if value == 1 else float(value)
+
+
+def seed(value, name: str = "seed") -> int:
+    """A random seed: an integer in [0, 2**63)."""
+    return integer(name, value, 0, SEED_LIMIT)
+
+
+def token_id(name: str, value, vocab_size: int, *, optional: bool = False) -> int | None:
+    """A token id in [0, vocab_size) (eos_id, for one)."""
+    if value is None and optional:
+        return None
+    if not _is_int(value):
+        raise ArgumentError(name, f"{name} must be {'None or ' if optional else ''}an integer token id, got {value!r}")
+    if not 0 <= value < vocab_size:
+        raise ArgumentError(name, f"{name} {value} is outside the vocabulary [0, {vocab_size})")
+    return int(value)
+
+
+def token_rows(rows, vocab_size: int, name: str = "prompts", row: str = "prompt") -> list[np.ndarray]:
+    """Token-id rows (a list of lists, or an array [B, T]) as int32 arrays: at least one row, every row a non-empty
+    1-D sequence of integers in [0, vocab_size). `name` is the argument, `row` what one row is called in messages.
+    TypeError for ids that are not integers."""
+    if isinstance(rows, np.ndarray) or (hasattr(rows, "__array__") and not isinstance(rows, Sequence)):
+        arr = np.asarray(rows)
+        if arr.ndim != 2:
+            raise ArgumentError(name, f"{name} as an array must be [B, T], got shape {arr.shape}")
+        rows = list(arr)
+    if not isinstance(rows, Sequence) or isinstance(rows, str) or len(rows) == 0:
+        raise ArgumentError(name, f"{name} must be a non-empty list of token-id lists (or a [B, T] array)")
+    if all(_is_int(r) for r in rows):
+        raise ArgumentError(name, f"{name} must be a list of {row}s (token-id lists); wrap a single {row} in []")
+    out = []
+    for i, r in enumerate(rows):
+        try:
+            a = np.asarray(r)
+        except ValueError:  # ragged nesting
+            raise ArgumentError(name, f"{name}: {row} {i} must be a flat sequence of token ids") from None
+        if a.ndim != 1 or a.size == 0:
+            raise ArgumentError(name, f"{name}: {row} {i} must be a non-empty 1-D sequence of token ids, got shape "
+                                      f"{a.shape}")
+        if not np.issubdtype(a.dtype, np.integer):
+            raise TypeError(f"{name}: {row} {i} must hold integer token ids, got dtype {a.dtype}")
+        if a.min() < 0 or a.max() >= vocab_size:
+            bad = int(a[(a < 0) | (a >= vocab_size)][0])
+            raise ArgumentError(name, f"{name}: {row} {i} has token id {bad} outside the vocabulary [0, "
+                                      f"{vocab_size})")
+        out.append(a.astype(np.int32))
+    return out

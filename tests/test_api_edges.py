@@ -1,0 +1,149 @@
+"""The API's edges (docs/reliability.md): `forward` checks its ids as `generate` does; every argument of `generate`,
+`stream` and `forward` is type- and range-checked by the rules of `kdtree_jax.validate`, the same the server and the
+command line apply; params that do not match a cfg are refused, naming the array, its shape and the config field."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import kdtree_jax as kj
+from kdtree_jax import validate
+from kdtree_jax.generate import check_params, seed_key, stream
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = kj.configs.tiny()
+    return cfg, kj.init_params(cfg, jax.random.key(0)), kj.init_drafter(cfg, jax.random.key(1), num_layers=1,
+                                                                          block_size=4)
+
+
+@pytest.mark.parametrize("tokens, error, match", [
+    ([[1, 2, 999]], ValueError, "token id 999 outside the vocabulary"),
+    ([[1, -1]], ValueError, "token id -1 outside the vocabulary"),
+    ([[]], ValueError, "row 0 must be a non-empty"),
+    ([], ValueError, "non-empty list"),
+    (np.zeros((1, 0), np.int32), ValueError, "non-empty"),
+    ([[1.5, 2.0]], TypeError, "integer token ids"),
+    ([[1, 2], [3]], ValueError, "rows of one length"),
+    ([1, 2, 3], ValueError, "wrap a single row in"),
+    (np.zeros((2, 3, 4), np.int32), ValueError, r"\[B, T\]"),
+])
+def test_forward_checks_its_ids_as_generate_does(tiny, tokens, error, match):
+    cfg, params, _ = tiny
+    with pytest.raises(error, match=match):
+        kj.forward(params, cfg, tokens)
+
+
+def test_forward_accepts_what_it_did(tiny):
+    """Lists, numpy and jax arrays of any integer dtype give the same logits; inside jit the ids are traced."""
+    cfg, params, _ = tiny
+    ref = kj.forward(params, cfg, [[1, 2, 3]])
+    assert ref.shape == (1, 3, cfg.vocab_size)
+    for tokens in (np.array([[1, 2, 3]], np.int64), jax.numpy.array([[1, 2, 3]], jax.numpy.int32)):
+        np.testing.assert_array_equal(kj.forward(params, cfg, tokens), ref)
+    np.testing.assert_allclose(jax.jit(lambda t: kj.forward(params, cfg, t))(np.array([[1, 2, 3]])), ref, rtol=1e-6)
+    logits, hidden = kj.forward(params, cfg, [[1, 2, 3]], return_hidden=True)
+    assert hidden.shape[:3] == (cfg.num_hidden_layers, 1, 3)
+    with pytest.raises(ValueError, match="return_hidden must be true or false"):
+        kj.forward(params, cfg, [[1, 2, 3]], return_hidden="yes")
+
+
+BAD_ARGUMENTS = [
+    (dict(eos_id=4.7), "eos_id must be None or an integer token id, got 4.7"),
+    (dict(eos_id=True), "eos_id must be None or an integer"),
+    (dict(eos_id=10**6), "eos_id 1000000 is outside the vocabulary"),
+    (dict(max_new_tokens=4.0), r"max_new_tokens must be an integer in \[1, 2\*\*31\), got 4.0"),
+    (dict(max_new_tokens=2**40), r"max_new_tokens must be an integer in \[1, 2\*\*31\)"),
+    (dict(seed=2**70), r"seed must be an integer in \[0, 2\*\*63\), got 1180591620717411303424"),
+    (dict(seed=-1), r"seed must be an integer in \[0, 2\*\*63\)"),
+    (dict(seed=1.0), r"seed must be an integer in \[0, 2\*\*63\)"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature="0.7"), "temperature must be a finite number"),
+    (dict(temperature=1.0, top_k=2**31), r"top_k must be None or an integer in \[1, 2\*\*31\)"),
+    (dict(temperature=1.0, top_k=40.0), "top_k must be None or an integer"),
+    (dict(temperature=1.0, top_p=1e-40), "below float32's normal range"),
+    (dict(temperature=1.0, top_p=True), r"top_p must be None or a number in \(0, 1\]"),
+    (dict(prefill_chunk=16.0), "prefill_chunk must be"),
+    (dict(method="ddtree", budget=4.5), "budget must be an integer"),
+    (dict(method="ddtree", budget="auto", max_budget=8.0), "max_budget must be an integer"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", BAD_ARGUMENTS)
+def test_generate_and_stream_check_every_argument(tiny, kwargs, match):
+    cfg, params, drafter = tiny
+    args = {"max_new_tokens": 4, "drafter": drafter, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        kj.generate(params, cfg, [[1, 2, 3]], **args)
+    with pytest.raises(ValueError, match=match):
+        next(stream(params, cfg, [1, 2, 3], **args))
+
+
+def test_stream_checks_every(tiny):
+    cfg, params, _ = tiny
+    for every in (0, 2.0, True):
+        with pytest.raises(ValueError, match="every must be an integer >= 1"):
+            next(stream(params, cfg, [1, 2, 3], max_new_tokens=4, every=every))
+
+
+def test_every_seed_below_2_63_has_its_own_key(tiny):
+    """jax.random.key keeps 32 bits without x64: seeds 2**32 apart used to draw the same tokens. Seeds below 2**32
+    keep the keys (and tokens) they had."""
+    cfg, params, _ = tiny
+    drawn = {str(kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=8, temperature=1.0, seed=s).tokens)
+             for s in (0, 2**32, 2**40, 2**63 - 1)}
+    assert len(drawn) == 4
+    assert jax.random.key_data(seed_key(7)).tolist() == jax.random.key_data(jax.random.key(7)).tolist()
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(vocab_size=300), r"params\.embed has shape \(264, 64\) but cfg gives \(300, 64\) \(dimension 0 follows "
+                           r"cfg\.vocab_size = 300\)"),
+    (dict(hidden_size=96), r"params\.embed has shape \(264, 64\) but cfg gives \(264, 96\) \(dimension 1 follows "
+                           r"cfg\.hidden_size = 96\)"),
+    (dict(moe_intermediate_size=64), r"params\.layers\[1\]\.mlp\.we_gate.* \(dimension 1 follows "
+                                     r"cfg\.moe_intermediate_size = 64\)"),
+    (dict(num_attention_heads=8), r"params\.layers\[0\]\.attn\.q_b .* follows cfg\.num_attention_heads = 8\)"),
+    (dict(num_hidden_layers=2), "params have 3 decoder layers but cfg.num_hidden_layers is 2"),
+    (dict(first_k_dense_replace=2), r"params\.layers\[1\]\.mlp is a MoE but cfg makes it a dense MLP \(it follows "
+                                    r"cfg\.first_k_dense_replace = 2\)"),
+    (dict(expert_format="bf16"), r"params lack the array params\.layers\[1\]\.mlp\.we_gate, which cfg declares "
+                                 r"\(it follows cfg\.expert_format = 'bf16'"),
+])
+def test_params_of_another_config_are_refused_naming_the_field(tiny, change, match):
+    cfg, params, _ = tiny
+    other = dataclasses.replace(cfg, **change)
+    for call in (lambda: kj.generate(params, other, [[1, 2, 3]], max_new_tokens=2),
+                 lambda: kj.forward(params, other, [[1, 2, 3]]),
+                 lambda: check_params(params, other)):
+        with pytest.raises(ValueError, match=match):
+            call()
+    with pytest.raises(TypeError, match="params must be a kdtree_jax.Params"):
+        kj.forward({"embed": params.embed}, cfg, [[1, 2, 3]])
+
+
+def test_one_rule_for_the_api_the_engine_the_server_and_the_cli(tiny):
+    """The same top_k past int32 is refused by Sampler, the serving engine and the command line with one message."""
+    cfg, params, _ = tiny
+    message = r"top_k must be None or an integer in \[1, 2\*\*31\), got 2147483648"
+    with pytest.raises(validate.ArgumentError, match=message):
+        kj.Sampler(1.0, top_k=2**31)
+    from kdtree_jax.engine import Engine
+
+    with Engine(params, cfg, max_batch=1, max_context=64) as engine:
+        with pytest.raises(validate.ArgumentError, match=message):
+            engine.submit([1, 2], max_tokens=2, temperature=1.0, top_k=2**31, on_event=lambda ev: None)
+        with pytest.raises(validate.ArgumentError, match=r"seed must be an integer in \[0, 2\*\*63\)"):
+            engine.submit([1, 2], max_tokens=2, seed=2**63, on_event=lambda ev: None)
+    argv = [sys.executable, "-m", "kdtree_jax.cli", "generate", "--prompt", "x", "--temperature", "1", "--top-k",
+            str(2**31)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("kdtree-jax: error: top_k must be None or an integer in")
