@@ -144,6 +144,10 @@ def _parser() -> argparse.ArgumentParser:
                         "auto rounds it up to whole windows of the steps between its plans)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     s.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535 (default: 8000)")
+    s.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C: new requests get 503 and those in flight get this long to finish; then "
+                        "each still open ends with an error (a stream: an error event and [DONE]) and the server "
+                        "exits with status 0. A second Ctrl-C stops at once (status 130). Default: 30")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name requests must give (default: 'builtin', or the checkpoint directory's name)")
     _common(s, hosts=False)
@@ -180,6 +184,17 @@ def _port(text: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
     return port
+
+
+def _seconds(text: str) -> float:
+    """--shutdown-timeout: a finite number of seconds >= 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return seconds
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -650,7 +665,7 @@ def serve_command(args) -> int:
             engine.complete(tok.encode("def"), max_tokens=2, **sampling)  # each sampler form's program
         _log(f"compiled in {time.perf_counter() - t0:.1f} s; serving {name!r} on http://{args.host}:{args.port}")
         app = serve.create_app(engine, tok, name, serve.load_chat_template(checkpoint))
-        serve.run(app, args.host, args.port)
+        serve.run(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_line=_log)
     return 0
 
 

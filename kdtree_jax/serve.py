@@ -8,9 +8,16 @@ temperature (default 1, as OpenAI's API; 0 is greedy), top_p (in (0, 1]), top_k 
 absent, 0 or -1: none), each request its own, stop (a string or a list of up to 4), seed (fixes every token drawn,
 whatever else is in flight, with a fixed budget; absent: the server picks one), stream, stream_options.include_usage,
 n (1 only), ignore_eos (vLLM's extension: run to max_tokens). Other fields are ignored.
+Every field is checked by the rules of `kdtree_jax.validate` (those of `generate`), against the dtype and range of the
+engine column it is stored in, before the request reaches a slot.
 Errors are OpenAI-style JSON {"error": {"message", "type", "param", "code"}}: 400 for a bad request (context overflow,
-unknown model, bad parameter), 429 when the waiting queue is full, 500 when the model fails on a request, 503 when the
-engine is down. A client that disconnects, or a stop string, cancels its request and frees its slot.
+unknown model, bad parameter, a body that is not a JSON object), 429 when the waiting queue is full, 500 when the model
+fails on a request, 503 when the engine is down or the server is stopping. A request that fails while it is prepared,
+decoded or streamed fails alone: its client gets the error (a stream: an error event, then [DONE]) and the other
+requests go on. A client that disconnects, or a stop string, cancels its request and frees its slot.
+
+`run` stops gracefully on SIGTERM or Ctrl-C: new requests get 503, those in flight get up to a shutdown timeout, then
+each still open ends with an error (an error event and [DONE] for a stream); a second Ctrl-C stops the process at once.
 
 Chat prompts use the checkpoint's chat template (`chat_template.jinja`, or "chat_template" in
 tokenizer_config.json), else EMBEDDED_CHAT_TEMPLATE: one line "role: content" per message, then "assistant:".
@@ -21,20 +28,25 @@ This module needs the `serve` extra (fastapi, uvicorn, jinja2); the rest of the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import jinja2.sandbox
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from . import validate
+from .checkpoint import read_json
 from .engine import ContextOverflow, Engine, EngineClosed, Event, QueueFull
 from .tokenizer import TOKENIZER_CONFIG_FILE
 
@@ -45,6 +57,8 @@ EMBEDDED_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 MAX_STOP_STRINGS = 4
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (and the context has room)
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds the requests in flight get to finish when the server is stopped
+ABORT_GRACE_S = 2.0  # seconds the streams ended by a stop get to send their error event and [DONE]
 
 
 def load_chat_template(model_dir: str | None) -> str:
@@ -57,8 +71,7 @@ def load_chat_template(model_dir: str | None) -> str:
                 return f.read()
         path = os.path.join(model_dir, TOKENIZER_CONFIG_FILE)
         if os.path.exists(path):
-            with open(path) as f:
-                template = json.load(f).get("chat_template")
+            template = read_json(path).get("chat_template")  # a malformed file: an error naming it
             if isinstance(template, list):
                 template = {t.get("name"): t.get("template") for t in template}.get("default")
             if isinstance(template, str):
@@ -109,42 +122,36 @@ class TextStream:
         return delta
 
 
-def _int(body: dict, name: str, default, low: int, high: int | None = None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value >= high):
-        bound = f"an integer >= {low}" + (f" and < {high}" if high is not None else "")
-        raise BadRequest(f"{name} must be {bound}, got {value!r}", param=name)
-    return value
+def _field(rule: Callable, *args):
+    """rule(*args) (a `kdtree_jax.validate` rule), its ArgumentError as a 400 naming the field."""
+    try:
+        return rule(*args)
+    except validate.ArgumentError as e:
+        raise BadRequest(str(e), param=e.name) from None
 
 
-def _number(body: dict, name: str, default: float) -> float:
+def _flag(body: dict, name: str) -> bool:
     value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRequest(f"{name} must be a number, got {value!r}", param=name)
-    return float(value)
+    return False if value is None else _field(validate.flag, name, value)
 
 
 class _Options:
-    """The decoding parameters of one request, validated."""
+    """The decoding parameters of one request, validated by the rules `generate` applies (`kdtree_jax.validate`): each
+    integer and number in the range of the engine column that holds it."""
 
     def __init__(self, body: dict, max_tokens_names: tuple[str, ...]):
         given = [n for n in max_tokens_names if body.get(n) is not None]
-        self.max_tokens = _int(body, given[0], None, 1) if given else None
-        self.temperature = _number(body, "temperature", 1.0)
-        if not 0 <= self.temperature <= 2:
+        self.max_tokens = (_field(validate.integer, given[0], body[given[0]], 1, validate.INT32_LIMIT) if given
+                           else None)
+        temperature = body.get("temperature")
+        self.temperature = 1.0 if temperature is None else _field(validate.temperature, temperature)
+        if self.temperature > 2:
             raise BadRequest(f"temperature must be in [0, 2], got {self.temperature}", param="temperature")
-        self.top_p = _number(body, "top_p", 1.0)
-        if not 0 < self.top_p <= 1:
-            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        self.top_p = _field(validate.top_p, body.get("top_p"))
         top_k = body.get("top_k")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
-            raise BadRequest(f"top_k must be an integer >= 1 (0 or -1: none), got {top_k!r}", param="top_k")
-        self.top_k = top_k if top_k and top_k > 0 else None
-        if _int(body, "n", 1, 1) != 1:
+        none = top_k is None or type(top_k) is int and top_k in (0, -1)  # vLLM's "no top_k"
+        self.top_k = None if none else _field(validate.top_k, top_k)
+        if _field(validate.integer, "n", body.get("n", 1), 1) != 1:
             raise BadRequest("n must be 1 (one choice per request)", param="n")
         for name in ("logprobs", "echo", "suffix", "logit_bias", "tools"):
             if body.get(name) not in (None, False):
@@ -156,26 +163,32 @@ class _Options:
             raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
                              param="stop")
         self.stop = stop
-        self.seed = _int(body, "seed", None, 0, 2**63)
-        self.stream = body.get("stream", False)
-        self.ignore_eos = body.get("ignore_eos", False)
-        stream_options = body.get("stream_options") or {}
-        self.stream_usage = stream_options.get("include_usage", False) if isinstance(stream_options, dict) else None
-        for name in ("stream", "ignore_eos", "stream_usage"):
-            if not isinstance(getattr(self, name), bool):
-                raise BadRequest(f"{name} must be true or false", param=name)
+        self.seed = None if body.get("seed") is None else _field(validate.seed, body["seed"])
+        self.stream = _flag(body, "stream")
+        self.ignore_eos = _flag(body, "ignore_eos")
+        stream_options = body.get("stream_options")
+        if stream_options is not None and not isinstance(stream_options, dict):
+            raise BadRequest("stream_options must be an object", param="stream_options")
+        self.stream_usage = _flag(stream_options or {}, "include_usage")
 
 
 class _Submitted:
-    """One request in the engine, seen from the event loop: its events through an asyncio queue."""
+    """One request in the engine, seen from the event loop: its events through an asyncio queue. It is in `open`
+    (the server's requests in flight) until its response has ended, whichever way (`close`)."""
 
-    def __init__(self, engine: Engine, ids: list[int], opts: _Options):
+    def __init__(self, engine: Engine, ids: list[int], opts: _Options, open_requests: set):
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.engine = engine
+        self.engine, self.open = engine, open_requests
+        self.failure: BadRequest | None = None  # set by `abort`
+
+        def post(ev: Event) -> None:  # on the engine thread
+            with contextlib.suppress(RuntimeError):  # the event loop has closed: no one waits for the request
+                loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+
         self.id = engine.submit(ids, max_tokens=opts.max_tokens, temperature=opts.temperature, top_k=opts.top_k,
-                                top_p=opts.top_p, seed=opts.seed, ignore_eos=opts.ignore_eos,
-                                on_event=lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev))
+                                top_p=opts.top_p, seed=opts.seed, ignore_eos=opts.ignore_eos, on_event=post)
+        self.open.add(self)
 
     async def events(self) -> AsyncIterator[Event]:
         while True:
@@ -184,12 +197,24 @@ class _Submitted:
             if ev.finish is not None:
                 return
 
+    def abort(self, failure: BadRequest) -> None:
+        """End the request with `failure` (on the event loop): its reader gets it with the next event, at once."""
+        if self.failure is None:
+            self.failure = failure
+            self.queue.put_nowait(Event([], "error", failure.message))
+        self.cancel()
+
     def cancel(self) -> None:
         self.engine.cancel(self.id)  # nothing happens if it has finished
 
+    def close(self) -> None:
+        """The response has ended (done, client gone, error): cancel the request, it is no longer in flight."""
+        self.cancel()
+        self.open.discard(self)
+
 
 class _EventStream(StreamingResponse):
-    """Server-sent events whose request is cancelled however the response ends (done, client gone, error)."""
+    """Server-sent events whose request is closed however the response ends (done, client gone, error)."""
 
     def __init__(self, body, submitted: _Submitted):
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -199,7 +224,7 @@ class _EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.submitted.cancel()
+            self.submitted.close()
 
 
 def _sse(obj) -> str:
@@ -216,6 +241,8 @@ class Server:
         self.template = env.from_string(chat_template)
         self.created = int(time.time())
         self.responses: dict[int, int] = {}  # HTTP status -> count
+        self.open: set[_Submitted] = set()  # the requests in flight
+        self.stopping = False  # `shutdown` has begun: new requests get 503
 
     @staticmethod
     def _template_error(message: str):
@@ -269,9 +296,11 @@ class Server:
             room = self.engine.max_context - len(ids) - self.engine.extra_slots
             opts.max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
         try:
-            return _Submitted(self.engine, ids, opts)
+            return _Submitted(self.engine, ids, opts, self.open)
         except ContextOverflow as e:
             raise BadRequest(str(e), param="max_tokens", code="context_length_exceeded") from None
+        except validate.ArgumentError as e:
+            raise BadRequest(str(e), param=e.name) from None
         except (ValueError, TypeError) as e:
             raise BadRequest(str(e)) from None
         except QueueFull as e:
@@ -286,6 +315,8 @@ class Server:
         text = TextStream(self.tokenizer, opts.stop, self.engine.eos_id)
         n = 0
         async for ev in sub.events():
+            if sub.failure is not None:
+                raise sub.failure
             n += len(ev.tokens)
             if ev.finish == "error":
                 raise BadRequest(f"generation failed: {ev.error}", status=500, kind="server_error")
@@ -300,6 +331,9 @@ class Server:
 
     async def completion(self, body: dict, chat: bool):
         """The answer to /v1/completions (chat False) or /v1/chat/completions (chat True)."""
+        if self.stopping:
+            raise BadRequest("the server is shutting down; retry on another", status=503, kind="server_error",
+                             code="shutting_down")
         self.check_model(body)
         opts = _Options(body, ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
         ids = self.chat_ids(body.get("messages")) if chat else self.prompt_ids(body.get("prompt"))
@@ -314,7 +348,7 @@ class Server:
             async for delta, finish, n in self.run(sub, opts):
                 parts.append(delta)
         finally:
-            sub.cancel()
+            sub.close()
         text = "".join(parts)
         choice = (dict(index=0, message=dict(role="assistant", content=text), finish_reason=finish) if chat
                   else dict(index=0, text=text, finish_reason=finish, logprobs=None))
@@ -343,7 +377,35 @@ class Server:
                         yield _sse(dict(head, choices=[], usage=usage))
         except BadRequest as e:
             yield _sse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
+        except Exception as e:  # a bug while this request streams: it fails alone, its client is told
+            log.exception("request %d failed while streaming", sub.id)
+            sub.cancel()
+            yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None,
+                                  "code": None}})
         yield "data: [DONE]\n\n"
+
+    async def wait_closed(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for every request in flight to end; whether they all did."""
+        deadline = time.monotonic() + timeout
+        while self.open and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.open
+
+    def abort_all(self, message: str) -> int:
+        """End every request in flight with a 503 `message` (a stream: an error event, then [DONE]); how many."""
+        open_requests = list(self.open)
+        for sub in open_requests:
+            sub.abort(BadRequest(message, status=503, kind="server_error", code="shutting_down"))
+        return len(open_requests)
+
+    async def shutdown(self, timeout: float) -> None:
+        """Stop gracefully: new requests get 503 from now on; those in flight get up to `timeout` seconds to finish,
+        then each still open ends with a 503 error, and gets ABORT_GRACE_S seconds to send it."""
+        self.stopping = True
+        if not await self.wait_closed(timeout):
+            self.abort_all(f"the server is shutting down: the request did not finish within the {timeout:g} s "
+                           "shutdown timeout")
+            await self.wait_closed(ABORT_GRACE_S)
 
     def metrics(self) -> str:
         """Prometheus text: requests by outcome and by HTTP status, tokens, prefill calls, tau, verified nodes, queue
@@ -395,6 +457,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
             body = await request.json()
         except ValueError:
             raise BadRequest("the body is not valid JSON") from None
+        except RecursionError:
+            raise BadRequest("the body is nested too deeply") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
         return body
@@ -427,8 +491,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
 
     @app.get("/health")
     async def health():
-        if not engine.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        if not engine.alive or server.stopping:
+            return JSONResponse({"status": "shutting down" if engine.alive else "engine stopped"}, status_code=503)
         return {"status": "ok", "model": model_name, **engine.describe()}
 
     @app.get("/metrics")
@@ -476,6 +540,52 @@ class BackgroundServer:
         self._sock.close()
 
 
-def run(app, host: str, port: int) -> None:
-    """Serve until interrupted (Ctrl-C or SIGTERM)."""
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off")).run()
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: `run` handles SIGINT and SIGTERM (uvicorn's handler waits for every
+    connection without a deadline, then raises the signal again)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def run(app, host: str, port: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+        log_line: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> None:
+    """Serve until SIGTERM or Ctrl-C, then stop gracefully (`Server.shutdown`): new requests get 503, those in flight
+    get up to `shutdown_timeout` seconds, then each still open ends with an error (a stream: an error event and
+    [DONE]); returns once the server has closed. A second SIGTERM or Ctrl-C ends the process at once with status 130
+    and one line, after the open streams are told (at most ABORT_GRACE_S seconds)."""
+    server = _Uvicorn(uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off",
+                                     timeout_graceful_shutdown=ABORT_GRACE_S))
+    state: Server = app.state.server
+
+    async def graceful() -> None:
+        log_line(f"stopping: new requests get 503; the {len(state.open)} in flight get up to {shutdown_timeout:g} s "
+                 "(Ctrl-C again to stop at once)")
+        await state.shutdown(shutdown_timeout)
+        server.should_exit = True
+
+    async def forced() -> None:
+        told = state.abort_all("the server was stopped (interrupted twice)")
+        await state.wait_closed(ABORT_GRACE_S)
+        print(f"kdtree-jax: interrupted twice: stopped at once ({told} open request(s) ended with an error)",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)  # at once: no shutdown of the engine or of the device
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        tasks: list[asyncio.Task] = []
+
+        def on_signal() -> None:
+            tasks.append(loop.create_task(graceful() if not tasks else forced()))
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        try:
+            await server.serve()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    asyncio.run(main())

@@ -180,7 +180,9 @@ BAD = [
     (dict(model="builtin", prompt="x", stream="yes"), "stream"),
     (dict(model="builtin"), "prompt"),
     (dict(model="builtin", prompt=["a", "b"]), "prompt"),
-    (dict(model="builtin", prompt=[1, 2, 100000]), None),  # a token id outside the vocabulary
+    (dict(model="builtin", prompt=[1, 2, 100000]), "prompt"),  # a token id outside the vocabulary
+    (dict(model="builtin", prompt="x", top_k=2**31), "top_k"),  # past the engine's int32 column
+    (dict(model="builtin", prompt="x", max_tokens=2.0), "max_tokens"),
 ]
 
 
