@@ -242,8 +242,9 @@ def ab_lines(meta: dict, rows: list[dict], extra: dict, base: dict) -> list[str]
     just before (`--base`): each step against its own bytes floor (the builds may move different bytes)."""
     old = {cell_key(r): r for r in base["rows"]}
     out = [f"## This build ({meta['commit']}) against {base['meta']['commit']}, the same cells in the same call", "",
-           f"Both on {meta['device']}; {base['meta']['commit']} ran first. Each step is divided by its own build's "
-           "bytes floor.", "",
+           f"Both on {meta['device']}; {base['meta']['commit']} ran first (XLA_FLAGS "
+           f"`{base['meta'].get('xla_flags') or 'unset'}`, then `{meta.get('xla_flags') or 'unset'}`). Each step is "
+           "divided by its own build's bytes floor.", "",
            "| context | batch x nodes | step ms before | step ms now | speedup | floor ms before | floor ms now | "
            "x floor before | x floor now | kernels a layer before | now |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -267,7 +268,8 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> Non
              f"({meta['date']}, {meta['device']}, commit {meta['commit']}, kernels={meta['kernels']})", "",
              f"{meta['layers']} layers, {meta['params_gb']:.1f} GB of weights on the device; copy bandwidth "
              f"measured in this run {bw / 1e12:.2f} TB/s. Floor = bytes / that bandwidth (weights once, the "
-             "local experts the tokens touch, the cache read and written). `python benchmarks/full_scale.py`.", "",
+             "local experts the tokens touch, the cache read and written). `python benchmarks/full_scale.py`"
+             + (f" with XLA_FLAGS=`{meta['xla_flags']}`" if meta.get("xla_flags") else "") + ".", "",
              "| context | batch x nodes | step ms | floor ms | x floor | weights GB | experts GB | cache GB | "
              "compile s |", "|---|---|---|---|---|---|---|---|---|"]
     base = extra.get("base")
@@ -363,7 +365,7 @@ def main(argv=None) -> int:
     ceil = ceilings() if jax.default_backend() == "gpu" else {"copy_Bps": 50e9}
     meta = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), commit=args.commit,
                 kernels=args.kernels, n=args.n, layers=args.layers, params_gb=nbytes(params) / 1e9, init_s=init_s,
-                copy_Bps=ceil["copy_Bps"])
+                copy_Bps=ceil["copy_Bps"], xla_flags=os.environ.get("XLA_FLAGS", ""))
     print(f"params {meta['params_gb']:.1f} GB made in {init_s:.1f} s; copy {ceil['copy_Bps'] / 1e12:.2f} TB/s",
           flush=True)
     try:

@@ -9,7 +9,9 @@
 #   OUT=/tmp/out BASE_DIR=<dir> BASE_COMMIT=<commit> bash scripts/gpu_small_m.sh ab
 #                                                    # tests; the same cells at an older commit (its tree in BASE_DIR)
 #                                                    # and at this build, side by side in one report (AB_FLAGS=1:
-#                                                    # this build with the XLA flags above)
+#                                                    # this build with the XLA flags above; BENCH=1: the embedded
+#                                                    # model's greedy tokens compared across methods; NCU=1: ncu
+#                                                    # of the custom calls in a 3-layer step)
 #
 # Environment: KDTREE_COMMIT stamps the results (default: git rev-parse --short HEAD); KDTREE_JAX_FFI_DIR = prebuilt
 # libraries of this build (else built here); CELLS, PROFILE = full_scale.py's --cells / --profile.
@@ -83,5 +85,15 @@ ab)
   step new 260 "${BIG[@]}" ${AB_FLAGS:+XLA_FLAGS="$FLAGS"} python3 benchmarks/full_scale.py --out "$OUT/results/new" \
     --cells "$CELLS" --profile "$PROFILE" --repeats 3 --commit "$KDTREE_COMMIT" \
     --base "$OUT/results/base/full_scale.json"
+  if [ -n "${BENCH:-}" ]; then  # greedy ar / chain / ddtree on the embedded model, tokens compared with ar's
+    step bench 150 ${AB_FLAGS:+env XLA_FLAGS="$FLAGS"} python3 -m kdtree_jax.cli bench --kernels ffi \
+      --budgets 16,64 --batch 2 --prompt-len 64 --max-new-tokens 48 --repeats 2
+  fi
+  if [ -n "${NCU:-}" ]; then  # where the custom calls' warps wait, in a 3-layer per-device step at 1 x 1
+    step ncu 120 ncu --clock-control none --kernel-name "regex:RouteKernel|MlaVerifyKernel|GemmKernel" \
+      --launch-skip 12 --launch-count 4 --section SpeedOfLight --section WarpStateStats --section LaunchStats \
+      --section InstructionStats python3 benchmarks/full_scale.py --layers 3 --cells 4096:1x1 --profile 4096:1x1 \
+      --repeats 1 --out /tmp/ncu_fs --profile 1:1x1
+  fi
   ;;
 esac
