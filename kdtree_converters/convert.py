@@ -786,7 +786,7 @@ def _parser() -> argparse.ArgumentParser:
                "  kdtree-convert /models/Kimi-K2.6 /ckpt/k2.6                  # INT4 experts kept bit-exact\n"
                "  kdtree-convert /models/Kimi-K2-Instruct /ckpt/k2 --experts int4   # FP8 -> INT4 experts\n"
                "  kdtree-convert /models/Kimi-K2.6 /ckpt/k2.6 --dry-run        # check and print the plan\n"
-               "  kdtree-convert --verify /ckpt/k2.6                           # check every array's checksum\n")
+               "  kdtree-convert --verify /ckpt/k2.6                           # check all that load reads\n")
     p.add_argument("src_dir", metavar="SRC_DIR", nargs="?",
                    help="Hugging Face checkpoint directory (config.json, *.safetensors or "
                         "model.safetensors.index.json, tokenizer files)")
@@ -804,8 +804,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="check the source against its config from the safetensors headers and print the plan; "
                         "reads no tensor data and writes nothing")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is a kdtree-jax checkpoint")
-    p.add_argument("--verify", metavar="CKPT", help="instead of converting, read every array of the converted "
-                                                    "checkpoint CKPT and check it against its manifest's checksums")
+    p.add_argument("--verify", metavar="CKPT", help="instead of converting, check everything kdtree_jax.load reads of "
+                                                    "the checkpoint CKPT: every array against its manifest's "
+                                                    "checksums, config.json and the arrays' shapes, the drafter, the "
+                                                    "tokenizer files")
     p.add_argument("--debug", action="store_true", help="on an error, show the traceback")
     return p
 
@@ -820,10 +822,50 @@ def main(argv: list[str] | None = None) -> int:
     return report_errors("kdtree-convert", lambda: _command(args), args.debug, status=1)
 
 
+def verify(path: str) -> str:
+    """`kdtree-convert --verify`: check everything `kj.load` reads, placing nothing on a device: every array against
+    the checksum its manifest records (`checkpoint.verify_checksums`), config.json as a ModelConfig, each item's arrays
+    against that config's shapes, the drafter (its config, its weights, its target), the tokenizer files the manifest
+    lists (present, and loading). Returns the line to print; a CheckpointError names the first problem."""
+    n = ckpt.verify_checksums(path)
+    path = os.path.abspath(path)
+    manifest = ckpt.read_json(os.path.join(path, ckpt.MANIFEST_FILE))
+    config = os.path.join(path, ckpt.CONFIG_FILE)
+    if not os.path.isfile(config):
+        raise CheckpointError(f"{path}: {ckpt.CONFIG_FILE} is missing (kj.load reads the model's config from it)")
+    try:
+        cfg = ModelConfig.from_dict(ckpt.read_json(config))
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{config}: {e}") from None
+    structs = [ckpt.top_struct(cfg), *(ckpt.layer_struct(cfg, i) for i in range(cfg.num_hidden_layers))]
+    for item, expected in zip(ckpt.item_names(cfg), structs):
+        ckpt.check_arrays(f"{item} (against {config})", ckpt.stored_arrays(path, item), ckpt.flatten(expected))
+    drafter_dir = os.path.join(path, ckpt.DRAFTER_DIR)
+    has_drafter = os.path.isdir(drafter_dir)
+    if has_drafter:
+        try:
+            ckpt.load_drafter(drafter_dir).cfg.check_target(cfg)
+        except CheckpointError:
+            raise
+        except ValueError as e:
+            raise CheckpointError(f"{drafter_dir}: {e}") from None
+    missing = [f for f in manifest.get("tokenizer_files", []) if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise CheckpointError(f"{path}: tokenizer file {missing[0]} is missing (the manifest lists it; without it "
+                              "kj.load would fall back to a byte tokenizer)")
+    try:
+        load_tokenizer(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"the tokenizer files of {path} do not load: {e}") from None
+    return (f"verified {path}: all {n} arrays match the checksums of its manifest; the config, the arrays' shapes"
+            + (", the drafter" if has_drafter else "") + " and the tokenizer load")
+
+
 def _command(args) -> int:
     if args.verify is not None:
-        n = ckpt.verify_checksums(args.verify)
-        print(f"verified {os.path.abspath(args.verify)}: all {n} arrays match the checksums of its manifest")
+        print(verify(args.verify))
         return 0
     log = lambda msg: print(msg, file=sys.stderr)
     m = convert(args.src_dir, args.out_dir, experts=args.experts, dtype=args.dtype, overwrite=args.overwrite,

@@ -19,10 +19,13 @@ layers (the model keeps every layer in arrays of its own).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import stat
+import sys
 import zipfile
 import zlib
 from typing import Any
@@ -200,9 +203,10 @@ def save_item(directory: str | os.PathLike, flat: dict[Path, np.ndarray], cfg: M
         sums.update(checksums(part))
         save_args = {p: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES,
                                      shard_axes=(0,) if p in experts or p[:-1] in experts else ()) for p in paths}
-        _writer().save(os.path.join(directory, f"{PART_PREFIX}{k:03d}"),
-                       args=ocp.args.PyTreeSave(nest(part), save_args=nest(save_args),
-                                                ocdbt_target_data_file_size=OCDBT_FILE_BYTES))
+        with _orbax_call():
+            _writer().save(os.path.join(directory, f"{PART_PREFIX}{k:03d}"),
+                           args=ocp.args.PyTreeSave(nest(part), save_args=nest(save_args),
+                                                    ocdbt_target_data_file_size=OCDBT_FILE_BYTES))
         del part
     return sums
 
@@ -272,6 +276,8 @@ def read_json(path: str | os.PathLike) -> dict:
             obj = json.load(f)
         except (UnicodeDecodeError, ValueError) as e:
             raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise CheckpointError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found a JSON {type(obj).__name__}")
     return obj
@@ -371,11 +377,77 @@ def verify_checksums(path: str | os.PathLike) -> int:
     return sum(len(v) for v in sums.values())
 
 
+def stored_arrays(path: str, item: str) -> dict[Path, Any]:
+    """{array path: its orbax metadata (shape, dtype)} of one item of the checkpoint at (absolute) path, as `load`
+    checks them before reading (`kdtree-convert --verify` checks them against the config too)."""
+    return {k: v for part in _item_parts(os.path.join(path, PARAMS_DIR, item), item)
+            for k, v in flatten(_part_metadata(part, item)).items()}
+
+
 def _item_parts(directory: str, what: str) -> list[str]:
     parts = _part_dirs(directory)
     if not parts:
         raise CheckpointError(f"{what}: item {directory} is missing or incomplete")
     return parts
+
+
+# While orbax reads or writes, and for the rest of the process once a read or write has failed, its own reports of a
+# failure stay off stderr: the failure reaches the caller as one exception (a CheckpointError, or the OSError of a full
+# disk), and these would repeat it as tracebacks, some after the call has returned. They are absl ERROR records from
+# orbax's threads, asyncio's "exception was never retrieved" for orbax's tasks, and unraisable exceptions: of orbax's
+# coroutines left running, and of tensorstore's callbacks into orbax's event loop after it closed.
+_ORBAX = {"calls": 0, "failed": False, "installed": False}
+
+
+def _orbax_noise() -> bool:
+    return _ORBAX["calls"] > 0 or _ORBAX["failed"]
+
+
+_ORBAX_MARKS = ("orbax", "tensorstore", "ocdbt")  # in the file, message or exception of a record of orbax's (any case)
+
+
+class _OrbaxRecords(logging.Filter):
+    """Drops orbax's ERROR records (absl's, and asyncio's about orbax's tasks and tensorstore's futures) while
+    `_orbax_noise()`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not _orbax_noise():
+            return True
+        text = f"{record.pathname} {record.getMessage()} {record.exc_info[1] if record.exc_info else ''}".lower()
+        return not any(mark in text for mark in _ORBAX_MARKS)
+
+
+def _orbax_unraisable(hook):
+    """sys.unraisablehook that drops orbax's unraisable exceptions while `_orbax_noise()`, else calls `hook`."""
+
+    def quiet(u) -> None:
+        code = getattr(u.object, "cr_code", None) or getattr(getattr(u.object, "get_coro", lambda: None)(),
+                                                             "cr_code", None)
+        from_orbax = code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+        closed_loop = u.object is None and isinstance(u.exc_value, RuntimeError) and \
+            str(u.exc_value) == "Event loop is closed"
+        if not (_orbax_noise() and (from_orbax or closed_loop)):
+            hook(u)
+
+    return quiet
+
+
+@contextlib.contextmanager
+def _orbax_call():
+    """Around a call into orbax: keeps its own reports of a failure off stderr (see _ORBAX)."""
+    if not _ORBAX["installed"]:
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).addFilter(_OrbaxRecords())
+        sys.unraisablehook = _orbax_unraisable(sys.unraisablehook)
+        _ORBAX["installed"] = True
+    _ORBAX["calls"] += 1
+    try:
+        yield
+    except BaseException:
+        _ORBAX["failed"] = True
+        raise
+    finally:
+        _ORBAX["calls"] -= 1
 
 
 def _one_line(e: BaseException, limit: int = 300) -> str:
@@ -387,7 +459,8 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
 def _part_metadata(part: str, what: str):
     """The tree of array metadata of one orbax part, with a CheckpointError when it does not read."""
     try:
-        meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(part).item_metadata
+        with _orbax_call():
+            meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(part).item_metadata
     except Exception as e:  # orbax and tensorstore raise plain Exceptions
         raise CheckpointError(f"{what}: {part} is corrupt ({_one_line(e)})") from None
     if meta is None:
@@ -398,8 +471,9 @@ def _part_metadata(part: str, what: str):
 def _read_part(part: str, what: str, restore_args):
     """Restore one orbax part, with a CheckpointError when its data files are corrupt or truncated."""
     try:
-        return ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
-            part, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+        with _orbax_call():
+            return ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
+                part, args=ocp.args.PyTreeRestore(restore_args=restore_args))
     except Exception as e:  # orbax and tensorstore raise plain Exceptions
         raise CheckpointError(f"{what}: {part} is corrupt or truncated ({_one_line(e)})") from None
 

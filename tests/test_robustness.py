@@ -5,7 +5,10 @@ followed by a rerun; an OSError injected into the final rename.
 """
 
 import errno
+import json
 import os
+import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -219,7 +222,7 @@ def flip_byte(item_dir: str) -> None:
 
 def test_checksums_catch_flipped_bytes(source, tmp_path, capsys):
     _, old = source
-    assert conv.main(["--verify", old]) == 0 and "all 52 arrays match" in capsys.readouterr().out
+    assert conv.main(["--verify", old]) == 0 and "all 46 arrays match" in capsys.readouterr().out
     bad = str(tmp_path / "bad")
     shutil.copytree(old, bad)
     flip_byte(os.path.join(bad, "params", "layer_001"))
@@ -261,6 +264,108 @@ def test_bogus_drafter_in_a_checkpoint_is_a_clear_error(source, tmp_path, text, 
     (bad / "drafter" / "drafter_config.json").write_text(text)
     with pytest.raises(CheckpointError, match=message):
         kj.load(str(bad))
+
+
+def damage_checkpoint(ckpt_dir, damage: str) -> None:
+    """Break one thing kj.load reads, other than array bytes."""
+    ckpt_dir = pathlib.Path(ckpt_dir)
+    config = ckpt_dir / "config.json"
+    if damage == "no_config":
+        config.unlink()
+    elif damage == "malformed_config":
+        config.write_text('{"vocab_size": 264,\n')
+    elif damage == "config_of_another_model":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "hidden_size": 96}))
+    elif damage == "bogus_drafter":
+        (ckpt_dir / "drafter").mkdir()
+        (ckpt_dir / "drafter" / "drafter_config.json").write_text('{"num_layers": 1}')
+    elif damage == "broken_tokenizer":
+        (ckpt_dir / "tiktoken.model").write_text("not a tiktoken file\n")
+    else:  # a tokenizer file the manifest lists is gone: load would fall back to bytes without a word
+        manifest = json.loads((ckpt_dir / "manifest.json").read_text())
+        (ckpt_dir / "manifest.json").write_text(json.dumps({**manifest, "tokenizer_files": ["tiktoken.model"]}))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("no_config", "config.json is missing"),
+    ("malformed_config", "config.json: not valid JSON"),
+    ("config_of_another_model", r"top \(against .*config.json\): array 'embed' has shape \(264, 64\)"),
+    ("bogus_drafter", "not a drafter config"),
+    ("broken_tokenizer", "tokenizer files of .* do not load: .*tiktoken.model:1: not a tiktoken BPE line"),
+    ("listed_tokenizer_missing", "tokenizer file tiktoken.model is missing"),
+])
+def test_verify_checks_everything_load_reads(source, tmp_path, capsys, damage, message):
+    """`kdtree-convert --verify` passes nothing that kj.load refuses (or loads differently): the config, the arrays'
+    shapes against it, the drafter and the tokenizer files, besides every array's checksum."""
+    bad = tmp_path / "bad"
+    shutil.copytree(source[1], bad)
+    damage_checkpoint(bad, damage)
+    if damage != "listed_tokenizer_missing":
+        with pytest.raises((CheckpointError, OSError, ValueError)):
+            kj.load(str(bad))
+    assert conv.main(["--verify", str(bad)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kdtree-convert: error: ") and re.search(message, err[0]), err
+
+
+# A real write failure inside orbax's threads: files past RLIMIT_FSIZE fail with EFBIG, as a full disk fails with
+# ENOSPC (SIGXFSZ ignored, so that the write fails instead of killing the process).
+FILE_SIZE_LIMIT = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]),) * 2)
+from kdtree_converters.convert import main
+sys.exit(main(sys.argv[2:]))
+"""
+PROGRESS = re.compile(r"^kdtree-convert[^:]*:\s+\d+%\|")  # tqdm's bar, redrawn on stderr
+
+
+def test_a_write_failing_inside_orbax_is_one_line_and_the_rerun_resumes(source, tmp_path):
+    src, _ = source
+    out = str(tmp_path / "out")
+    proc = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMIT, "60000", src, out], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in re.split(r"[\r\n]", proc.stderr) if line.strip() and not PROGRESS.match(line)]
+    assert "Traceback" not in proc.stderr and "absl" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("kdtree-convert: error: ") and "File too large" in lines[0], lines
+    assert "rerun the same command to resume" in lines[0] and leftovers(out) == ["partial"]
+    rerun = run_cli(src, out)
+    assert rerun.returncode == 0 and "resuming" in rerun.stderr
+    kj.load(out, verify=True)
+
+
+LOAD = """
+import sys
+import kdtree_jax as kj
+from kdtree_jax.checkpoint import CheckpointError
+try:
+    kj.load(sys.argv[1])
+except CheckpointError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("damage", ["missing_data_file", "truncated_data_file"])
+def test_a_broken_data_file_is_one_line_in_real_processes(source, tmp_path, damage):
+    """The CLI prints one line and exits 2; the API raises CheckpointError and writes nothing on stderr (orbax's
+    threads and tasks, which fail after the first error, stay quiet to the end of the process)."""
+    bad = str(tmp_path / "bad")
+    shutil.copytree(source[1], bad)
+    d = os.path.join(bad, "params", "layer_001", "part_000", "ocdbt.process_0", "d")
+    largest = max((os.path.join(d, f) for f in os.listdir(d)), key=os.path.getsize)
+    if damage == "missing_data_file":
+        os.remove(largest)
+    else:
+        os.truncate(largest, 100)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    cli = subprocess.run([sys.executable, "-m", "kdtree_jax.cli", "generate", "--model", bad, "--prompt", "x",
+                          "--max-new-tokens", "2"], capture_output=True, text=True, timeout=300, env=env)
+    err = cli.stderr.strip().splitlines()
+    assert cli.returncode == 2 and len(err) == 1, cli.stderr
+    assert err[0].startswith("kdtree-jax: error: layer_001: ") and "is corrupt or truncated" in err[0]
+    api = subprocess.run([sys.executable, "-c", LOAD, bad], capture_output=True, text=True, timeout=300, env=env)
+    assert api.returncode == 0 and api.stderr == "" and "layer_001: " in api.stdout, api.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------
