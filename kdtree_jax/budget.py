@@ -132,7 +132,7 @@ def load(path: str) -> tuple[CostModel, dict]:
         return from_record(data, data["batch"]), data.get("meta", {})
     except OSError:
         raise
-    except (ValueError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise ValueError(f"cost model file {path} is unreadable ({type(e).__name__}: {e}); measure one with "
                          "`kdtree-jax bench --calibrate` (or, if it is the one kept for this setup, delete it: the "
                          "next auto run measures it again)") from None

@@ -4,7 +4,8 @@ weights read).
 Per GPU (docs/plan.md explains each term):
   weights        every declared weight (`model.param_info`) divided by the mesh axes its logical axes map to under
                  `sharding.RULES`; INT4 experts as packed int32 words [.., in/8] plus bf16 scales [.., in/group].
-                 A drafter's weights are replicated.
+                 A drafter's weights are replicated. Totals in closed form: every decoder layer of a kind (dense
+                 MLP, MoE) has the same arrays, so one layer of each kind is declared and counted (`layer_kinds`).
   latent cache   (kv_lora_rank + qk_rope_head_dim) values per token per layer in the model dtype, replicated over the
                  model axes ep x tp (every head reads all of it) and split over dp along the batch only when dp
                  divides the batch; generate sizes it at context + budget + 1 slots, rounded up to CACHE_ALIGN.
@@ -18,7 +19,6 @@ Per GPU (docs/plan.md explains each term):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 
@@ -28,9 +28,10 @@ import numpy as np
 
 from . import configs
 from .builtin import PACKAGE_DIR
+from .checkpoint import read_json
 from .config import ModelConfig
 from .drafter import DrafterConfig, drafter_info
-from .model import ArrayInfo, check_model_fits, param_info
+from .model import ArrayInfo, Layer, Params, check_model_fits, param_info
 from .sharding import MESH_AXES, ShardingError, logical_to_spec
 
 GB = 1e9
@@ -52,23 +53,22 @@ def load_config(model: str) -> tuple[ModelConfig, DrafterConfig | None, str]:
     config = directory if os.path.isfile(directory) else os.path.join(directory, "config.json")
     if not model or not os.path.isfile(config):
         raise ValueError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) and no config.json at {config}")
-    with open(config) as f:
-        raw = json.load(f)
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config}: expected a JSON object")
-    cfg = ModelConfig.from_dict(raw) if "expert_format" in raw else ModelConfig.from_hf(raw)
+    raw = read_json(config)  # malformed JSON: an error naming the file
+    try:
+        cfg = ModelConfig.from_dict(raw) if "expert_format" in raw else ModelConfig.from_hf(raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{config}: {e}") from None
     folder = os.path.dirname(config)
     dcfg = None
     for candidate in (os.path.join(folder, "drafter", "drafter_config.json"),
                       os.path.join(folder, "drafter_config.json")):
         if os.path.isfile(candidate):
-            with open(candidate) as f:
-                draw = json.load(f)
+            draw = read_json(candidate)
             try:
                 dcfg = DrafterConfig(**{**draw, "target_layer_ids": tuple(draw["target_layer_ids"])})
-            except (KeyError, TypeError) as e:
-                raise ValueError(f"{candidate}: not a drafter config ({e})") from None
-            dcfg.check_target(cfg)
+                dcfg.check_target(cfg)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{candidate}: not a drafter config of this model ({e})") from None
             break
     name = "the embedded model" if model == "builtin" else f"checkpoint {directory}"
     return cfg, dcfg, name + (" with its drafter" if dcfg else ", no drafter")
@@ -85,7 +85,7 @@ def check_mesh(cfg: ModelConfig, mesh: dict[str, int]) -> dict[str, int]:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ShardingError(f"mesh axis {a} must be an integer >= 1, got {n!r}")
     check_model_fits(cfg, sizes["ep"], sizes["tp"])
-    weight_bytes(param_info(cfg), sizes, cfg.group_size)  # every weight dimension divides its mesh axes
+    model_weight_bytes(cfg, sizes)  # every weight dimension divides its mesh axes
     return sizes
 
 
@@ -134,6 +134,25 @@ def weight_bytes(infos, mesh: dict[str, int], group: int, replicated: bool = Fal
     """Bytes per device of a pytree of ArrayInfo declarations."""
     leaves = jax.tree.leaves(infos, is_leaf=lambda x: isinstance(x, ArrayInfo))
     return sum(leaf_bytes(a, mesh, group, replicated) for a in leaves)
+
+
+def layer_kinds(cfg: ModelConfig) -> tuple[Params, list[tuple[int, Layer]]]:
+    """(the declarations of a model of one decoder layer of each kind, [(layers of that kind in cfg, the declaration
+    of one)]): every dense layer has the same arrays, and so has every MoE layer, so that a total over the layers is
+    a sum over (at most) two kinds, whatever num_hidden_layers is."""
+    counts = [n for n in (cfg.num_dense_layers, cfg.num_moe_layers) if n]
+    one_each = dataclasses.replace(cfg, num_hidden_layers=len(counts),
+                                   first_k_dense_replace=int(cfg.num_dense_layers > 0))
+    info = param_info(one_each)
+    return info, list(zip(counts, info.layers))
+
+
+def model_weight_bytes(cfg: ModelConfig, mesh: dict[str, int]) -> int:
+    """Bytes per device of the model's weights, in closed form (`layer_kinds`): the same as weight_bytes over
+    param_info(cfg), in time that does not grow with the layer count."""
+    info, kinds = layer_kinds(cfg)
+    top = weight_bytes((info.embed, info.final_norm, info.lm_head), mesh, cfg.group_size)
+    return top + sum(n * weight_bytes(layer, mesh, cfg.group_size) for n, layer in kinds)
 
 
 def cache_slots(context: int, budget: int) -> int:
@@ -241,7 +260,7 @@ def plan(cfg: ModelConfig, dcfg: DrafterConfig | None, mesh: dict[str, int], con
         notes.append("no drafter in this config: a drafter's weights and context cache are not counted")
     return Plan(model=model, mesh=mesh, context=context, concurrency=concurrency, budget=budget, gpu_bytes=gpu_bytes,
                 context_limit=limit,
-                rows=rows, slots=slots, weights=weight_bytes(param_info(cfg), mesh, cfg.group_size),
+                rows=rows, slots=slots, weights=model_weight_bytes(cfg, mesh),
                 drafter_weights=weight_bytes(drafter_info(dcfg), mesh, cfg.group_size, replicated=True) if dcfg else 0,
                 latent_cache=rows * per_row, drafter_cache=rows * d_per_row,
                 activations=activation_bytes(cfg, dcfg, mesh, rows, budget),

@@ -141,6 +141,6 @@ def load_tokenizer(directory: str | os.PathLike):
         try:
             with open(config_file) as f:
                 config = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ValueError(f"{config_file}: not valid JSON ({type(e).__name__}: {e})") from None
     return TiktokenTokenizer(model_file, config)

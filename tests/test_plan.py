@@ -1,6 +1,8 @@
 """`kdtree-jax plan`: per-GPU memory from shapes alone, checked against arithmetic written out by hand."""
 
 import json
+import shutil
+import time
 
 import pytest
 
@@ -140,3 +142,46 @@ def test_a_context_past_the_models_positions_does_not_fit(capsys):
     status, r = _plan_json(capsys, "--model", "k2_6", "--mesh", "ep=8", "--context", str(r["context_limit"]),
                            "--concurrency", "1", "--budget", "64")
     assert status == 0 and r["fits"]
+
+
+@pytest.mark.parametrize("make, mesh", [
+    (kj.configs.k2_6, {"ep": 8}),
+    (lambda: kj.configs.k2_6(first_k_dense_replace=3), {"dp": 2, "ep": 4, "tp": 2}),
+    (kj.configs.tiny, {"ep": 1}),
+    (lambda: kj.configs.tiny(first_k_dense_replace=0), {"ep": 4}),  # MoE layers only
+    (lambda: kj.configs.tiny(first_k_dense_replace=3), {"ep": 2}),  # dense layers only
+    (lambda: kj.configs.tiny(q_lora_rank=None, expert_format="bf16"), {"ep": 4}),
+])
+def test_closed_form_equals_the_sum_over_every_layer(make, mesh):
+    from kdtree_jax import plan
+    from kdtree_jax.model import param_info
+
+    cfg = make()
+    sizes = plan.check_mesh(cfg, mesh)
+    assert plan.model_weight_bytes(cfg, sizes) == plan.weight_bytes(param_info(cfg), sizes, cfg.group_size)
+
+
+def test_a_million_layers_in_well_under_a_second(tmp_path, capsys):
+    """`plan` counts one layer of each kind (dense, MoE), not every layer: 10^6 layers cost what 61 do."""
+    (tmp_path / "config.json").write_text(json.dumps({**kj.configs.k2_6().to_dict(), "num_hidden_layers": 10**6}))
+    t0 = time.perf_counter()
+    status, r = _plan_json(capsys, "--model", str(tmp_path), "--mesh", "ep=8", "--context", "4096")
+    assert time.perf_counter() - t0 < 1.0
+    k2 = _plan_json(capsys, "--model", "k2_6", "--mesh", "ep=8", "--context", "4096")[1]
+    assert status == 1 and r["largest_concurrency"] == r["largest_context"] == 0
+    assert r["per_gpu_gb"]["weights"] > 10**6 / 61 * 0.99 * k2["per_gpu_gb"]["weights"]
+
+
+@pytest.mark.parametrize("name, text", [("config.json", '{"vocab_size": 264,\n'), ("config.json", "[" * 100_000),
+                                        ("config.json", "\xff"), ("drafter_config.json", "{oops"),
+                                        ("drafter_config.json", "[]")])
+def test_malformed_json_names_the_file(tmp_path, capsys, name, text):
+    from kdtree_jax.builtin import PACKAGE_DIR
+
+    for f in ("config.json", "drafter_config.json"):
+        shutil.copy(PACKAGE_DIR / f, tmp_path / f)
+    (tmp_path / name).write_text(text, encoding="latin-1")
+    assert main(["plan", "--model", str(tmp_path), "--context", "100"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"kdtree-jax: error: {tmp_path / name}: "), err
+    assert ("not valid JSON" if text != "[]" else "expected a JSON object") in err[0]
