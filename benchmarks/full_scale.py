@@ -17,7 +17,7 @@ The projection to N GPUs: tokens/s = C x tau / (per-device verify step + drafter
 measurement committed in results/sharding.md (per layer, with the current 3 all-reduces), tau from the embedded
 model's `kdtree-jax bench` on the H200 (results/RESULTS.md).
 
-    python benchmarks/full_scale.py --out benchmarks/results            # on one H200 (~80 GB of weights)
+    python benchmarks/full_scale.py                                     # on one H200 (~80 GB of weights)
     python benchmarks/full_scale.py --layers 3 --small --out /tmp/x     # CPU smoke run
 """
 
@@ -333,7 +333,7 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> Non
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "full_scale"))
     ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
     ap.add_argument("--n", type=int, default=8, help="GPUs of the mesh whose per-device program runs (default 8)")
     ap.add_argument("--layers", type=int, default=61)

@@ -169,7 +169,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="ten configurations instead of the full grid")
     ap.add_argument("--sweep", action="store_true", help="also time several key-split counts in the decode regime")
-    ap.add_argument("--sweep-at", metavar="B:N:H:S,...", help="sweep only these cases (splits 1, 2, 4, .. 128; no grid)")
+    ap.add_argument("--sweep-at", metavar="B:N:H:S,...",
+                    help="sweep only these cases (splits 1, 2, 4, .. 128; no grid)")
     add_report_args(ap, "configurations")
     args = ap.parse_args()
     if replot(args, write_report):

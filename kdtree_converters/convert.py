@@ -799,7 +799,8 @@ def _parser() -> argparse.ArgumentParser:
                         "sources, quantized from float ones) or bf16 (dense, in --dtype). Default: int4 for INT4 "
                         "sources, bf16 otherwise")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="dtype of the weights other than the INT4 experts (the router bias stays fp32). Default: bfloat16")
+                   help="dtype of the weights other than the INT4 experts (the router bias stays fp32). "
+                        "Default: bfloat16")
     p.add_argument("--dry-run", action="store_true",
                    help="check the source against its config from the safetensors headers and print the plan; "
                         "reads no tensor data and writes nothing")

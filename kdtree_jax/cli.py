@@ -13,6 +13,8 @@ import stat
 import sys
 import time
 
+from .xla_flags import apply_gpu_flags
+
 DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return'
 
 
@@ -741,6 +743,7 @@ def report_errors(prog: str, command, debug: bool, status: int) -> int:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    apply_gpu_flags()  # before jax starts a backend (docs/full_scale.md)
     command = {"generate": generate_command, "bench": bench_command, "plan": plan_command, "serve": serve_command,
                "bench-serve": bench_serve_command}[args.command]
     return report_errors("kdtree-jax", lambda: _join_and_run(command, args), args.debug, status=2)

@@ -29,8 +29,8 @@ from .kernels.marlin_moe import marlin_moe
 from .kernels.mla_verify import combine_lse, mask_softmax, mla_prefix, mla_verify, tree_attention_lse
 from .kernels.moe_route import moe_route
 from .sharding import (ShardingError, checked_sharding, current_mesh, logical_to_spec, mla_head_parallel,
-                       mla_sequence_parallel, moe_expert_parallel, sequence_sharded, take_rows_sequence,
-                       trace_context, vocab_parallel_lookup, write_rows_sequence)
+                       mla_sequence_parallel, moe_expert_parallel, replicated_call, sequence_sharded,
+                       take_rows_sequence, trace_context, vocab_parallel_lookup, write_rows_sequence)
 
 # --------------------------------------------------------------------------------------------------------------
 # 1. Weights: declared once (shape, dtype, logical axes, initializer); init, abstract shapes and shardings
@@ -572,9 +572,9 @@ def route(p: MoE, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]
     scores compete.
     """
     logits = jnp.einsum("md,de->me", x, p.router, preferred_element_type=jnp.float32)  # [M, E]
-    return moe_route(logits, p.router_bias.astype(jnp.float32), k=cfg.num_experts_per_tok, n_group=cfg.n_group,
-                     topk_group=cfg.topk_group, renormalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor,
-                     impl=cfg.impl("moe_route"))
+    choose = partial(moe_route, k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                     renormalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor, impl=cfg.impl("moe_route"))
+    return replicated_call(choose, logits, p.router_bias.astype(jnp.float32))  # as the experts take the routing
 
 
 def moe(p: MoE, x: jax.Array, cfg: ModelConfig, active: jax.Array | None = None) -> jax.Array:

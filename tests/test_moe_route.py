@@ -77,7 +77,7 @@ def assert_same_routing(ids, w, want_ids, want_w, choice, tie=1e-6):
         assert len(set(ids[r])) == ids.shape[1], f"row {r}: an expert chosen twice {ids[r]}"
         for j in np.flatnonzero(ids[r] != want_ids[r]):
             got, want = choice[r, ids[r, j]], choice[r, want_ids[r, j]]
-            assert abs(got - want) <= tie, f"row {r}, slot {j}: expert {ids[r, j]} ({got}) for {want_ids[r, j]} ({want})"
+            assert abs(got - want) <= tie, f"row {r}, slot {j}: {ids[r, j]} ({got}) for {want_ids[r, j]} ({want})"
     same = ids == want_ids
     np.testing.assert_allclose(w[same], want_w[same], rtol=1e-6, atol=1e-7)
 

@@ -35,7 +35,8 @@ def _check(logits, bias, k, n_group, topk_group) -> tuple[int, int]:
             raise ValueError(f"moe_route: {name} must be a positive int, got {v!r}")
     if e % n_group or topk_group > n_group or (n_group > 1 and e // n_group < 2) or k > e // n_group * topk_group:
         raise ValueError(f"moe_route: E = {e}, k = {k}, n_group = {n_group}, topk_group = {topk_group} do not "
-                         "describe a routing (E divisible by n_group, >= 2 experts per group, k within the kept groups)")
+                         "describe a routing (E divisible by n_group, >= 2 experts per group, k within the kept "
+                         "groups)")
     for name, a in (("logits", logits), ("bias", bias)):
         if a.dtype != jnp.float32:
             raise TypeError(f"moe_route: {name} must be float32, got {a.dtype}")

@@ -1,0 +1,32 @@
+"""XLA flags that overlap the many small kernels of a decode or verify step on a GPU; the `kdtree-jax` commands add
+them to XLA_FLAGS before jax starts (`KDTREE_JAX_XLA_FLAGS=0` leaves XLA_FLAGS as it is).
+
+`--xla_gpu_enable_pdl=true` launches XLA's kernels as programmatic dependents (the next one starts while the one
+before it ends); `--xla_gpu_executable_num_compute_streams=2` with `--xla_gpu_graph_enable_concurrent_region=true`
+lets independent work (the shared expert beside the routed experts) run on a second stream, inside CUDA graphs
+too. They change nothing on a CPU. XLA reads XLA_FLAGS once, when its first backend starts: from Python, set them
+before the first computation (`os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""))`).
+What they gain is measured in docs/full_scale.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+GPU_FLAGS = ("--xla_gpu_enable_pdl=true", "--xla_gpu_executable_num_compute_streams=2",
+             "--xla_gpu_graph_enable_concurrent_region=true")
+OPT_OUT = "KDTREE_JAX_XLA_FLAGS"  # "0": the commands leave XLA_FLAGS alone
+
+
+def with_gpu_flags(current: str) -> str:
+    """`current` (an XLA_FLAGS value) plus each of GPU_FLAGS whose flag it does not set already: a value the user
+    gave wins."""
+    given = {f.split("=", 1)[0] for f in current.split()}
+    return " ".join([current.strip(), *(f for f in GPU_FLAGS if f.split("=", 1)[0] not in given)]).strip()
+
+
+def apply_gpu_flags(environ: MutableMapping[str, str] = os.environ) -> None:
+    """environ["XLA_FLAGS"] = with_gpu_flags(its value), unless environ[OPT_OUT] is "0"."""
+    if environ.get(OPT_OUT, "1").strip() != "0":
+        environ["XLA_FLAGS"] = with_gpu_flags(environ.get("XLA_FLAGS", ""))
