@@ -1,7 +1,10 @@
 """The README's examples run as written: its Python blocks on one CPU device and on 8 simulated ones, its cheap
-commands, and CI runs its test command verbatim."""
+commands, every call its prose names (resolved by the name it is written with, then called), and CI runs its test
+command verbatim."""
 
 import ast
+import dataclasses
+import inspect
 import os
 import pathlib
 import re
@@ -15,6 +18,9 @@ ROOT = pathlib.Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
 PYTHON_BLOCKS = re.findall(r"^```python\n(.*?)^```", README, re.S | re.M)
 BASH_BLOCKS = re.findall(r"^```bash\n(.*?)^```", README, re.S | re.M)
+PROSE = re.sub(r"^```.*?^```", "", README, flags=re.S | re.M)
+# every call written in the prose's inline code: `name(...)` or `x = name(...)`
+PROSE_CALLS = re.findall(r"`(?:\w+ = )?([A-Za-z_][\w.]*)\(([^`]*)\)`", PROSE)
 EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
 
 
@@ -80,3 +86,125 @@ def test_cheap_commands_run():
     proc = _run(_cli(generate), devices=1)
     assert proc.stdout.startswith('def fibonacci(n):\n    """Return') and "[stats] method=ddtree" in proc.stdout
     assert "compiled in" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The calls the prose names
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(cfg, params, drafter) of a random tiny model: what the prose's `cfg`, `params` and `drafter` stand for."""
+    import jax
+
+    import kdtree_jax as kj
+
+    cfg = kj.configs.tiny()
+    return cfg, kj.init_params(cfg, jax.random.key(0)), kj.init_drafter(cfg, jax.random.key(1), num_layers=1,
+                                                                          block_size=8)
+
+
+def resolve(name: str, cfg):
+    """The object a prose call's name denotes: `kj.` and `kdtree_jax.` the package, a bare name the package's (as
+    `generate(...)` in the prose), `dataclasses.` the standard library's, `cfg.` a ModelConfig's."""
+    import kdtree_jax
+
+    head, *rest = name.split(".")
+    obj = {"kj": kdtree_jax, "kdtree_jax": kdtree_jax, "dataclasses": dataclasses, "cfg": cfg}.get(head)
+    obj = getattr(kdtree_jax, head) if obj is None else obj
+    for part in rest:
+        obj = getattr(obj, part)
+    return obj
+
+
+def _generate(fn, tiny, **kwargs):
+    cfg, params, drafter = tiny
+    out = fn(params, cfg, [[1, 2, 3]], max_new_tokens=4, **kwargs)
+    assert [len(t) for t in out.tokens] == [4]
+
+
+def _auto(fn, tiny, **kwargs):
+    from kdtree_jax.budget import CostModel
+
+    cfg, params, drafter = tiny  # one tier and a given cost model: nothing to measure, one program to compile
+    cost = CostModel.from_points((64,), 1, [[(1, 1.0), (1e4, 201.0)]])
+    _generate(fn, tiny, drafter=drafter, tiers=(64,), cost_model=cost, **kwargs)
+
+
+def _stream(fn, tiny):
+    import kdtree_jax as kj
+
+    cfg, params, drafter = tiny
+    streamed = [t for chunk in fn(params, cfg, [1, 2, 3], max_new_tokens=12, method="ddtree", drafter=drafter)
+                for t in chunk]
+    assert streamed == kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=12, method="ddtree",
+                                   drafter=drafter).tokens[0]
+
+
+def _one_device_mesh():
+    import jax
+
+    import kdtree_jax as kj
+
+    return kj.make_mesh(devices=jax.devices()[:1])
+
+
+def _load(fn, tiny):
+    model = fn("builtin", _one_device_mesh())  # kj.load(path, mesh): the embedded model on a mesh
+    assert dict(model.params.embed.sharding.mesh.shape) == {"dp": 1, "ep": 1, "tp": 1}
+
+
+def _init_params(fn, tiny):
+    import jax
+
+    cfg = tiny[0]
+    params = fn(cfg, jax.random.key(0), mesh=_one_device_mesh())
+    assert params.embed.shape == (cfg.vocab_size, cfg.hidden_size)
+
+
+def _replace(fn, tiny, **change):
+    cfg = fn(tiny[0], **change)
+    assert all(getattr(cfg, k) == v for k, v in change.items())
+    if "kernels" in change:
+        assert cfg.impl("tree_build") == "ffi"
+
+
+def _impl(fn, tiny):
+    assert fn("tree_build") in ("xla", "ffi")
+
+
+def _init_distributed(fn, tiny):
+    """Joining a job needs other processes: the call's arguments are bound to the function here, and
+    tests/test_multihost.py calls it in two real processes."""
+    inspect.signature(fn).bind("host0:12355", num_processes=2, process_id=0)
+    assert "kj.init_distributed(" in (ROOT / "tests" / "multihost_worker.py").read_text()
+
+
+# the prose's text of each call -> a test that calls what the name resolves to (the prose's "..." filled in)
+CALLS = {
+    "kdtree_jax.decoding.clear_compiled()": lambda fn, tiny: fn(),
+    "generate(..., temperature=0.8, top_k=40, top_p=0.95, seed=0)":
+        lambda fn, tiny: _generate(fn, tiny, temperature=0.8, top_k=40, top_p=0.95, seed=0),
+    'kdtree_jax.stream(params, cfg, ids, max_new_tokens=..., method="ddtree", drafter=...)': _stream,
+    "generate(..., prefill_chunk=1024)": lambda fn, tiny: _generate(fn, tiny, prefill_chunk=1024),
+    'dataclasses.replace(cfg, cache_sharding="sequence")':
+        lambda fn, tiny: _replace(fn, tiny, cache_sharding="sequence"),
+    'kj.init_distributed("host0:12355", num_processes=2, process_id=0)': _init_distributed,
+    "kj.load(path, mesh)": _load,
+    'generate(..., method="ddtree", budget="auto", max_budget=64)':
+        lambda fn, tiny: _auto(fn, tiny, method="ddtree", budget="auto", max_budget=64),
+    "init_params(mesh=)": _init_params,
+    'dataclasses.replace(cfg, kernels="ffi")': lambda fn, tiny: _replace(fn, tiny, kernels="ffi"),
+    "cfg.impl(op)": _impl,
+}
+
+
+def test_every_call_the_prose_names_has_a_test():
+    written = {f"{name}({args})" for name, args in PROSE_CALLS}
+    assert written == set(CALLS), (sorted(written - set(CALLS)), sorted(set(CALLS) - written))
+
+
+@pytest.mark.parametrize("name, args", PROSE_CALLS, ids=[f"{n}({a[:24]})" for n, a in PROSE_CALLS])
+def test_every_call_the_prose_names_runs(tiny, name, args):
+    CALLS[f"{name}({args})"](resolve(name, tiny[0]), tiny)
