@@ -33,13 +33,13 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import SingleDeviceSharding
 from orbax.checkpoint import type_handlers
 
 from .config import ModelConfig
 from .builtin import load_builtin, load_npz, save_npz
 from .distributed import check_same
-from .drafter import Drafter, DrafterConfig, drafter_info
+from .drafter import Drafter, DrafterConfig, drafter_info, shard_drafter
 from .model import Model, Params, abstract_params, param_info, param_shardings, shard_params
 from .tokenizer import load_tokenizer
 
@@ -232,7 +232,8 @@ def save_drafter(directory: str, dcfg, params) -> None:
 
 
 def load_drafter(directory: str, mesh: jax.sharding.Mesh | None = None):
-    """The Drafter saved by save_drafter (replicated over the mesh when one is given), every shape checked."""
+    """The Drafter saved by save_drafter (split over the mesh like the target when one is given: `drafter_shardings`),
+    every shape checked."""
     config = os.path.join(directory, "drafter_config.json")
     raw = read_json(config)
     try:
@@ -245,9 +246,8 @@ def load_drafter(directory: str, mesh: jax.sharding.Mesh | None = None):
         params = load_npz(os.path.join(directory, "params.npz"), like)
     except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
         raise CheckpointError(f"drafter: {_one_line(e)}") from None
-    if mesh is not None:
-        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-    return Drafter(params=params, cfg=dcfg)
+    drafter = Drafter(params=params, cfg=dcfg)
+    return drafter if mesh is None else shard_drafter(drafter, mesh)
 
 
 def sibling(path: str, suffix: str) -> str:
@@ -319,7 +319,8 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
         model = load_builtin()
         check_same("the model (builtin) and mesh", ["builtin", None if mesh is None else dict(mesh.shape)])
         if mesh is not None:
-            model = dataclasses.replace(model, params=shard_params(model.params, model.cfg, mesh))
+            model = dataclasses.replace(model, params=shard_params(model.params, model.cfg, mesh),
+                                        drafter=shard_drafter(model.drafter, mesh))
         return model
     path = os.path.abspath(path)  # orbax takes absolute paths only
     manifest = read_manifest(path)

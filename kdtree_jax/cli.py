@@ -383,8 +383,6 @@ def _load(args, need_drafter: bool):
     """(params, cfg, tokenizer, drafter, note), with --kernels applied and the params sharded over --mesh."""
     import dataclasses
 
-    import jax
-
     params, cfg, tok, drafter, note = _read_model(args, need_drafter)
     if args.kernels is not None:
         cfg = dataclasses.replace(cfg, kernels=args.kernels)
@@ -394,11 +392,12 @@ def _load(args, need_drafter: bool):
         cfg = dataclasses.replace(cfg, kernels="ffi", ffi_ops=tuple(o.strip() for o in args.ffi_ops.split(",")))
     if args.mesh is not None:
         import kdtree_jax as kj
+        from kdtree_jax.drafter import shard_drafter
 
         mesh = kj.make_mesh(**parse_mesh(args.mesh))
         params = kj.shard_params(params, cfg, mesh)
         if drafter is not None:
-            drafter = jax.device_put(drafter, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+            drafter = shard_drafter(drafter, mesh)
         note += f"; sharded over {dict(mesh.shape)}"
     print(f"[kdtree-jax] {note}", file=sys.stderr)
     return params, cfg, tok, drafter

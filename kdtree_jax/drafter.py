@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from .config import ConfigError, ModelConfig
 from .model import ArrayInfo, KVCache, Params, embed, init_from_info, pytree_dataclass, rms_norm, stack_info, step
+from .sharding import current_mesh, fitting_sharding, logical_to_spec
 
 
 @runtime_checkable
@@ -170,27 +171,41 @@ def drafter_info(d: DrafterConfig) -> DrafterParams:
     hq, hk, hd = d.num_heads, d.num_kv_heads, d.head_dim
     layer = DraftLayer(attn_norm=ArrayInfo((h,), dt, ("embed",), "ones"),
                        q=ArrayInfo((h, hq, hd), dt, ("embed", "heads", None)),
-                       k=ArrayInfo((h, hk, hd), dt, ("embed", None, None)),
-                       v=ArrayInfo((h, hk, hd), dt, ("embed", None, None)),
+                       k=ArrayInfo((h, hk, hd), dt, ("embed", "kv_heads", None)),
+                       v=ArrayInfo((h, hk, hd), dt, ("embed", "kv_heads", None)),
                        q_norm=ArrayInfo((hd,), dt, (None,), "ones"), k_norm=ArrayInfo((hd,), dt, (None,), "ones"),
                        o=ArrayInfo((hq, hd, h), dt, ("heads", None, "embed"), fan_in_axes=(0, 1)),
                        mlp_norm=ArrayInfo((h,), dt, ("embed",), "ones"),
                        gate=ArrayInfo((h, f), dt, ("embed", "mlp")), up=ArrayInfo((h, f), dt, ("embed", "mlp")),
                        down=ArrayInfo((f, h), dt, ("mlp", "embed")))
     n_ctx = len(d.target_layer_ids)
-    return DrafterParams(fc=ArrayInfo((n_ctx * h, h), dt, (None, "embed")),
+    return DrafterParams(fc=ArrayInfo((n_ctx * h, h), dt, ("fused_ctx", "embed")),
                          hidden_norm=ArrayInfo((h,), dt, ("embed",), "ones"),
                          layers=stack_info(layer, d.num_layers), norm=ArrayInfo((h,), dt, ("embed",), "ones"))
+
+
+def drafter_shardings(d: DrafterConfig, mesh) -> DrafterParams:
+    """A DrafterParams-shaped pytree of NamedSharding: split over the model axes like the target (query heads and
+    the MLP width over ep x tp, the key/value heads and the rows of `fc` too), each dimension the mesh does not
+    divide replicated instead (`fitting_sharding`)."""
+    return jax.tree.map(lambda a: fitting_sharding(mesh, a.shape, logical_to_spec(a.axes)), drafter_info(d),
+                        is_leaf=lambda x: isinstance(x, ArrayInfo))
+
+
+def shard_drafter(drafter: Drafter, mesh) -> Drafter:
+    """The drafter's weights placed (or re-placed) in `drafter_shardings` on the mesh."""
+    return dataclasses.replace(drafter, params=jax.device_put(drafter.params, drafter_shardings(drafter.cfg, mesh)))
 
 
 def init_drafter(cfg: ModelConfig, key: jax.Array, num_layers: int = 1, block_size: int = 8, *,
                  num_heads: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
                  intermediate_size: int | None = None, mask_token_id: int | None = None,
-                 layer_ids: tuple[int, ...] | None = None) -> Drafter:
+                 layer_ids: tuple[int, ...] | None = None, mesh=None) -> Drafter:
     """A random DFlash drafter for target `cfg` (decoding with it stays lossless; only acceptance suffers).
 
     Defaults follow the published drafters: the target's head count, 8x fewer KV heads, the target's dense MLP
-    width, as many context layers as drafter layers, mask token = the last vocabulary id (a reserved id).
+    width, as many context layers as drafter layers, mask token = the last vocabulary id (a reserved id). With a
+    mesh, every weight is made in its `drafter_shardings` (the same values as without).
     """
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
@@ -208,12 +223,21 @@ def init_drafter(cfg: ModelConfig, key: jax.Array, num_layers: int = 1, block_si
                       vocab_size=cfg.vocab_size, target_num_layers=cfg.num_hidden_layers,
                       rms_norm_eps=cfg.rms_norm_eps, dtype=cfg.dtype)
     d.check_target(cfg)
-    return Drafter(params=init_from_info(drafter_info(d), key, cfg.group_size), cfg=d)
+    shardings = None if mesh is None else drafter_shardings(d, mesh)
+    return Drafter(params=init_from_info(drafter_info(d), key, cfg.group_size, shardings), cfg=d)
 
 
 def init_draft_cache(d: DrafterConfig, batch: int, max_len: int) -> DraftCache:
+    """An empty context cache; under a model-parallel mesh, split over the key/value heads like the drafter's k and v
+    (where they divide)."""
     shape = (d.num_layers, batch, max_len, d.num_kv_heads, d.head_dim)
-    return DraftCache(k=jnp.zeros(shape, jnp.dtype(d.dtype)), v=jnp.zeros(shape, jnp.dtype(d.dtype)))
+    zeros = lambda: jnp.zeros(shape, jnp.dtype(d.dtype))
+    mesh = current_mesh()
+    if mesh is None:
+        return DraftCache(k=zeros(), v=zeros())
+    where = fitting_sharding(mesh, shape, logical_to_spec(("layers", "batch", None, "kv_heads", None)))
+    place = lambda x: jax.lax.with_sharding_constraint(x, where)
+    return DraftCache(k=place(zeros()), v=place(zeros()))
 
 
 def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:

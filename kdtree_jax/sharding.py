@@ -31,6 +31,8 @@ RULES: dict[str, tuple[str, ...] | None] = {
     "embed": None,
     "q_lora": None,
     "kv_lora": None,
+    "kv_heads": ("ep", "tp"),  # the drafter's GQA key/value heads (split where they divide, else replicated)
+    "fused_ctx": ("ep", "tp"),  # the drafter's fused target hidden states (the rows of its fc)
     "layers": None,
 }
 
@@ -94,6 +96,12 @@ def checked_sharding(mesh: Mesh, shape, spec: P, what: str) -> NamedSharding:
         if dim % n:
             raise ShardingError(f"{what}: dimension {dim} is not divisible by the {n} devices of mesh axes {entry}")
     return NamedSharding(mesh, spec)
+
+
+def fitting_sharding(mesh: Mesh, shape, spec: P) -> NamedSharding:
+    """NamedSharding(mesh, spec), each dimension that its mesh axes do not divide replicated instead (for weights
+    split where their sizes allow, such as a drafter's few key/value heads)."""
+    return NamedSharding(mesh, P(*(e if dim % _axis_size(mesh, e) == 0 else None for dim, e in zip(shape, spec))))
 
 
 def mesh_of(tree) -> Mesh | None:

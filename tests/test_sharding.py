@@ -169,3 +169,46 @@ def test_sharded_auto_budget_equals_single_device(model, layout, kernels):
     out = kj.generate(sharded, c, PROMPTS, max_new_tokens=8, method="ddtree", drafter=drafter, budget="auto",
                       max_budget=8, cost_model=cost)
     assert out.tokens == ref["ar"]
+
+
+@pytest.mark.parametrize("kv_heads", [8, 1])
+def test_sharded_drafter_equals_replicated(model, kv_heads):
+    """The DFlash drafter split over the model axes like the target (query heads, MLP width, the rows of fc; its
+    key/value heads and context cache where they divide, else replicated): made in its shardings it holds the same
+    values, its draft logits equal the replicated drafter's, and ddtree with it still gives the AR tokens."""
+    import jax.numpy as jnp
+
+    from kdtree_jax.drafter import append_context, draft, init_draft_cache, shard_drafter
+    from kdtree_jax.sharding import trace_context
+
+    cfg, params, _, _, ref = model
+    axes = GEN_MESHES[0]
+    mesh = kj.make_mesh(**axes)
+    split = mesh.shape["ep"] * mesh.shape["tp"]
+    make = lambda **kw: kj.init_drafter(cfg, jax.random.key(3), num_layers=2, block_size=4, num_heads=8,
+                                        num_kv_heads=kv_heads, intermediate_size=256, **kw)
+    drafter = make()
+    built = make(mesh=mesh)
+    sharded = shard_drafter(drafter, mesh)
+    for a, b, c in zip(jax.tree.leaves(drafter.params), jax.tree.leaves(built.params), jax.tree.leaves(sharded.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert b.sharding == c.sharding
+    q, k = sharded.params.layers.q, sharded.params.layers.k
+    assert q.addressable_shards[0].data.shape[2] == 8 // split  # query heads split
+    assert k.addressable_shards[0].data.shape[2] == (kv_heads // split if kv_heads % split == 0 else kv_heads)
+
+    target = kj.shard_params(params, cfg, mesh)
+    rng = np.random.default_rng(5)
+    hidden = jnp.asarray(rng.standard_normal((cfg.num_hidden_layers, 2, 6, cfg.hidden_size)), jnp.float32)
+    bonus = jnp.asarray([3, 7], jnp.int32)
+
+    def run(dr, tp):
+        cache = append_context(dr, init_draft_cache(dr.cfg, 2, 16), hidden, jnp.zeros((2,), jnp.int32))
+        return draft(dr, tp, cache, jnp.full((2,), 6, jnp.int32), bonus)
+
+    want = jax.jit(run)(drafter, params)
+    with trace_context(target, cfg):
+        got = jax.jit(run)(sharded, target)
+    assert rel_err(got, want) <= 1e-5
+    out = kj.generate(target, cfg, PROMPTS, max_new_tokens=8, method="ddtree", drafter=sharded, budget=8)
+    assert out.tokens == ref["ar"]

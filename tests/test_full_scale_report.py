@@ -1,0 +1,71 @@
+"""benchmarks/full_scale.py's report arithmetic on made-up numbers (no model): the projection to N GPUs, the
+cells given on the command line, the A/B table against an earlier run, and --replot from the saved JSON."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import full_scale  # noqa: E402
+
+
+def _row(context, batch, tokens, step_ms, floor_ms):
+    nbytes = dict(weights=1e9, experts=2e9, cache=3e8, total=3.3e9)
+    return dict(context=context, batch=batch, tokens=tokens, step_s=step_ms / 1e3, compile_s=10.0, bytes=nbytes,
+                floor_s=floor_ms / 1e3)
+
+
+ROWS = [_row(4096, 1, 1, 7.5, 1.5), _row(4096, 1, 17, 14.0, 6.4), _row(4096, 1, 65, 22.0, 14.0),
+        _row(4096, 10, 17, 30.5, 18.6), _row(131072, 1, 17, 99.0, 9.0)]
+COMM = {(1, 1): (0.115e-3, [14336]), (1, 65): (0.127e-3, [28672]), (10, 65): (0.498e-3, [286720])}
+META = dict(date="2026-12-04", device="test", commit="abc1234", kernels="ffi", n=8, layers=61, params_gb=76.0,
+            init_s=7.0, copy_Bps=4.1e12, xla_flags="")
+
+
+def test_projection_is_the_measured_terms_arithmetic():
+    extra = {"drafter": dict(step_s=2.6e-3)}
+    proj = {(p["method"], p["C"]): p for p in full_scale.projection(ROWS, extra, 61, COMM)}
+    # 4k cells only; 10 x 17 charged the 10 x 65 cell's all-reduces; no 10 x 1 cell, so no ar at C = 10
+    assert set(proj) == {("ar", 1), ("ddtree@16", 1), ("ddtree@64", 1), ("ddtree@16", 10)}
+    assert proj[("ddtree@16", 10)]["tok_s"] == pytest.approx(10 * 3.843 / (30.5e-3 + 2.6e-3 + 61 * 0.498e-3))
+    ar = proj[("ar", 1)]
+    assert ar["tok_s"] == pytest.approx(1.0 / (7.5e-3 + 61 * 0.115e-3))
+    d16 = proj[("ddtree@16", 1)]
+    assert d16["comm_bound"] and d16["comm_s"] == pytest.approx(61 * 0.127e-3)  # the 65-node messages, a bound
+    assert d16["tok_s"] == pytest.approx(3.843 / (14.0e-3 + 2.6e-3 + 61 * 0.127e-3))
+    assert d16["tok_s_fast"] == pytest.approx(3.843 / (14.0e-3 + 2.6e-3 + 61 * 2 * 8e-6))
+    assert d16["tok_s_quoted"]["Math500"] == pytest.approx(5.5 / (14.0e-3 + 2.6e-3 + 61 * 0.127e-3))
+    assert not proj[("ddtree@64", 1)]["comm_bound"]
+
+
+def test_cells_argument():
+    assert full_scale.parse_cells("4096:1x17, 131072:10x65") == [(4096, 1, 17), (131072, 10, 65)]
+    with pytest.raises(Exception, match="CONTEXT:BATCHxNODES"):
+        full_scale.parse_cells("4096-1x17")
+
+
+def test_ab_report_and_replot(tmp_path):
+    base_dir, new_dir = tmp_path / "base", tmp_path / "new"
+    base_rows = [dict(r, step_s=r["step_s"] * 1.25) for r in ROWS]
+    comm_json = {f"{b}x{t}": dict(seconds=s, bytes=n) for (b, t), (s, n) in COMM.items()}
+    base_extra = dict(profiles={"context 4096, 1 x 1": dict(busy_us=8000.0, launches=61 * 40, top=[])},
+                      comm=comm_json, comm_source="made up")
+    full_scale.write_report(str(base_dir), dict(META, commit="base000"), base_rows, base_extra)
+    with open(base_dir / "full_scale.json") as f:
+        base = json.load(f)
+    extra = dict(profiles={"context 4096, 1 x 1": dict(busy_us=7000.0, launches=61 * 34, top=[])}, comm=comm_json,
+                 comm_source="made up", drafter=dict(step_s=2.6e-3, bytes=7e9, layers=6, batch=1, context=4096),
+                 base=base)
+    extra["projection"] = full_scale.projection(ROWS, extra, 61, COMM)
+    full_scale.write_report(str(new_dir), META, ROWS, extra)
+    text = (new_dir / "full_scale.md").read_text()
+    assert "against base000, the same cells in the same call" in text
+    assert "| 4096 | 1 x 1 | 9.38 | 7.50 | 1.25x |" in text and "| 40.0 | 34.0 |" in text
+    assert "Best measured budget at C = 1: ddtree@16" in text
+    assert (new_dir / "full_scale.png").stat().st_size > 0
+    before = text
+    (new_dir / "full_scale.md").unlink()
+    full_scale.main(["--replot", str(new_dir / "full_scale.json")])
+    assert (new_dir / "full_scale.md").read_text() == before
