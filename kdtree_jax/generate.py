@@ -106,10 +106,12 @@ def check_params(params, cfg: ModelConfig) -> None:
                              f"{'MoE' if want_moe else 'dense MLP'} (it follows cfg.first_k_dense_replace = "
                              f"{cfg.first_k_dense_replace}): the params were made for another config")
     got, want = _leaves(params), _expected(cfg)
-    for path, problem in [*((p, "lack") for p in want if p not in got), *((p, "have") for p in got if p not in want)]:
+    missing, extra = [p for p in want if p not in got], [p for p in got if p not in want]
+    if missing or extra:
+        path, problem = (missing[0], "lack") if missing else (extra[0], "have")
         field = next((f for piece, f in _STRUCTURE_FIELDS.items() if piece in path), None)
         raise ValueError(f"params {problem} the array params{path}, which cfg "
-                         + ("declares" if problem == "lack" else "does not declare")
+                         + ("declares" if missing else "does not declare")
                          + (f" (it follows cfg.{field} = {getattr(cfg, field)!r})" if field else "")
                          + ": they were made for another config")
     for path, w in want.items():
