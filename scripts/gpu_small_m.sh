@@ -11,7 +11,8 @@
 #                                                    # and at this build, side by side in one report (AB_FLAGS=1:
 #                                                    # this build with the XLA flags above; BENCH=1: the embedded
 #                                                    # model's greedy tokens compared across methods; NCU=1: ncu
-#                                                    # of the custom calls in a 3-layer step)
+#                                                    # of the custom calls in a 3-layer step; FIXED=1, before the
+#                                                    # mode's steps: benchmarks/fixed_cost.py)
 #
 # Environment: KDTREE_COMMIT stamps the results (default: git rev-parse --short HEAD); KDTREE_JAX_FFI_DIR = prebuilt
 # libraries of this build (else built here); CELLS, PROFILE = full_scale.py's --cells / --profile.
@@ -43,6 +44,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | 
 . scripts/ffi_env.sh
 step tests 120 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_moe_route.py \
   "tests/test_mla_verify.py::test_gpu_fast_path_matches_float64_and_cpu_kernel"
+
+if [ -n "${FIXED:-}" ]; then  # each custom call's kernels hot and after an L2 flush (benchmarks/fixed_cost.py)
+  step fixed 150 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
+fi
 
 case $MODE in
 probe)

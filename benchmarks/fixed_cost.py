@@ -1,0 +1,176 @@
+"""The fixed cost of the small-M custom calls: is it their work, or a cold start?
+
+In the full per-device step (results/full_scale) the custom calls take far longer than their work at C = 1: the
+routing kernel ~10 µs, `MlaVerifyKernel` ~17 µs at 4k context (the cache read is ~1 µs), the MoE GEMMs ~15 µs for one
+expert, while XLA's small fusions take 1-3 µs. One explanation: their code (large, unrolled, run once per layer by
+few warps) is fetched cold each layer, since the weight stream evicts it from L2. This benchmark times each op's
+kernels (GPU time per launch, from a profile) in two settings inside one compiled loop:
+
+    hot    the op called `--calls` times in a row, each call's inputs depending on the last one's output
+    cold   the same, each call first waiting for a pass over a buffer 4x the L2 (`--flush-mb`), as a layer's weights
+           pass between two calls of the same kernel in the full step
+
+Cases, one device's share of K2.6 on an ep=8 mesh at C = 1 (`--small`: tiny shapes for a CPU smoke run, wall times
+only): moe_route (M = 1, E = 384, k = 8), mla_verify (B = 1, N = 1, H = 8, S = 4,096; and N = 17), marlin_moe (M = 1,
+48 local experts, one of the 8 slots local), and the control: XLA's own fusion of an RMSNorm over [1, 7168].
+
+    python benchmarks/fixed_cost.py                          # on a GPU: results/fixed_cost/
+    python benchmarks/fixed_cost.py --small --out /tmp/x     # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from profile_tools import profile_calls  # noqa: E402
+
+FLUSH_KERNEL_US = 60.0  # the flush pass takes ~130 µs a launch on an H200; the ops' kernels far less
+
+
+def cases(small: bool):
+    """{name: (fn(inputs, dep) -> output, inputs)}: dep is a scalar the inputs are perturbed by (zero in value, it
+    orders the call after whatever computed it)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kdtree_jax.kernels.marlin_moe import marlin_moe
+    from kdtree_jax.kernels.mla_verify import mla_verify
+    from kdtree_jax.kernels.moe_route import moe_route
+    from kdtree_jax.quant import Int4Array
+
+    key = iter(jax.random.split(jax.random.key(0), 32))
+    e, d, f, local = (16, 256, 128, 4) if small else (384, 7168, 2048, 48)
+    s, h, r, dr = (256, 8, 512, 64) if small else (4096, 8, 512, 64)
+    bf = jnp.bfloat16
+    out = {}
+
+    logits = jax.random.normal(next(key), (1, e), jnp.float32)
+    bias = 0.05 * jax.random.normal(next(key), (e,), jnp.float32)
+    out["moe_route M=1"] = (lambda a, dep: moe_route(a[0] + dep, a[1], k=8, scale=2.827)[1], (logits, bias))
+
+    for n in (1, 17):
+        q = jax.random.normal(next(key), (1, n, h, r), bf)
+        qp = jax.random.normal(next(key), (1, n, h, dr), bf)
+        lat = jax.random.normal(next(key), (1, s, r), bf)
+        pe = jax.random.normal(next(key), (1, s, dr), bf)
+        lens, mask = jnp.full((1,), s - n, jnp.int32), jnp.tril(jnp.ones((1, n, n), bool))
+        out[f"mla_verify 1x{n} S={s}"] = (
+            lambda a, dep: mla_verify(a[0] + dep.astype(bf), *a[1:], 0.1), (q, qp, lat, pe, lens, mask))
+
+    def int4(rows, cols):
+        packed = jax.lax.bitcast_convert_type(jax.random.bits(next(key), (local, rows, cols // 8), jnp.uint32),
+                                              jnp.int32)
+        return Int4Array(packed, (0.01 * jnp.ones((local, rows, cols // 32))).astype(bf))
+
+    x = jax.random.normal(next(key), (1, d), bf)
+    ids = jnp.asarray([[3] + [local] * 7], jnp.int32)  # one local slot, seven on other devices' experts
+    weights = jnp.asarray([[0.3] + [0.0] * 7], jnp.float32)
+    experts = (int4(f, d), int4(f, d), int4(d, f))
+    out["marlin_moe M=1 (1 local)"] = (
+        lambda a, dep: marlin_moe(a[0] + dep.astype(bf), a[1], a[2], *a[3], experts_total=e),
+        (x, ids, weights, experts))
+
+    norm = jnp.ones((d,), bf)
+
+    def rms(a, dep):
+        xf = (a[0] + dep.astype(bf)).astype(jnp.float32)
+        return (a[1] * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)).astype(bf))
+
+    out["control: XLA rms_norm [1, 7168]" if not small else "control: XLA rms_norm"] = (rms, (x, norm))
+    return out
+
+
+def loop(fn, calls: int, flush: bool):
+    """jit(inputs, buffer) -> ...: `calls` calls of fn, each after the last (and after a pass over buffer)."""
+    import jax
+    import jax.numpy as jnp
+
+    def body(_, carry):
+        inputs, buf, dep = carry
+        if flush:
+            buf = buf * jnp.asarray(1.0001, buf.dtype)
+            dep = dep + 0.0 * buf[0].astype(jnp.float32)
+        y = fn(inputs, dep)
+        return inputs, buf, 0.0 * jnp.sum(y.astype(jnp.float32))
+
+    return jax.jit(lambda inputs, buf: jax.lax.fori_loop(0, calls, body, (inputs, buf, jnp.float32(0.0)))[2])
+
+
+def measure(name, fn, inputs, calls: int, flush_bytes: int, gpu: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    buf = jnp.ones((flush_bytes // 2,), jnp.bfloat16)
+    row = dict(case=name)
+    for mode in ("hot", "cold"):
+        run = loop(fn, calls, mode == "cold")
+        jax.block_until_ready(run(inputs, buf))
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(inputs, buf))
+        row[f"{mode}_wall_us"] = 1e6 * (time.perf_counter() - t0) / calls
+        if gpu:
+            prof = profile_calls(lambda a, b: run(a, b), (inputs, buf), 3)
+            row[f"{mode}_kernels"] = {k: [n / calls, us / max(n, 1e-9)] for k, (n, us) in prof["kernels"].items()
+                                      if n >= calls * 0.9 and us / max(n, 1e-9) < FLUSH_KERNEL_US}
+    return row
+
+
+def write_report(out_dir: str, meta: dict, rows: list[dict]) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "fixed_cost.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    lines = [f"# Fixed cost of the small-M custom calls ({meta['date']}, {meta['device']}, commit {meta['commit']})",
+             "",
+             f"GPU time per launch from a profile, each op called {meta['calls']} times in one compiled loop: hot "
+             f"(back to back) and cold (each call after a pass over {meta['flush_mb']} MB, which evicts the L2). "
+             "`python benchmarks/fixed_cost.py`.", "",
+             "| case | kernel | launches a call | hot µs | cold µs | cold - hot µs |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        hot, cold = r.get("hot_kernels"), r.get("cold_kernels")
+        if hot is None:
+            lines.append(f"| {r['case']} | (wall time, no GPU profile) | - | {r['hot_wall_us']:.1f} | "
+                         f"{r['cold_wall_us']:.1f} | {r['cold_wall_us'] - r['hot_wall_us']:.1f} |")
+            continue
+        for k in sorted(hot, key=lambda k: -hot[k][1]):
+            c = cold.get(k, [0, float("nan")])
+            lines.append(f"| {r['case']} | `{k[:60]}` | {hot[k][0]:.1f} | {hot[k][1]:.1f} | {c[1]:.1f} | "
+                         f"{c[1] - hot[k][1]:.1f} |")
+    with open(os.path.join(out_dir, "fixed_cost.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "fixed_cost"))
+    ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
+    ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--calls", type=int, default=50, help="calls of each op per compiled loop")
+    ap.add_argument("--flush-mb", type=int, default=256, help="the buffer passed over before each cold call")
+    args = ap.parse_args(argv)
+    import jax
+
+    gpu = jax.default_backend() == "gpu"
+    flush_mb = args.flush_mb if not args.small else 4
+    meta = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), commit=args.commit,
+                calls=args.calls, flush_mb=flush_mb)
+    rows = []
+    for name, (fn, inputs) in cases(args.small).items():
+        rows.append(measure(name, fn, inputs, args.calls, flush_mb << 20, gpu))
+        print(f"{name}: hot {rows[-1]['hot_wall_us']:.1f} µs, cold {rows[-1]['cold_wall_us']:.1f} µs a call (wall)",
+              flush=True)
+        write_report(args.out, meta, rows)
+    print(open(os.path.join(args.out, "fixed_cost.md")).read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
