@@ -46,16 +46,22 @@ __device__ __forceinline__ Best WarpBest(Best b) {
 
 __device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// Lane `lane` holds experts lane + 32 u (u < PER) in registers: choice c[u], and bit u of `out` set for experts it
-// must not pick (taken, or past E). The best of them, ties to the lower index.
-template <int PER>
-__device__ __forceinline__ Best LaneBest(const float (&c)[PER], uint64_t out, int lane) {
-  Best b{0.0f, -1};
+// Expert i with choice v as a 64-bit key: the float's bits mapped to an unsigned order (high word), then ~i (low
+// word), so a larger key is a larger choice or, at equal choices, the lower index. 0 is below every key.
+__device__ __forceinline__ uint64_t Key(float v, int i) {
+  const uint32_t u = __float_as_uint(v);
+  const uint32_t ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<uint64_t>(ordered) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
+}
+
+__device__ __forceinline__ int KeyIndex(uint64_t key) {
+  return static_cast<int>(0xffffffffu - static_cast<uint32_t>(key));
+}
+
+__device__ __forceinline__ uint64_t WarpMax(uint64_t key) {
 #pragma unroll
-  for (int u = 0; u < PER; ++u) {
-    if (!((out >> u) & 1)) b = Better(b, Best{c[u], lane + 32 * u});
-  }
-  return b;
+  for (int o = 16; o > 0; o >>= 1) key = max(key, __shfl_xor_sync(kAll, key, o));
+  return key;
 }
 
 // One warp per token; PER = experts per lane (E <= 32 PER). Every value a lane needs is loaded before the first
@@ -131,23 +137,34 @@ __global__ void __launch_bounds__(kWarps * 32) RouteKernel(const float* __restri
       if (i < e && !kept_s[warp][i / per]) c[u] = -INFINITY;
     }
   }
-  Best mine = LaneBest(c, out, lane);
+  // The top k: each expert as one 64-bit key (value order, then the lower index), so that every step of the k
+  // warp arg-maxes is a branch-free unsigned max (the rounds are a serial chain: their latency is the kernel's).
+  uint64_t key[PER];
+#pragma unroll
+  for (int u = 0; u < PER; ++u) key[u] = ((out >> u) & 1) ? 0 : Key(c[u], lane + 32 * u);
+  uint64_t mine = 0;
+#pragma unroll
+  for (int u = 0; u < PER; ++u) mine = max(mine, key[u]);
   int id = 0;
   float w = 0.0f;
   for (int j = 0; j < k; ++j) {
-    const Best b = WarpBest(mine);
-    const int owner = b.i & 31, slot = b.i >> 5;
+    const int best = KeyIndex(WarpMax(mine));
+    const int owner = best & 31, slot = best >> 5;
     float score = 0.0f;  // the winner's unbiased score, from its lane's registers
 #pragma unroll
     for (int u = 0; u < PER; ++u) score = u == slot ? s[u] : score;
     score = __shfl_sync(kAll, score, owner);
     if (lane == j) {
-      id = b.i;
+      id = best;
       w = score;
     }
     if (lane == owner) {
-      out |= uint64_t{1} << slot;
-      mine = LaneBest(c, out, lane);
+      mine = 0;
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        key[u] = u == slot ? 0 : key[u];
+        mine = max(mine, key[u]);
+      }
     }
   }
   float total = 0.0f;  // summed in order j = 0 .. k-1, as the CPU handler does
