@@ -5,7 +5,7 @@ step, bonus included), whether the tokens equal greedy AR's (they must: lossless
 ar, chain and ddtree at batch 1 and 8 (compile time excluded, reported apart). Writes a table (.md), the raw
 numbers (.json) and a plot (.png) into --out.
 
-    python benchmarks/acceptance.py --out benchmarks/results            # on the GPU machine
+    python benchmarks/acceptance.py            # on the GPU machine: results/acceptance/
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def divergence(model, prompts, ar_tokens, tokens) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="embedded-model directory (default: the package's)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "acceptance"),
+                    help="output directory (default: results/acceptance/)")
     ap.add_argument("--budgets", default="8,16,32,64,128,256,512")
     ap.add_argument("--speed-budgets", default="32,64,256")
     ap.add_argument("--prompts", type=int, default=64)

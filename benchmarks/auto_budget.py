@@ -496,7 +496,7 @@ def _plot(out: str, emb, proj) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("part", choices=("embedded", "fullscale", "diagnose", "overhead", "report"))
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "auto_budget"))
     ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
     ap.add_argument("--small", action="store_true", help="fullscale: a tiny config (CPU smoke run)")
     ap.add_argument("--new-tokens", type=int, default=128)

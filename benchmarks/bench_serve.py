@@ -1,7 +1,8 @@
 """Serving throughput and latency of the embedded model by concurrency: for each method, a local `kdtree-jax serve`
 (the same engine and app, on 127.0.0.1) measured by `kdtree-jax bench-serve`'s client; the runs side by side in
-results/<name>.{json,md,png}, stamped with the date, the device and the commit. Each engine compiles its prefills for
-the benchmark's prompt lengths before it serves (`Engine(warmup=...)`), so that no timed request waits for one.
+results/bench_serve/<name>.{json,md,png}, stamped with the date, the device and the commit. Each engine compiles its
+prefills for the benchmark's prompt lengths before it serves (`Engine(warmup=...)`), so that no timed request waits
+for one.
 
     JAX_PLATFORMS=cpu python benchmarks/bench_serve.py --name bench_serve_cpu
     python3 benchmarks/bench_serve.py --methods ar,ddtree --budget 16,auto --name bench_serve_auto   # auto as well
@@ -42,8 +43,8 @@ def main() -> None:
                     help="characters per prompt (default: 200: byte prompts of at most 256 tokens)")
     ap.add_argument("--ffi-ops", default="", metavar="OPS",
                     help="custom calls to use, comma-separated, e.g. tree_build,tree_accept (default: none, pure JAX)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                    help="output directory (default: benchmarks/results)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_serve"),
+                    help="output directory (default: benchmarks/results/bench_serve/)")
     ap.add_argument("--name", default="bench_serve", help="output file name without extension")
     args = ap.parse_args()
     budgets = [b.strip() if b.strip() == "auto" else int(b) for b in args.budget.split(",")]

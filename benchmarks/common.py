@@ -9,10 +9,11 @@ import time
 import numpy as np
 
 
-def add_report_args(ap, unit: str) -> None:
-    """--out, --commit, --budget and --plot, shared by the benchmarks that save numbers (.json) and redraw from them."""
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                    help="directory for the table (.md), plot (.png) and numbers (.json) (default: results/)")
+def add_report_args(ap, unit: str, name: str) -> None:
+    """--out, --commit, --budget and --plot, shared by the benchmarks that save numbers (.json) and redraw from them;
+    --out defaults to the benchmark's folder, results/`name`/."""
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name),
+                    help=f"directory for the table (.md), plot (.png) and numbers (.json) (default: results/{name}/)")
     ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"),
                     help="commit stamped on the results (default: $KDTREE_COMMIT)")
     ap.add_argument("--budget", type=float, default=1e9, help=f"stop starting new {unit} after this long (s)")

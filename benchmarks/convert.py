@@ -219,7 +219,9 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=128, help="routed experts per MoE layer (default 128)")
     p.add_argument("--vocab", type=int, default=32768, help="vocabulary size (default 32768)")
     p.add_argument("--dir", default=None, help="where to put the temporary checkpoints (default: the system temp)")
-    p.add_argument("--out", default=None, help="append the markdown result to this file")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "convert",
+                                                 "convert.md"),
+                   help="append the markdown result to this file (default: results/convert/convert.md)")
     args = p.parse_args()
 
     root = tempfile.mkdtemp(prefix="kdtree-convert-bench-", dir=args.dir)

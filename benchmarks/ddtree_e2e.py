@@ -6,7 +6,7 @@ drafter of the K2.5-DFlash shape (block 8). For ar, chain and ddtree at each bud
 jitted alone and timed (median of repeats, inputs from a real step), the whole step jitted as in `generate`, and
 tokens/s = tau / step time for a given tau. Writes a table (.md) and the raw numbers (.json) into --out.
 
-    python benchmarks/ddtree_e2e.py --out benchmarks/results --kernels ffi      # on the GPU machine
+    python benchmarks/ddtree_e2e.py --kernels ffi      # on the GPU machine: results/ddtree_e2e/
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def bench(cfg, params, drafter, batch: int, prompt_len: int, method: str, budget
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ddtree_e2e"),
+                    help="output directory (default: results/ddtree_e2e/)")
     ap.add_argument("--kernels", default="xla", choices=("xla", "ffi"))
     ap.add_argument("--tiny", action="store_true", help="the tiny config (CPU smoke run)")
     ap.add_argument("--builtin", action="store_true", help="the embedded trained model and its drafter")

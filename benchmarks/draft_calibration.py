@@ -109,7 +109,9 @@ def measure(batch: int, new_tokens: int, budget: int, prompt_len: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="directory for draft_calibration.json")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "draft_calibration"),
+                    help="directory for draft_calibration.json (default: results/draft_calibration/)")
     ap.add_argument("--batch", type=int, default=8, help="prompts decoded together (default 8)")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--budget", type=int, default=128, help="tree nodes, every one verified (default 128)")

@@ -41,7 +41,8 @@ from kdtree_jax.sharding import trace_context  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", required=True, help="directory for host_bound_<tag>.json")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "host_bound"),
+                    help="directory for host_bound_<tag>.json (default: results/host_bound/)")
     ap.add_argument("--tag", default="default", help="names the run (e.g. the XLA_FLAGS setting)")
     ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
     ap.add_argument("--small", action="store_true", help="3 layers of tiny widths (CPU smoke run)")

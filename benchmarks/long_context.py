@@ -462,7 +462,8 @@ def _plot(out_dir: str, data: dict, commit: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("part", choices=[*PARTS, "report", "all"])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "long_context"))
     ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"))
     ap.add_argument("--layers", type=int, default=30, help="layers of the per-device program (sweep, prefill)")
     ap.add_argument("--mesh-layers", type=int, default=4, help="K2-width MoE layers of the 2-GPU part")

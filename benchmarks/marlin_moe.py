@@ -52,8 +52,8 @@ EXPERT_BYTES = (3 * F * D) // 2 + 2 * (3 * F * D) // GROUP  # nibbles + bf16 sca
 SETS = 4  # routing sets per timed batch of the kernel above SMALL_M tokens
 SMALL_SETS, SMALL_M = 32, 256  # up to SMALL_M tokens: 32 sets per batch, so that dispatching the batch (host time:
 # 6-17 us per custom call in batches of 32, 18-22 in batches of 4, H200 2026-12-02,
-# results/marlin_moe_stages_daa4b82.txt) stays under the GPU time; with 4 sets the per-device M = 1 call measured
-# 38 us per op, with 32 sets 25 us
+# results/marlin_moe/runs/2026-12-02_daa4b82_stages/marlin_stages.txt) stays under the GPU time; with 4 sets the
+# per-device M = 1 call measured 38 us per op, with 32 sets 25 us
 GOALS = ("goals (issue 18): >= 75% of the bandwidth floor for M <= 64 and for M = 256 .. 1,024 (<= 3 ms at M = "
          "1,024 on the K2 shape); M = 4,096 within 1.5x of max(bytes floor, FLOPs floor); the same at the per-device "
          "shape")
@@ -380,7 +380,7 @@ def main() -> None:
     ap.add_argument("--xla", action="store_true", help="also time the XLA reference (slow; fails at large M)")
     ap.add_argument("--profile", metavar="SHAPE:M:VARIANT", help="run that op twice and exit (for ncu; several "
                     "comma separated)")
-    add_report_args(ap, "sizes")
+    add_report_args(ap, "sizes", "marlin_moe")
     args = ap.parse_args()
     if replot(args, write_report):
         return

@@ -92,7 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="0,1,2,3,99", help="comma separated, of 0, 1, 2, 3, 99")
     ap.add_argument("--device-ms", default="1,4,16,64", help="M values at the per-device shape")
     ap.add_argument("--k2-ms", default="1,16", help="M values at the K2 shape")
-    ap.add_argument("--out", default=".", help="directory for marlin_stages.txt")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "marlin_moe"),
+                    help="directory for marlin_stages.txt (default: results/marlin_moe/)")
     args = ap.parse_args(argv)
     stages = [s for s in args.stages.split(",") if s]
     if not set(stages) <= {"0", "1", "2", "3", "99"}:

@@ -171,7 +171,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time several key-split counts in the decode regime")
     ap.add_argument("--sweep-at", metavar="B:N:H:S,...",
                     help="sweep only these cases (splits 1, 2, 4, .. 128; no grid)")
-    add_report_args(ap, "configurations")
+    add_report_args(ap, "configurations", "mla_verify")
     args = ap.parse_args()
     if replot(args, write_report):
         return

@@ -5,7 +5,8 @@ On the GPU machine, from the repository root, after building ffi/ (for example w
     KDTREE_JAX_FFI_DIR=/tmp/kd_build/ffi KDTREE_COMMIT=<hash> python3 benchmarks/run_all.py --out $OUT
 
 Each benchmark runs in its own process with a time allowance (quick grids); a failing or slow one is reported and
-the others still run. The tables land in --out with the names of benchmarks/results/; copy them there and update
+the others still run. Each benchmark's tables land in --out/<benchmark>/, as in benchmarks/results/<benchmark>/; copy
+them there (the run they replace into that folder's runs/, with a line in its manifest) and update
 benchmarks/RESULTS.md. `--only name,...` runs a subset. The 2-GPU sharding benchmark is apart:
 scripts/gpu_sharding.sh on the nvidia-h200-x2 kind.
 """
@@ -26,13 +27,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # acceptance run uses 8 prompts (its batch-8 speed runs reuse those compilations) and budget 64 only.
 TREE_OPS = {"KDTREE_FFI_OPS": "tree_build,tree_accept"}
 BENCHMARKS = {
-    "tree_build": (["tree_build.py", "--quick", "--out", "{out}/tree_build.md"], 90, {}),
-    "mla_verify": (["mla_verify.py", "--quick", "--budget", "60", "--out", "{out}"], 110, {}),
-    "marlin_moe": (["marlin_moe.py", "--quick", "--budget", "60", "--out", "{out}"], 120, {}),
+    "tree_build": (["tree_build.py", "--quick", "--out", "{out}/tree_build/tree_build.md"], 90, {}),
+    "mla_verify": (["mla_verify.py", "--quick", "--budget", "60", "--out", "{out}/mla_verify"], 110, {}),
+    "marlin_moe": (["marlin_moe.py", "--quick", "--budget", "60", "--out", "{out}/marlin_moe"], 120, {}),
     "acceptance": (["acceptance.py", "--kernels", "ffi", "--budgets", "64", "--speed-budgets", "64",
-                    "--prompts", "8", "--out", "{out}"], 170, TREE_OPS),
+                    "--prompts", "8", "--out", "{out}/acceptance"], 170, TREE_OPS),
     "ddtree_e2e": (["ddtree_e2e.py", "--builtin", "--kernels", "ffi", "--budgets", "64", "--prompt-len", "128",
-                    "--repeats", "10", "--out", "{out}"], 100, TREE_OPS),
+                    "--repeats", "10", "--out", "{out}/ddtree_e2e"], 100, TREE_OPS),
 }
 
 

@@ -8,7 +8,7 @@ The communication share is measured directly: the all-reduces of one layer (thos
 loop body) timed alone on the same mesh with the same message sizes. The projection (written into the results)
 scales the per-device compute of the n = 2 run to 8 devices and adds the all-reduce time.
 
-    python benchmarks/sharding.py --out benchmarks/results --kernels ffi      # on a 2-GPU machine
+    python benchmarks/sharding.py --kernels ffi      # on a 2-GPU machine: results/sharding/
     python benchmarks/sharding.py --small --out /tmp/x                         # CPU smoke run (simulate devices)
 """
 
@@ -88,7 +88,8 @@ def allreduce_time(mesh, nbytes: int, repeats: int = 20) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "sharding"),
+                    help="output directory (default: results/sharding/)")
     ap.add_argument("--kernels", default="xla", choices=("xla", "ffi"))
     ap.add_argument("--small", action="store_true", help="narrow layers (CPU smoke run)")
     ap.add_argument("--budget", type=int, default=64, help="verify: budget + 1 tree nodes per row")

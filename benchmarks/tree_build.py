@@ -3,7 +3,7 @@ and the Python heapq builder of the DDTree reference code (top-K and log-softmax
 a heapq loop per request, as liranringel/ddtree and the SGLang port do), against the floor of reading the logits once
 from HBM at the measured copy bandwidth.
 
-    python benchmarks/tree_build.py [--out results.md] [--quick]
+    python benchmarks/tree_build.py [--out TABLE.md] [--quick]   # default: results/tree_build/tree_build.md
 
 Timing: the GPU kernel runs S distinct inputs inside one jitted function (no dispatch gaps, no L2 reuse) and is
 reported per call as the median over repeats; the CPU kernel and the references are timed call by call.
@@ -130,7 +130,9 @@ def bench_config(b, depth, v, n, dtype, key, gpu, cpu, bw, quick):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None, help="write the markdown table here")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tree_build",
+                                                  "tree_build.md"),
+                    help="write the markdown table here (default: results/tree_build/tree_build.md)")
     ap.add_argument("--quick", action="store_true", help="fewer configurations and repeats")
     args = ap.parse_args()
     cpu = jax.devices("cpu")[0]
@@ -183,6 +185,7 @@ def main():
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text)
 

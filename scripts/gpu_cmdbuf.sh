@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/kdtree_jaxcache}
 OUT=${OUT:-/tmp/out}
 C=${KDTREE_COMMIT:-unknown}
-COSTS=${COSTS:-benchmarks/results/auto_budget_embedded_c1_aec89a4.json}
+COSTS=${COSTS:-benchmarks/results/auto_budget/runs/2026-12-01_aec89a4_embedded_c1/auto_budget_embedded.json}
 mkdir -p "$OUT"
 . "$(dirname "$0")/ffi_env.sh"
 run() {  # $1: name, $2: XLA_FLAGS, $3: auto loop, $4: budgets
