@@ -26,8 +26,8 @@ picks how many of its nodes the target verifies:
   (`choose_replan`).
 
 Lossless as every fixed budget is: the nodes verified are a prefix-closed subtree chosen from the draft alone, and
-every committed token is the target's own choice (docs/ddtree.md). Measured on the H200 (docs/budget.md) it beats
-the best fixed budget only at C=10 in the full-scale projection; at C=1 it is slower.
+every committed token is the target's own choice (docs/ddtree.md). How it compares with the fixed budgets, as
+measured: docs/budget.md and benchmarks/results/auto_budget/.
 
 The cost model is measured once per model shape, mesh, device, batch size and budget (`calibrate`: the same
 compiled step with the node count forced, timed at every tier and several node counts, and at two contexts), saved

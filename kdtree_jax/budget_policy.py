@@ -26,9 +26,9 @@ REPLAN_SHARE = 0.01  # the plan's cost, spread over the steps between plans, kep
 def choose_replan(plan_seconds: float, step_seconds: float) -> int:
     """Steps from one plan to the next (1: plan every step): the fewest that spread a plan's own cost
     (`plan_seconds`: the auto step at a tier's every node minus the fixed step of that size, both measured) within
-    REPLAN_SHARE of a step, at most REPLAN_MOST. Where the plan is cheap beside the step (full-scale K2.6: a 128-node
-    tree built and scored in a 16 ms step) every step is planned; where the step is a few launches (a small model,
-    0.6 ms steps), the steps between plans run the chosen tier's fixed program."""
+    REPLAN_SHARE of a step, at most REPLAN_MOST. Where the plan is cheap beside the step (a large model's step)
+    every step is planned; where the step is a few launches (a small model), the steps between plans run the chosen
+    tier's fixed program."""
     if not (math.isfinite(plan_seconds) and math.isfinite(step_seconds)) or step_seconds <= 0:
         raise ValueError(f"plan seconds {plan_seconds} and step seconds {step_seconds} must be finite, the step > 0")
     return int(min(REPLAN_MOST, max(1, math.ceil(plan_seconds / (REPLAN_SHARE * step_seconds) - 1e-9))))

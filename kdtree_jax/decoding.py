@@ -338,7 +338,7 @@ def run_steps(method: Method, params, cfg: ModelConfig, state: DecodeState, unti
     (phase int32 [], data); phase None at the loop's entry). Its loop is one while loop per phase, each running
     while its phase is planned, inside a loop over the phases in turn. The phase is read where every while loop
     reads its condition anyway, so a step costs what its phase's own loop costs; a `lax.switch` per step (the host
-    waits for the index, then launches the branch) cost 3.7-4.4 ms per step on full-scale K2.6 (H200,
+    waits for the index, then launches the branch) cost a host round trip per step on full-scale K2.6 (measured:
     docs/budget.md). A change of phase costs up to `phases` + 1 empty loop conditions. A method with `replan` > 1
     plans only every replan-th step: after a planned step, its phase's loop runs up to replan - 1 steps with
     `method.fixed_plan(params, cfg, state, sampler, phase)` as their data (an inner while loop), then plans.
