@@ -14,10 +14,11 @@ import dataclasses
 import os
 
 import kdtree_jax as kj
-from kdtree_jax import bench_serve, cli
+from kdtree_jax import cli
+from kdtree_jax.serving import bench_serve
 from kdtree_jax.budget_policy import check_tiers
-from kdtree_jax.engine import Engine
-from kdtree_jax.serve import BackgroundServer, create_app
+from kdtree_jax.serving.engine import Engine
+from kdtree_jax.serving.serve import BackgroundServer, create_app
 
 
 def main() -> None:

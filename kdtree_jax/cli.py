@@ -638,10 +638,10 @@ def _need_drafter(args, drafter) -> None:
 
 def serve_command(args) -> int:
     try:
-        from kdtree_jax import serve
+        from kdtree_jax.serving import serve
     except ImportError as e:
         raise ValueError(f"kdtree-jax serve needs the serve extra: pip install 'kdtree-jax[serve]' ({e})") from None
-    from kdtree_jax.engine import Engine
+    from kdtree_jax.serving.engine import Engine
 
     _check_auto_flags(args, args.budget == "auto")
     if args.max_context is not None and args.max_context < 64:
@@ -671,7 +671,7 @@ def serve_command(args) -> int:
 
 
 def bench_serve_command(args) -> int:
-    from kdtree_jax import bench_serve
+    from kdtree_jax.serving import bench_serve
 
     try:
         levels = [int(c) for c in args.concurrency.split(",")]

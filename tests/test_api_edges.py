@@ -134,7 +134,7 @@ def test_one_rule_for_the_api_the_engine_the_server_and_the_cli(tiny):
     message = r"top_k must be None or an integer in \[1, 2\*\*31\), got 2147483648"
     with pytest.raises(validate.ArgumentError, match=message):
         kj.Sampler(1.0, top_k=2**31)
-    from kdtree_jax.engine import Engine
+    from kdtree_jax.serving.engine import Engine
 
     with Engine(params, cfg, max_batch=1, max_context=64) as engine:
         with pytest.raises(validate.ArgumentError, match=message):

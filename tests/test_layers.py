@@ -19,8 +19,8 @@ LAYERS = [
     {"decoding", "budget_policy"},
     {"ddtree"},
     {"generate", "builtin", "budget"},
-    {"checkpoint", "engine"},
-    {"plan", "train", "cli", "serve", "bench_serve"},
+    {"checkpoint", "serving", "serving.engine"},
+    {"plan", "train", "cli", "serving.serve", "serving.bench_serve"},
     {"__init__"},
 ]
 LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import filtered_probs
 from kdtree_jax import Sampler
-from kdtree_jax.engine import RowSampler
+from kdtree_jax.serving.engine import RowSampler
 
 
 def _logits(seed: int, shape=(12, 300)) -> np.ndarray:

@@ -25,8 +25,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import kdtree_jax as kj  # noqa: E402
-from kdtree_jax.engine import Engine, Event  # noqa: E402
-from kdtree_jax.serve import BackgroundServer, TextStream, create_app  # noqa: E402
+from kdtree_jax.serving.engine import Engine, Event  # noqa: E402
+from kdtree_jax.serving.serve import BackgroundServer, TextStream, create_app  # noqa: E402
 
 ROOT = pathlib.Path(__file__).parent.parent
 BUDGET, SLOTS, CONTEXT, QUEUE = 8, 4, 256, 10  # the queue holds the concurrent test's 13 requests less the slots
@@ -256,7 +256,7 @@ def test_metrics(served):
 def test_bench_serve_reads_tau_and_nodes_from_the_counters(served):
     """`kdtree-jax bench-serve` against the server: each concurrency's row carries the tau and the draft nodes per
     request-step from the server's counters (budget 8: every step verifies 8 nodes)."""
-    from kdtree_jax import bench_serve
+    from kdtree_jax.serving import bench_serve
 
     out = bench_serve.run(served["url"], [1, 2], rounds=1, max_tokens=6, prompt_chars=24, log=lambda line: None)
     for row in out["rows"]:
@@ -273,7 +273,7 @@ def test_bench_serve_reads_tau_and_nodes_from_the_counters(served):
 
 def test_bench_serve_says_why_the_server_refused(served):
     """A request the server refuses (here: past its context) ends the run with the server's message, not its JSON."""
-    from kdtree_jax import bench_serve
+    from kdtree_jax.serving import bench_serve
 
     with pytest.raises(RuntimeError, match="the server answered 400: ") as refused:
         bench_serve.run(served["url"], [1], rounds=1, max_tokens=10**7, prompt_chars=24, log=lambda line: None)
@@ -285,7 +285,7 @@ def test_bench_serve_says_why_the_server_refused(served):
 def test_bench_serve_writes_the_runs_so_far_whole(served, tmp_path):
     """The benchmark writes its tables after each engine (a later failure keeps them): without the plot, json and md
     only, each replaced whole (no temporary left), the json readable back as the runs."""
-    from kdtree_jax import bench_serve
+    from kdtree_jax.serving import bench_serve
 
     run = bench_serve.run(served["url"], [1], rounds=1, max_tokens=4, prompt_chars=24, log=lambda line: None)
     (tmp_path / "partial.png").write_bytes(b"an earlier run's plot")  # must not stay beside the new tables

@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import kdtree_jax as kj  # noqa: E402
-from kdtree_jax import engine as engine_module  # noqa: E402
-from kdtree_jax import serve  # noqa: E402
-from kdtree_jax.engine import Engine  # noqa: E402
-from kdtree_jax.serve import BackgroundServer, create_app  # noqa: E402
+from kdtree_jax.serving import engine as engine_module  # noqa: E402
+from kdtree_jax.serving import serve  # noqa: E402
+from kdtree_jax.serving.engine import Engine  # noqa: E402
+from kdtree_jax.serving.serve import BackgroundServer, create_app  # noqa: E402
 
 SLOTS, CONTEXT = 2, 128
 STREAM_PROMPT, STREAM_TOKENS = "def f(x):\n", 48  # 10 bytes: padded to 16, like the random prompts

@@ -45,12 +45,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from . import validate
-from .checkpoint import read_json
+from .. import validate
+from ..checkpoint import read_json
 from .engine import ContextOverflow, Engine, EngineClosed, Event, QueueFull
-from .tokenizer import TOKENIZER_CONFIG_FILE
+from ..tokenizer import TOKENIZER_CONFIG_FILE
 
-log = logging.getLogger("kdtree_jax.serve")
+log = logging.getLogger("kdtree_jax.serving.serve")
 
 EMBEDDED_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}assistant:{% endif %}")

@@ -42,15 +42,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import ModelConfig
-from .ddtree import Speculative
-from . import validate
-from .decoding import DecodeState, Method, Sampler, commit, initial_state, no_reliability, prepare, run_steps
-from .generate import auto_method, check_auto, check_params, make_method
-from .model import init_cache
-from .sharding import trace_context
+from ..config import ModelConfig
+from ..ddtree import Speculative
+from .. import validate
+from ..decoding import DecodeState, Method, Sampler, commit, initial_state, no_reliability, prepare, run_steps
+from ..generate import auto_method, check_auto, check_params, make_method
+from ..model import init_cache
+from ..sharding import trace_context
 
-log = logging.getLogger("kdtree_jax.engine")
+log = logging.getLogger("kdtree_jax.serving.engine")
 
 DEFAULT_MAX_CONTEXT = 8192  # cache slots per row when the model allows that many and none are asked for
 
