@@ -14,10 +14,11 @@ jax.profiler trace of the decode and verify steps is parsed into per-kernel rows
 
 The projection to N GPUs (`projection`): tokens/s = C x tau / (per-device verify step + drafter step + 61 x the
 all-reduces of one layer) for ar and every ddtree budget whose cell was measured, each term measured: the step and
-drafter here, the all-reduces from the 2-GPU measurement committed in results/sharding.md, tau of the embedded model
-by budget (results/acceptance.md); beside it two columns that are not measurements, labelled so: all-reduces at a
-what-if latency, and the published acceptance of the K2.5 DFlash drafter (quoted). Tree build and accept are left
-out (0.1-0.4 ms per step). With --base, the report puts an earlier build's run of the same cells beside this one.
+drafter here, the all-reduces from the 2-GPU measurement committed in results/sharding/sharding.md, tau of the
+embedded model by budget (results/acceptance/acceptance.md); beside it two columns that are not measurements,
+labelled so: all-reduces at a what-if latency, and the published acceptance of the K2.5 DFlash drafter (quoted).
+Tree build and accept are left out (0.1-0.4 ms per step). With --base, the report puts an earlier build's run of the
+same cells beside this one.
 
     python benchmarks/full_scale.py                                     # on one H200 (~80 GB of weights)
     python benchmarks/full_scale.py --layers 3 --small --out /tmp/x     # CPU smoke run
@@ -56,7 +57,8 @@ PROFILED = [(4096, 1, 1), (4096, 1, 17)]
 # measured terms taken from committed results when this machine has one GPU (see the module docstring)
 COMM_PER_LAYER_S = {(1, 1): 0.115e-3, (1, 65): 0.127e-3, (10, 1): 0.123e-3, (10, 65): 0.498e-3}  # sharding.md
 COMM_CELLS = [(1, 1), (1, 65), (10, 1), (10, 65)]
-# the embedded model's ddtree tau by budget: results/acceptance.md (H200, 0e0a3ae, 64 held-out prompts; byte tokens)
+# the embedded model's ddtree tau by budget: results/acceptance/acceptance.md (H200, 0e0a3ae, 64 held-out prompts;
+# byte tokens)
 TAU = {8: 3.562, 16: 3.843, 32: 4.140, 64: 4.414}
 # quoted, not measured here: K2.5-DFlash as a chain at block 8 (its model card); a DDTree of the same block accepts at
 # least as many tokens per step
@@ -346,10 +348,11 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> Non
                              "embedded tau).")
         lines += ["", f"All-reduces: those of one MoE layer on an ep=2 mesh, {extra.get('comm_source')}, times the "
                       "layers (`<=`: the 65-node cell's messages, larger than this cell's); tau: the embedded model's "
-                      "(byte tokens, results/acceptance.md); quoted tau: K2.5-DFlash as a chain at block 8 on MT-Bench "
-                      "and Math500 from its model card (not measured here; a DDTree of the same block accepts at least "
-                      "as many); the drafter replicated (its split over the mesh is not measured yet); tree build and "
-                      "accept not included (0.1-0.4 ms per step, results/tree_build.md)."]
+                      "(byte tokens, results/acceptance/acceptance.md); quoted tau: K2.5-DFlash as a chain at block 8 "
+                      "on MT-Bench and Math500 from its model card (not measured here; a DDTree of the same block "
+                      "accepts at least as many); the drafter replicated (its split over the mesh is not measured "
+                      "yet); tree build and accept not included (0.1-0.4 ms per step, "
+                      "results/tree_build/tree_build.md)."]
     with open(os.path.join(out_dir, "full_scale.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
@@ -416,7 +419,8 @@ def main(argv=None) -> int:
     if args.base:
         with open(args.base) as f:
             extra["base"] = json.load(f)
-    comm, comm_source = {k: (v, None) for k, v in COMM_PER_LAYER_S.items()}, "results/sharding.md (2 H200s, 98aa1f1)"
+    comm = {k: (v, None) for k, v in COMM_PER_LAYER_S.items()}
+    comm_source = "results/sharding/sharding.md (2 H200s, 98aa1f1)"
     if jax.device_count() >= 2:
         comm = measure_comm(rng, args.small, args.kernels)
         comm_source = f"measured in this run on 2 devices (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')})"
