@@ -5,7 +5,7 @@ import pytest
 from kdtree_jax import cli
 from kdtree_jax.cli import DEFAULT_PROMPT, main, parse_mesh, stats_line
 
-# generate's stats, the same for every method and for the CLI's streamed ar (README "Stats")
+# generate's stats, the same for every method and for the CLI's streamed ar (docs/usage.md, "Stats")
 _STATS_KEYS = {"method", "budget", "new_tokens", "steps", "tau", "tau_histogram", "nodes", "nodes_histogram",
                "draft_reliability", "compile_s", "wall_s", "tokens_per_s"}
 

@@ -1,6 +1,6 @@
-"""The README's examples run as written: its Python blocks on one CPU device and on 8 simulated ones, its cheap
-commands, every call its prose names (resolved by the name it is written with, then called), and CI runs its test
-command verbatim."""
+"""The README's examples run as written, and those of docs/usage.md, where the rest of the README's usage went: their
+Python blocks on one CPU device and on 8 simulated ones, their cheap commands, every call their prose names (resolved
+by the name it is written with, then called), and CI runs the README's test command verbatim."""
 
 import ast
 import dataclasses
@@ -16,11 +16,21 @@ import pytest
 
 ROOT = pathlib.Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
-PYTHON_BLOCKS = re.findall(r"^```python\n(.*?)^```", README, re.S | re.M)
-BASH_BLOCKS = re.findall(r"^```bash\n(.*?)^```", README, re.S | re.M)
-PROSE = re.sub(r"^```.*?^```", "", README, flags=re.S | re.M)
+USAGE = (ROOT / "docs" / "usage.md").read_text()
+
+
+def _blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", text, re.S | re.M)
+
+
+def _prose(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+PYTHON_BLOCKS, USAGE_PYTHON_BLOCKS = _blocks(README, "python"), _blocks(USAGE, "python")
+BASH_BLOCKS, USAGE_BASH_BLOCKS = _blocks(README, "bash"), _blocks(USAGE, "bash")
 # every call written in the prose's inline code: `name(...)` or `x = name(...)`
-PROSE_CALLS = re.findall(r"`(?:\w+ = )?([A-Za-z_][\w.]*)\(([^`]*)\)`", PROSE)
+PROSE_CALLS = re.findall(r"`(?:\w+ = )?([A-Za-z_][\w.]*)\(([^`]*)\)`", _prose(README) + _prose(USAGE))
 EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
 
 
@@ -40,8 +50,10 @@ def _cli(command: str) -> list[str]:
 
 
 def test_readme_has_its_examples():
-    """The third Python block (the `openai` client) runs against a server in tests/test_serve.py."""
-    assert len(PYTHON_BLOCKS) == 3 and len(BASH_BLOCKS) >= 3
+    """The README: one device, then the `openai` client (run against a server in tests/test_serve.py); usage.md: a
+    mesh."""
+    assert len(PYTHON_BLOCKS) == 2 and "from openai import OpenAI" in PYTHON_BLOCKS[1] and len(BASH_BLOCKS) >= 3
+    assert len(USAGE_PYTHON_BLOCKS) == 1
 
 
 def test_single_device_block_runs():
@@ -51,8 +63,8 @@ def test_single_device_block_runs():
 
 @pytest.mark.parametrize("devices", [1, 8])
 def test_sharded_block_runs(devices):
-    """The sharded block does nothing on one device and generates on 8 simulated ones."""
-    proc = _run([sys.executable, "-c", PYTHON_BLOCKS[1]], devices=devices)
+    """usage.md's sharded block does nothing on one device and generates on 8 simulated ones."""
+    proc = _run([sys.executable, "-c", USAGE_PYTHON_BLOCKS[0]], devices=devices)
     if devices == 8:
         tokens = ast.literal_eval(proc.stdout.strip().splitlines()[-1])  # the printed [[...], [...]]
         assert [len(t) for t in tokens] == [8, 8]
@@ -76,11 +88,12 @@ def test_setup_commands_use_distinct_environments_and_ci_runs_the_test_command()
 
 
 def test_cheap_commands_run():
-    """`--help`, `plan` (no weights, no devices) and the main job's command (the embedded model, ~128 tokens)."""
+    """`--help`, usage.md's `plan` (no weights, no devices) and the main job's command (the embedded model, ~128
+    tokens)."""
     main, _ = _setup_commands()
     generate = main[main.index("kdtree-jax generate"):]
-    plan = BASH_BLOCKS[2].strip()
-    assert plan.startswith("kdtree-jax plan ") and "`kdtree-jax generate --help`" in README
+    plan = USAGE_BASH_BLOCKS[0].strip()
+    assert plan.startswith("kdtree-jax plan ") and "`kdtree-jax generate --help`" in USAGE
     assert "usage: kdtree-jax generate" in _run(_cli("kdtree-jax generate --help"), devices=1).stdout
     assert "fits" in _run(_cli(plan), devices=1).stdout
     proc = _run(_cli(generate), devices=1)
@@ -155,6 +168,11 @@ def _load(fn, tiny):
     assert dict(model.params.embed.sharding.mesh.shape) == {"dp": 1, "ep": 1, "tp": 1}
 
 
+def _builtin(fn):
+    model = fn("builtin")  # kj.load("builtin"): the embedded model with its drafter and tokenizer
+    assert model.drafter is not None and model.tokenizer.decode(model.tokenizer.encode("def f(")) == "def f("
+
+
 def _init_params(fn, tiny):
     import jax
 
@@ -183,6 +201,7 @@ def _init_distributed(fn, tiny):
 
 # the prose's text of each call -> a test that calls what the name resolves to (the prose's "..." filled in)
 CALLS = {
+    'kj.load("builtin")': lambda fn, tiny: _builtin(fn),
     "kdtree_jax.decoding.clear_compiled()": lambda fn, tiny: fn(),
     "generate(..., temperature=0.8, top_k=40, top_p=0.95, seed=0)":
         lambda fn, tiny: _generate(fn, tiny, temperature=0.8, top_k=40, top_p=0.95, seed=0),
