@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.linen import logical_to_mesh_axes
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -20,21 +21,22 @@ from .quant import Int4Array
 
 MESH_AXES = ("dp", "ep", "tp")
 
-# logical axis -> mesh axes (a tuple shards over their product); absent or None = replicated
-RULES: dict[str, tuple[str, ...] | None] = {
-    "batch": ("dp",),
-    "heads": ("ep", "tp"),
-    "mlp": ("ep", "tp"),
-    "vocab": ("ep", "tp"),
-    "experts": ("ep",),
-    "expert_mlp": ("tp",),
-    "embed": None,
-    "q_lora": None,
-    "kv_lora": None,
-    "kv_heads": ("ep", "tp"),  # the drafter's GQA key/value heads (split where they divide, else replicated)
-    "fused_ctx": ("ep", "tp"),  # the drafter's fused target hidden states (the rows of its fc)
-    "layers": None,
-}
+# The logical-axis rules as flax's logical partitioning takes them: (logical axis, mesh axes) pairs, a tuple of mesh
+# axes sharding over their product, None replicated; a logical axis absent here is an error.
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", "dp"),
+    ("heads", ("ep", "tp")),
+    ("mlp", ("ep", "tp")),
+    ("vocab", ("ep", "tp")),
+    ("experts", "ep"),
+    ("expert_mlp", "tp"),
+    ("embed", None),
+    ("q_lora", None),
+    ("kv_lora", None),
+    ("kv_heads", ("ep", "tp")),  # the drafter's GQA key/value heads (split where they divide, else replicated)
+    ("fused_ctx", ("ep", "tp")),  # the drafter's fused target hidden states (the rows of its fc)
+    ("layers", None),
+)
 
 
 class ShardingError(ValueError):
@@ -65,21 +67,18 @@ def make_mesh(tp: int = 1, ep: int = 1, dp: int = 1, devices=None) -> Mesh:
 
 
 def logical_to_spec(axes: tuple[str | None, ...]) -> P:
-    """PartitionSpec for logical axes under RULES; a mesh axis used twice in one array is an error."""
-    used, spec = set(), []
-    for ax in axes:
-        mesh_axes = RULES.get(ax) if ax is not None else None
-        if ax is not None and ax not in RULES:
-            raise ShardingError(f"logical axis {ax!r} has no sharding rule")
-        if mesh_axes:
-            clash = used.intersection(mesh_axes)
-            if clash:
-                raise ShardingError(f"logical axes {axes} map mesh axis {sorted(clash)} twice")
-            used.update(mesh_axes)
-            spec.append(mesh_axes if len(mesh_axes) > 1 else mesh_axes[0])
-        else:
-            spec.append(None)
-    return P(*spec)
+    """PartitionSpec of an array with these logical axes under RULES (flax's `logical_to_mesh_axes`). A logical axis
+    without a rule, or two that map the same mesh axis (flax would leave the second one replicated), is an error."""
+    rules = dict(RULES)
+    if unknown := [ax for ax in axes if ax is not None and ax not in rules]:
+        raise ShardingError(f"logical axis {unknown[0]!r} has no sharding rule")
+    try:
+        spec = logical_to_mesh_axes(axes, RULES)
+    except ValueError as e:  # a logical axis named twice
+        raise ShardingError(f"logical axes {axes}: {e}") from None
+    if left := [ax for ax, got in zip(axes, spec) if ax is not None and got != rules[ax]]:
+        raise ShardingError(f"logical axes {axes} map a mesh axis twice: {left[0]!r} -> {rules[left[0]]} is taken")
+    return spec
 
 
 def _axis_size(mesh: Mesh, entry) -> int:

@@ -5,10 +5,11 @@ import jax
 import numpy as np
 import pytest
 from conftest import rel_err
+from jax.sharding import PartitionSpec as P
 
 import kdtree_jax as kj
 from kdtree_jax.model import param_shardings
-from kdtree_jax.sharding import ShardingError, current_mesh
+from kdtree_jax.sharding import RULES, ShardingError, current_mesh, logical_to_spec
 
 N = jax.device_count()
 MESHES = {8: [dict(tp=8), dict(tp=2, ep=4), dict(ep=8), dict(dp=2, ep=2, tp=2)],
@@ -34,6 +35,47 @@ def model():
                ddtree=kj.generate(params, cfg, PROMPTS, max_new_tokens=8, method="ddtree", drafter=drafter,
                                   budget=8).tokens)
     return cfg, params, drafter, tokens, ref
+
+
+def _table_spec(axes) -> P:
+    """The PartitionSpec of logical axes read off the rules table alone: a named axis takes its rule's mesh axes,
+    an unnamed one none; no mesh axis twice in one array."""
+    rules = dict(RULES)
+    entries = [None if ax is None else rules[ax] for ax in axes]
+    used = [m for e in entries if e is not None for m in ((e,) if isinstance(e, str) else e)]
+    assert len(used) == len(set(used)), axes
+    return P(*entries)
+
+
+def test_weight_specs_follow_the_rules_table():
+    """Every weight of K2.6 and of a K2.6 drafter gets through flax's logical partitioning the spec the rules table
+    gives it, and the table is the one the model was built on."""
+    from kdtree_jax.drafter import drafter_info
+    from kdtree_jax.model import param_info
+
+    cfg = kj.configs.k2_6()
+    drafter = jax.eval_shape(lambda k: kj.init_drafter(cfg, k, num_layers=2, block_size=8), jax.random.key(0))
+    infos = jax.tree.leaves((param_info(cfg), drafter_info(drafter.cfg)), is_leaf=lambda x: hasattr(x, "axes"))
+    assert len(infos) > 61 * 10
+    for a in infos:
+        assert logical_to_spec(a.axes) == _table_spec(a.axes), a
+    mp = ("ep", "tp")
+    assert dict(RULES) == {"batch": "dp", "heads": mp, "mlp": mp, "vocab": mp, "experts": "ep", "expert_mlp": "tp",
+                           "embed": None, "q_lora": None, "kv_lora": None, "kv_heads": mp, "fused_ctx": mp,
+                           "layers": None}
+    moe = param_info(cfg).layers[-1].mlp
+    assert logical_to_spec(moe.we_down.axes) == P("ep", None, "tp")
+    assert logical_to_spec(param_info(cfg).embed.axes) == P(mp, None)
+    assert logical_to_spec(drafter_info(drafter.cfg).layers.k.axes) == P(None, None, mp, None)
+
+
+def test_bad_logical_axes_are_clear_errors():
+    with pytest.raises(ShardingError, match="'tokens' has no sharding rule"):
+        logical_to_spec(("tokens", "embed"))
+    with pytest.raises(ShardingError, match="map a mesh axis twice: 'mlp'"):
+        logical_to_spec(("heads", "mlp"))
+    with pytest.raises(ShardingError, match="map a mesh axis twice: 'experts'"):
+        logical_to_spec(("experts", "vocab"))
 
 
 @pytest.mark.parametrize("axes", MESHES, ids=mesh_id)
