@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax.traverse_util import unflatten_dict
 from jax.sharding import SingleDeviceSharding
 from orbax.checkpoint import type_handlers
 
@@ -93,19 +94,9 @@ Path = tuple[str, ...]
 
 
 def flatten(tree) -> dict[Path, Any]:
-    """{path of field names: leaf} of a pytree (a Layer, an Int4Array, nested dicts)."""
+    """{path of field names: leaf} of a pytree (a Layer, an Int4Array, nested dicts), in jax's leaf order (the order
+    the parts are written in). flax's `traverse_util.flatten_dict` takes nested dicts only."""
     return {tuple(_key_name(k) for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def nest(flat: dict[Path, Any]) -> dict:
-    """Nested dicts from {path: leaf}, the form orbax stores."""
-    out: dict = {}
-    for path, leaf in flat.items():
-        d = out
-        for k in path[:-1]:
-            d = d.setdefault(k, {})
-        d[path[-1]] = leaf
-    return out
 
 
 def from_flat(flat: dict[Path, Any], like):
@@ -205,7 +196,7 @@ def save_item(directory: str | os.PathLike, flat: dict[Path, np.ndarray], cfg: M
                                      shard_axes=(0,) if p in experts or p[:-1] in experts else ()) for p in paths}
         with _orbax_call():
             _writer().save(os.path.join(directory, f"{PART_PREFIX}{k:03d}"),
-                           args=ocp.args.PyTreeSave(nest(part), save_args=nest(save_args),
+                           args=ocp.args.PyTreeSave(unflatten_dict(part), save_args=unflatten_dict(save_args),
                                                     ocdbt_target_data_file_size=OCDBT_FILE_BYTES))
         del part
     return sums
@@ -489,5 +480,5 @@ def _restore(directory: str, what: str, expected, shardings):
     for part, paths in zip(parts, stored):
         args = {p: ocp.ArrayRestoreArgs(sharding=where[p], global_shape=want[p].shape, dtype=want[p].dtype)
                 for p in paths}
-        out.update(flatten(_read_part(part, what, nest(args))))
+        out.update(flatten(_read_part(part, what, unflatten_dict(args))))
     return from_flat(out, expected)

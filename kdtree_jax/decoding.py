@@ -24,12 +24,13 @@ from typing import Any, Callable, Iterator, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from . import validate
 from .budget_policy import RELIABILITY_BINS
 from .config import ModelConfig
 from .distributed import to_host
-from .model import KVCache, Params, init_cache, prefill_last, pytree_dataclass, step
+from .model import KVCache, Params, init_cache, prefill_last, step
 from .sharding import trace_context
 
 
@@ -198,7 +199,7 @@ def prepare(cfg: ModelConfig, prompts, max_new_tokens: int, sampler: Sampler = S
 # --------------------------------------------------------------------------------------------------------------
 
 
-@pytree_dataclass
+@struct.dataclass
 class DecodeState:
     """The carry of the decoding loop, the same for every method (one row per prompt or slot)."""
 

@@ -20,9 +20,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from .config import ConfigError, ModelConfig
-from .model import ArrayInfo, KVCache, Params, embed, init_from_info, pytree_dataclass, rms_norm, stack_info, step
+from .model import ArrayInfo, KVCache, Params, embed, init_from_info, rms_norm, stack_info, step
 from .sharding import current_mesh, fitting_sharding, logical_to_spec
 
 
@@ -93,7 +94,7 @@ class DrafterConfig:
             raise ValueError(f"drafter target_layer_ids {self.target_layer_ids} exceed the target's layers")
 
 
-@pytree_dataclass
+@struct.dataclass
 class DraftLayer:
     attn_norm: jax.Array  # [D]
     q: jax.Array  # [D, Hq, hd]
@@ -108,7 +109,7 @@ class DraftLayer:
     down: jax.Array  # [F, D]
 
 
-@pytree_dataclass
+@struct.dataclass
 class DrafterParams:
     fc: jax.Array  # [n_ctx * D, D]  fuses the concatenated target hidden states
     hidden_norm: jax.Array  # [D]
@@ -148,7 +149,7 @@ class Drafter:
         return draft(self, target, state, cache.lengths, bonus)
 
 
-@pytree_dataclass
+@struct.dataclass
 class DraftCache:
     k: jax.Array  # [Ld, B, S, Hkv, hd]  context keys (k_norm, rope at the token's position)
     v: jax.Array  # [Ld, B, S, Hkv, hd]  context values

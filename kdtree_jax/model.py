@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from .config import ModelConfig
 from .quant import Int4Array, quantize_int4
@@ -49,12 +50,7 @@ class ArrayInfo:
     fan_in_axes: tuple[int, ...] = (0,)  # which axes are the matmul's input (for "fan_in")
 
 
-def pytree_dataclass(cls):
-    """A frozen dataclass registered as a pytree (every field is a child)."""
-    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
-
-
-@pytree_dataclass
+@struct.dataclass
 class Attention:
     qkv_a: jax.Array  # [D, Rq + R + dr]      the projections of the normed input, as one weight: q_a (the query
     #                                         LoRA, absent when q_lora_rank is None), then kv_a (the latent and the
@@ -67,13 +63,13 @@ class Attention:
     o: jax.Array  # [H, dv, D]
 
 
-@pytree_dataclass
+@struct.dataclass
 class MLP:
     gate_up: jax.Array  # [D, 2, F]   the SwiGLU gate (index 0) and up (index 1) projections, one matmul
     down: jax.Array  # [F, D]
 
 
-@pytree_dataclass
+@struct.dataclass
 class MoE:
     router: jax.Array  # [D, E]             in the model's dtype (bf16 in K2 checkpoints); logits in fp32
     router_bias: jax.Array  # f32 [E]            e_score_correction_bias: selection only
@@ -83,7 +79,7 @@ class MoE:
     shared: MLP  # F = moe_intermediate_size * n_shared_experts
 
 
-@pytree_dataclass
+@struct.dataclass
 class Layer:
     attn_norm: jax.Array  # [D]
     attn: Attention
@@ -91,7 +87,7 @@ class Layer:
     mlp: MLP | MoE
 
 
-@pytree_dataclass
+@struct.dataclass
 class Params:
     embed: jax.Array  # [V, D]
     layers: tuple[Layer, ...]  # the decoder layers in order, each holding its own arrays (no layer axis): the
@@ -327,7 +323,7 @@ class Model:
 # --------------------------------------------------------------------------------------------------------------
 
 
-@pytree_dataclass
+@struct.dataclass
 class KVCache:
     """One buffer per layer, so that a layer's new rows are written where they lie (a donated cache is updated
     in place; no stacked array is ever sliced or re-assembled)."""
@@ -619,7 +615,7 @@ def _layer(h, lp: Layer, cos, sin, cfg: ModelConfig, mode: str, cache_layer, len
 # --------------------------------------------------------------------------------------------------------------
 
 
-@pytree_dataclass
+@struct.dataclass
 class StepOutput:
     logits: jax.Array  # f32 [B, T, V]
     hidden: jax.Array  # [L, B, T, D] output of every layer (before the final norm)
