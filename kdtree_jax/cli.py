@@ -511,7 +511,7 @@ def _bench_prompts(tok, batch: int, length: int, seed: int) -> list[list[int]]:
     """`batch` windows of `length` tokens from the held-out standard-library files, in the model's tokenizer."""
     import numpy as np
 
-    from kdtree_jax.train import corpus_split, windows
+    from kdtree_jax.corpus import corpus_split, windows
 
     _, held = corpus_split()
     ids = []

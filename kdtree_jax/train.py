@@ -1,9 +1,9 @@
 """Training the embedded default model: a small K2-architecture target and its DFlash drafter.
 
-Corpus: the Python standard library's own source files (`Lib/` of the running interpreter), split
-deterministically into train and held-out files by a hash of their relative path; bytes as tokens (see README).
+Corpus: the Python standard library's own source files, bytes as tokens (`kdtree_jax.corpus`).
 
-1. `train_target`: next-byte cross-entropy with AdamW; the MoE router's `e_score_correction_bias` is trained the
+1. `train_target`: next-byte cross-entropy with AdamW (optax: global-norm clipping, linear warmup, cosine decay to a
+   tenth of the peak rate, weight decay on matrices only); the MoE router's `e_score_correction_bias` is trained the
    DeepSeek-V3 way (no auxiliary loss: after each step, bias += rate * sign(mean load - expert load)).
 2. `export_int4`: routed experts quantized to symmetric INT4 with group-32 bf16 scales (the K2.6 format).
 3. `distill_drafter`: the target's own greedy continuations of held-in prompts are the labels; random anchor
@@ -17,23 +17,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
-import math
 import os
 import sys
-import sysconfig
 import time
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from .builtin import from_shipping, load_npz, save_npz, to_shipping
 from .config import ModelConfig
 from .configs import TINY_BOS, TINY_EOS, TINY_MASK
+from .corpus import corpus_split, load_tokens, windows
 from .drafter import Drafter, append_context, draft, init_draft_cache, init_drafter
 from .generate import generate
 from .kernels.marlin_moe import moe_experts_dense
@@ -52,40 +50,6 @@ from .model import (
     swiglu,
 )
 from .quant import quantize_int4
-
-HELDOUT_PERCENT = 10
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Corpus
-# --------------------------------------------------------------------------------------------------------------
-
-
-def corpus_split(root: str | None = None) -> tuple[list[Path], list[Path]]:
-    """(train files, held-out files) among the .py files of the standard library, by md5 of the relative path."""
-    root = Path(root or sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
-    train, held = [], []
-    for p in files:
-        h = int(hashlib.md5(str(p.relative_to(root)).encode()).hexdigest(), 16)
-        (held if h % 100 < HELDOUT_PERCENT else train).append(p)
-    return train, held
-
-
-def load_tokens(files: list[Path]) -> np.ndarray:
-    """Byte tokens of the files, each file preceded by BOS: int32 [n]."""
-    parts = []
-    for p in files:
-        data = np.frombuffer(p.read_bytes(), np.uint8).astype(np.int32)
-        parts.append(np.concatenate([[TINY_BOS], data]))
-    return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
-
-
-def windows(tokens: np.ndarray, rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
-    """`batch` random windows of `length` tokens: int32 [batch, length]."""
-    starts = rng.integers(0, len(tokens) - length, size=batch)
-    return np.stack([tokens[s:s + length] for s in starts])
-
 
 # --------------------------------------------------------------------------------------------------------------
 # The embedded model's shape
@@ -107,42 +71,25 @@ def builtin_config(**overrides) -> ModelConfig:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Optimizer (AdamW with warmup and cosine decay; no dependency beyond jax)
+# Optimizer
 # --------------------------------------------------------------------------------------------------------------
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["m", "v", "count"], meta_fields=[])
-@dataclasses.dataclass
-class AdamState:
-    m: object
-    v: object
-    count: jax.Array
+def optimizer(peak_lr: float, warmup: int, total: int) -> optax.GradientTransformation:
+    """AdamW (b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1 on matrices, none on norms and biases) on gradients
+    clipped to global norm 1, at a learning rate that rises linearly over the first `warmup` steps (step k:
+    peak_lr * (k + 1) / warmup) and then decays along a cosine to a tenth of `peak_lr` at step `total`."""
+    lr = optax.join_schedules([optax.linear_schedule(peak_lr / max(warmup, 1), peak_lr, warmup - 1),
+                               optax.cosine_decay_schedule(peak_lr, total - warmup, alpha=0.1)], [warmup])
+    decayed = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=decayed))
 
 
-def adam_init(params) -> AdamState:
-    zeros = lambda p: jnp.zeros_like(p, jnp.float32)
-    return AdamState(m=jax.tree.map(zeros, params), v=jax.tree.map(zeros, params), count=jnp.zeros((), jnp.int32))
-
-
-def lr_at(step, peak: float, warmup: int, total: int):
-    warm = peak * (step + 1) / warmup
-    frac = jnp.clip((step - warmup) / max(total - warmup, 1), 0.0, 1.0)
-    return jnp.where(step < warmup, warm, peak * (0.1 + 0.45 * (1 + jnp.cos(math.pi * frac))))
-
-
-def adam_update(params, grads, state: AdamState, lr, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, clip=1.0):
-    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
-    scale = jnp.minimum(1.0, clip / (norm + 1e-6))
-    count = state.count + 1
-    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g * scale, state.m, grads)
-    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * jnp.square(g * scale), state.v, grads)
-    c1, c2 = 1 - b1 ** count, 1 - b2 ** count
-
-    def upd(p, m, v):
-        decay = wd if p.ndim >= 2 else 0.0  # no decay on norms and biases
-        return (p - lr * (m / c1 / (jnp.sqrt(v / c2) + eps) + decay * p)).astype(p.dtype)
-
-    return jax.tree.map(upd, params, m, v), AdamState(m=m, v=v, count=count), norm
+def apply_updates(params, grads, opt, peak_lr: float, warmup: int, total: int):
+    """One `optimizer` step: (params, optimizer state, the gradients' global norm before clipping)."""
+    updates, opt = optimizer(peak_lr, warmup, total).update(grads, opt, params)
+    return optax.apply_updates(params, updates), opt, optax.tree.norm(grads)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -194,9 +141,9 @@ def lm_loss(params: Params, cfg: ModelConfig, tokens: jax.Array):
 
 
 @partial(jax.jit, static_argnames=("cfg", "warmup", "total", "peak_lr", "bias_rate"), donate_argnums=(0, 1))
-def target_step(params, opt, tokens, step, cfg, warmup, total, peak_lr, bias_rate):
+def target_step(params, opt, tokens, cfg, warmup, total, peak_lr, bias_rate):
     (loss, loads), grads = jax.value_and_grad(lm_loss, has_aux=True)(params, cfg, tokens)
-    params, opt, gnorm = adam_update(params, grads, opt, lr_at(step, peak_lr, warmup, total))
+    params, opt, gnorm = apply_updates(params, grads, opt, peak_lr, warmup, total)
     if loads is not None:  # aux-loss-free balancing of the selection bias
         step_sign = bias_rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)  # [L_moe, E]
         params = _map_moe(params, lambda mlp, j: dataclasses.replace(mlp, router_bias=mlp.router_bias + step_sign[j]))
@@ -219,13 +166,14 @@ def heldout_loss(params, cfg, held: np.ndarray, batches: int = 8, batch: int = 3
 def train_target(cfg: ModelConfig, train: np.ndarray, held: np.ndarray, *, steps: int, batch: int, length: int,
                  peak_lr: float, seed: int, log=print) -> Params:
     params = init_params(cfg, jax.random.key(seed))
-    opt = adam_init(params)
+    warmup = min(200, steps // 10)
+    opt = optimizer(peak_lr, warmup, steps).init(params)
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     for i in range(steps):
         toks = jnp.asarray(windows(train, rng, batch, length + 1))
-        params, opt, loss, gnorm = target_step(params, opt, toks, jnp.int32(i), cfg=cfg, warmup=min(200, steps // 10),
-                                               total=steps, peak_lr=peak_lr, bias_rate=1e-3)
+        params, opt, loss, gnorm = target_step(params, opt, toks, cfg=cfg, warmup=warmup, total=steps,
+                                               peak_lr=peak_lr, bias_rate=1e-3)
         if i % max(steps // 20, 1) == 0 or i == steps - 1:
             log(f"target step {i:5d}  loss {float(loss):.4f}  grad-norm {float(gnorm):.2f}  "
                 f"{time.perf_counter() - t0:.0f}s")
@@ -271,10 +219,10 @@ def drafter_loss(dparams, dcfg, target: Params, cfg: ModelConfig, seqs, anchors,
 
 
 @partial(jax.jit, static_argnames=("dcfg", "cfg", "warmup", "total", "peak_lr", "gamma"), donate_argnums=(0, 1))
-def drafter_step(dparams, opt, target, seqs, anchors, step, dcfg, cfg, warmup, total, peak_lr, gamma):
+def drafter_step(dparams, opt, target, seqs, anchors, dcfg, cfg, warmup, total, peak_lr, gamma):
     (loss, acc), grads = jax.value_and_grad(drafter_loss, has_aux=True)(dparams, dcfg, target, cfg, seqs, anchors,
                                                                         gamma)
-    dparams, opt, _ = adam_update(dparams, grads, opt, lr_at(step, peak_lr, warmup, total))
+    dparams, opt, _ = apply_updates(dparams, grads, opt, peak_lr, warmup, total)
     return dparams, opt, loss, acc
 
 
@@ -292,14 +240,15 @@ def distill_drafter(target: Params, cfg: ModelConfig, train: np.ndarray, *, num_
     drafter = init_drafter(cfg, jax.random.key(seed + 11), num_layers=num_layers, block_size=block_size,
                            mask_token_id=TINY_MASK, intermediate_size=2 * cfg.hidden_size)
     dparams, dcfg = drafter.params, drafter.cfg
-    opt = adam_init(dparams)
+    warmup = min(100, steps // 10)
+    opt = optimizer(peak_lr, warmup, steps).init(dparams)
     lo, hi = prompt_len - 1, seqs.shape[1] - block_size  # anchors whose labels are all target continuations
     for i in range(steps):
         idx = rng.integers(0, len(seqs), size=batch)
         anc = rng.integers(lo, hi + 1, size=(batch, anchors)).astype(np.int32)
         dparams, opt, loss, acc = drafter_step(dparams, opt, target, jnp.asarray(seqs[idx]), jnp.asarray(anc),
-                                               jnp.int32(i), dcfg=dcfg, cfg=cfg, warmup=min(100, steps // 10),
-                                               total=steps, peak_lr=peak_lr, gamma=gamma)
+                                               dcfg=dcfg, cfg=cfg, warmup=warmup, total=steps, peak_lr=peak_lr,
+                                               gamma=gamma)
         if i % max(steps // 20, 1) == 0 or i == steps - 1:
             log(f"drafter step {i:5d}  loss {float(loss):.4f}  top-1 acc by depth "
                 f"{np.round(np.asarray(acc), 2).tolist()}  {time.perf_counter() - t0:.0f}s")

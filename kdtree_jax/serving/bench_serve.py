@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from ..train import corpus_split
+from ..corpus import corpus_split
 
 
 def heldout_prompts(count: int, chars: int, seed: int) -> list[str]:
