@@ -80,7 +80,6 @@ def test_target_and_drafter_steps_learn():
 def test_the_corpus_helpers_are_corpus_s():
     """The corpus helpers live in kdtree_jax.corpus; train uses those (benchmarks/acceptance.py imports them from
     train)."""
-    import kdtree_jax.corpus as corpus
-    import kdtree_jax.train as train
+    from kdtree_jax import corpus, train
 
     assert all(getattr(train, n) is getattr(corpus, n) for n in ("corpus_split", "load_tokens", "windows"))
