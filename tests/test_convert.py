@@ -404,3 +404,16 @@ def test_bad_input(case, fp32, tmp_path):
     with pytest.raises(error, match=pattern):
         quiet_convert(str(tmp_path / "hf"), str(out))
     assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_nonfinite_values_are_counted_across_chunks(monkeypatch):
+    """Arrays larger than the chunk the NaN / inf check walks in: finite ones pass, and each bad value is counted
+    once (a real K2 tensor spans hundreds of chunks)."""
+    import kdtree_converters.convert as c
+
+    monkeypatch.setattr(c, "NONFINITE_CHUNK", 1000)
+    a = np.random.default_rng(0).standard_normal(10_500).astype(np.float32)
+    assert c.count_nonfinite(a) == 0
+    a[[3, 2500, 10_499]] = [np.nan, np.inf, -np.inf]
+    assert c.count_nonfinite(a) == 3
+    assert c.count_nonfinite(np.arange(5000, dtype=np.int32)) == 0

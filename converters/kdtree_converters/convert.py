@@ -143,8 +143,8 @@ def count_nonfinite(a: np.ndarray) -> int:
     if a.dtype.kind in "iub":
         return 0
     flat = a.reshape(-1)
-    return sum(int(flat.size - np.count_nonzero(np.isfinite(flat[i:i + NONFINITE_CHUNK])))
-               for i in range(0, flat.size, NONFINITE_CHUNK))
+    chunks = (flat[i:i + NONFINITE_CHUNK] for i in range(0, flat.size, NONFINITE_CHUNK))
+    return sum(int(c.size - np.count_nonzero(np.isfinite(c))) for c in chunks)
 
 
 # ---------------------------------------------------------------------------------------------------------------
