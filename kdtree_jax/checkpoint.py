@@ -28,6 +28,7 @@ import stat
 import sys
 import zipfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -295,15 +296,18 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, verify: bool = False) -> Model:
+def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, verify: bool | None = None) -> Model:
     """Load a checkpoint written by `kdtree-convert` (or "builtin": the embedded default model).
 
-    Every array is checked against `model.abstract_params(cfg)` (shape and dtype) before it is read. With a mesh,
-    each array is restored straight into its sharding (`kdtree_jax.model.param_shardings`): every device
-    reads only its shard (over several hosts, each process restores the shards of its own devices), layer by
-    layer, so no device ever holds a full copy. Without a mesh, everything goes to the first device. With verify,
-    every array is first checked against the checksum the manifest records (`verify_checksums`). Over several
-    processes, all must load the same checkpoint onto the same mesh (checked: a clear error, not a hang).
+    Every array is checked against `model.abstract_params(cfg)` (shape and dtype) before it is read, and, as it is
+    read, against the CRC-32 the manifest records (checked loads: a flipped byte anywhere is a CheckpointError
+    naming the array; the checksums run in worker threads while the next part is read). Each array then goes to its
+    sharding (`kdtree_jax.model.param_shardings`; without a mesh, to the first device), layer by layer, so no device
+    ever holds more than its share. verify=False skips the checksums: each device then reads only its shard. The
+    default (None) checks them on a single process; over several processes it does not, since a whole-array
+    checksum needs the whole array on every host (verify=True forces it; `kdtree-convert --verify` checks a
+    checkpoint on its own). Over several processes, all must load the same checkpoint onto the same mesh (checked: a
+    clear error, not a hang).
     """
     path = os.fspath(path)
     if path == "builtin":  # the embedded default model shipped in the package
@@ -315,8 +319,12 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
         return model
     path = os.path.abspath(path)  # orbax takes absolute paths only
     manifest = read_manifest(path)
-    if verify:
-        verify_checksums(path)
+    sums = None
+    if verify or (verify is None and jax.process_count() == 1):
+        sums = manifest.get("checksums")
+        if not sums:
+            raise CheckpointError(f"{path}: the manifest records no checksums (converted by an older kdtree-convert); "
+                                  "convert it again, or load it with verify=False")
     try:
         cfg = ModelConfig.from_dict(read_json(os.path.join(path, CONFIG_FILE)))
     except (TypeError, ValueError) as e:
@@ -330,13 +338,18 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
     else:
         shardings = param_shardings(cfg, mesh)
     params_dir = os.path.join(path, PARAMS_DIR)
-    top = _restore(os.path.join(params_dir, TOP_ITEM), TOP_ITEM, {k: getattr(abstract, k) for k in TOP_FIELDS},
-                   {k: getattr(shardings, k) for k in TOP_FIELDS})
-    layers = tuple(_restore(os.path.join(params_dir, layer_item(i)), layer_item(i), abstract.layers[i],
-                            shardings.layers[i]) for i in range(cfg.num_hidden_layers))
+    item_sums = (lambda item: sums.get(item, {})) if sums else (lambda item: None)
+    with ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 2) - 1))) as pool:
+        top = _restore(os.path.join(params_dir, TOP_ITEM), TOP_ITEM, {k: getattr(abstract, k) for k in TOP_FIELDS},
+                       {k: getattr(shardings, k) for k in TOP_FIELDS}, item_sums(TOP_ITEM), pool)
+        layers = tuple(_restore(os.path.join(params_dir, layer_item(i)), layer_item(i), abstract.layers[i],
+                                shardings.layers[i], item_sums(layer_item(i)), pool)
+                       for i in range(cfg.num_hidden_layers))
     params = Params(layers=layers, **top)
     drafter_dir = os.path.join(path, DRAFTER_DIR)
     drafter = load_drafter(drafter_dir, mesh) if os.path.isdir(drafter_dir) else None
+    if drafter is not None and sums:
+        check_sums(DRAFTER_DIR, item_sums(DRAFTER_DIR), checksums(flatten(drafter.params)))
     return Model(cfg=cfg, params=params, drafter=drafter, tokenizer=load_tokenizer(path), manifest=manifest)
 
 
@@ -358,15 +371,21 @@ def verify_checksums(path: str | os.PathLike) -> int:
                 meta = _part_metadata(part, item)
                 args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
                 got.update(checksums(flatten(_read_part(part, item, args))))
-        if missing := sorted(want.keys() - got.keys()):
-            raise CheckpointError(f"{item}: array {missing[0]!r} is missing (the manifest records it)")
-        if extra := sorted(got.keys() - want.keys()):
-            raise CheckpointError(f"{item}: array {extra[0]!r} is not in the manifest")
-        if bad := sorted(k for k in want if want[k] != got[k]):
-            raise CheckpointError(f"{item}: array {bad[0]!r} does not match its checksum (crc32 {got[bad[0]]}, the "
-                                  f"manifest records {want[bad[0]]}): the checkpoint is corrupt"
-                                  + (f", as are {len(bad) - 1} other array(s)" if len(bad) > 1 else ""))
+        check_sums(item, want, got)
     return sum(len(v) for v in sums.values())
+
+
+def check_sums(item: str, want: dict[str, str], got: dict[str, str]) -> None:
+    """Raise CheckpointError when the checksums `got` ({dotted array path: crc32}) of an item's arrays differ from
+    those its manifest records (`want`), naming the first array that differs, is missing or is not recorded."""
+    if missing := sorted(want.keys() - got.keys()):
+        raise CheckpointError(f"{item}: array {missing[0]!r} is missing (the manifest records it)")
+    if extra := sorted(got.keys() - want.keys()):
+        raise CheckpointError(f"{item}: array {extra[0]!r} is not in the manifest")
+    if bad := sorted(k for k in want if want[k] != got[k]):
+        raise CheckpointError(f"{item}: array {bad[0]!r} does not match its checksum (crc32 {got[bad[0]]}, the "
+                              f"manifest records {want[bad[0]]}): the checkpoint is corrupt"
+                              + (f", as are {len(bad) - 1} other array(s)" if len(bad) > 1 else ""))
 
 
 def stored_arrays(path: str, item: str) -> dict[Path, Any]:
@@ -470,15 +489,28 @@ def _read_part(part: str, what: str, restore_args):
         raise CheckpointError(f"{what}: {part} is corrupt or truncated ({_one_line(e)})") from None
 
 
-def _restore(directory: str, what: str, expected, shardings):
-    """Restore one item into `shardings` after checking its arrays against `expected` (same structure)."""
+def _restore(directory: str, what: str, expected, shardings, sums: dict[str, str] | None, pool: ThreadPoolExecutor):
+    """Restore one item into `shardings` after checking its arrays against `expected` (same structure).
+
+    With `sums` (the manifest's {dotted array path: crc32} of the item), each part is read to the host, its arrays'
+    checksums computed in `pool` while the next part is read (zlib releases the GIL), each array placed in its
+    sharding, and the checksums compared before returning; without, each device reads only its shard."""
     parts = _item_parts(directory, what)
     stored = [flatten(_part_metadata(p, what)) for p in parts]
     check_arrays(what, {k: v for part in stored for k, v in part.items()}, flatten(expected))
     want, where = flatten(expected), flatten(shardings)
-    out = {}
+    out, pending = {}, {}
     for part, paths in zip(parts, stored):
-        args = {p: ocp.ArrayRestoreArgs(sharding=where[p], global_shape=want[p].shape, dtype=want[p].dtype)
-                for p in paths}
-        out.update(flatten(_read_part(part, what, unflatten_dict(args))))
+        if sums is None:
+            args = {p: ocp.ArrayRestoreArgs(sharding=where[p], global_shape=want[p].shape, dtype=want[p].dtype)
+                    for p in paths}
+            out.update(flatten(_read_part(part, what, unflatten_dict(args))))
+            continue
+        host = flatten(_read_part(part, what, unflatten_dict({p: ocp.RestoreArgs(restore_type=np.ndarray)
+                                                              for p in paths})))
+        for p, a in host.items():
+            pending[".".join(p)] = pool.submit(crc32, a)
+            out[p] = jax.device_put(a, where[p])
+    if sums is not None:
+        check_sums(what, sums, {k: f.result() for k, f in pending.items()})
     return from_flat(out, expected)

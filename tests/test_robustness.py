@@ -226,10 +226,15 @@ def test_checksums_catch_flipped_bytes(source, tmp_path, capsys):
     bad = str(tmp_path / "bad")
     shutil.copytree(old, bad)
     flip_byte(os.path.join(bad, "params", "layer_001"))
-    kj.load(bad)  # without verify, flipped bytes load as they are
     with pytest.raises(CheckpointError, match=r"layer_001: array '.*' does not match its checksum"):
-        kj.load(bad, verify=True)
+        kj.load(bad)  # checked as it is read, by default
+    kj.load(bad, verify=False)  # the opt-out: flipped bytes load as they are
     assert conv.main(["--verify", bad]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not match its checksum" in err[0]
+    from kdtree_jax.cli import main as cli
+
+    assert cli(["generate", "--model", bad, "--prompt", "x", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not match its checksum" in err[0]
 
