@@ -233,7 +233,7 @@ class Speculative:
         with jax.named_scope("compact"):
             cache, draft = self.keep(cfg, res, s.draft, s.cache.lengths, path)
         return Committed(tokens=path.tokens, count=path.length, cache=cache, draft=draft,
-                         nonfinite=nonfinite_rows(res.logits), nodes=nodes)
+                         nonfinite=nonfinite_rows(res.logits), nodes=nodes, logits=_path_logits(res.logits, path))
 
     def _step_auto(self, params, cfg: ModelConfig, s: DecodeState, tier: int, plan: "_Plan", key,
                    sampler: Sampler) -> Committed:
@@ -256,7 +256,15 @@ class Speculative:
         return Committed(tokens=path.tokens, count=path.length, cache=cache, draft=draft,
                          nonfinite=nonfinite_rows(res.logits, active),
                          nodes=jnp.sum(active[:, 1:], axis=1, dtype=jnp.int32),
-                         reliability=reliability_counts(plan.scores[:, :n], active, accepted))
+                         reliability=reliability_counts(plan.scores[:, :n], active, accepted),
+                         logits=_path_logits(res.logits, path))
+
+
+def _path_logits(logits: jax.Array, path: Path) -> jax.Array:
+    """The verify logits [B, N, V] at the accepted path's nodes [B, P, V]: committed token j is the target's choice
+    at path node j (the tokens after the last accepted node, padding, read node 0's)."""
+    n = logits.shape[1]
+    return jnp.take_along_axis(logits, jnp.clip(path.nodes, 0, n - 1)[:, :, None], axis=1)
 
 
 def _padded(path: Path, width: int) -> Path:

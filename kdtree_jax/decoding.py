@@ -229,6 +229,8 @@ class Committed(NamedTuple):
     nonfinite: jax.Array  # bool [B]   the target's logits of the row held a NaN or an inf
     nodes: jax.Array | None = None  # int32 [B]  draft nodes the target verified for the row (None: all of them)
     reliability: jax.Array | None = None  # f32 [B, 2, K]  this step's `reliability_counts` (None: none)
+    logits: jax.Array | None = None  # f32 [B, K, V]  the target's logits that tokens[:, j] was chosen from (the
+    # serving engine's log-probabilities; unused by the driver, so compiled away where nothing reads them)
 
 
 class Method(Protocol):
@@ -275,7 +277,7 @@ class AR:
         res = step(params, cfg, state.last[:, None], state.cache)
         nxt = sampler.choose(res.logits[:, 0], key)
         return Committed(tokens=nxt[:, None], count=jnp.ones_like(nxt), cache=res.cache, draft=state.draft,
-                         nonfinite=nonfinite_rows(res.logits))
+                         nonfinite=nonfinite_rows(res.logits), logits=res.logits)
 
 
 # --------------------------------------------------------------------------------------------------------------
