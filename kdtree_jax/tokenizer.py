@@ -24,6 +24,10 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
 
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i stands for (none for the special tokens)."""
+        return bytes([i]) if 0 <= i < BYTE_VOCAB else b""
+
     def __repr__(self) -> str:
         return "ByteTokenizer()"
 
@@ -110,6 +114,10 @@ class TiktokenTokenizer:
     def decode(self, ids) -> str:
         """Text of the ids (ids outside the tokenizer's vocabulary are dropped; invalid UTF-8 is replaced)."""
         return self._enc.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], errors="replace")
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i stands for (a special token: its name's)."""
+        return self._enc.decode_single_token_bytes(int(i)) if 0 <= int(i) < self.vocab_size else b""
 
     def __repr__(self) -> str:
         return f"TiktokenTokenizer(num_base={self.num_base}, vocab_size={self.vocab_size})"

@@ -173,7 +173,8 @@ BAD = [
     (dict(model="builtin", prompt="x", temperature=-1), "temperature"),
     (dict(model="builtin", prompt="x", max_tokens=0), "max_tokens"),
     (dict(model="builtin", prompt="x", max_tokens="8"), "max_tokens"),
-    (dict(model="builtin", prompt="x", n=2), "n"),
+    (dict(model="builtin", prompt="x", n=0), "n"),
+    (dict(model="builtin", prompt="x", n=9), "n"),  # past the server's max_n (8)
     (dict(model="builtin", prompt="x", stop=[""]), "stop"),
     (dict(model="builtin", prompt="x", seed=-1), "seed"),
     (dict(model="builtin", prompt="x", seed=1.5), "seed"),

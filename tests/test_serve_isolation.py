@@ -137,7 +137,7 @@ FIELDS = {
     "stop": field(st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=4)),
                   st.one_of(st.just(""), st.lists(st.text(min_size=1), min_size=5, max_size=6),
                             st.lists(st.integers(), min_size=1, max_size=2))),
-    "n": field(st.just(1), st.one_of(ints_out_of(1, 2), st.floats(), st.booleans())),
+    "n": field(st.just(1), st.one_of(ints_out_of(1, 9), st.floats(), st.booleans())),  # past the max_n of 8
     "ignore_eos": field(st.booleans(), st.one_of(st.integers(0, 1), st.text(max_size=2))),
     "stream": field(st.booleans(), st.one_of(st.integers(0, 1), st.text(max_size=2))),
 }

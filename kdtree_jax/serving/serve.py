@@ -7,7 +7,12 @@ Request fields: model (the served name), prompt or messages, max_tokens (chat: m
 temperature (default 1, as OpenAI's API; 0 is greedy), top_p (in (0, 1]), top_k (vLLM's extension: an integer >= 1;
 absent, 0 or -1: none), each request its own, stop (a string or a list of up to 4), seed (fixes every token drawn,
 whatever else is in flight, with a fixed budget; absent: the server picks one), stream, stream_options.include_usage,
-n (1 only), ignore_eos (vLLM's extension: run to max_tokens). Other fields are ignored.
+n (choices, up to the server's max_n: one engine request each, choice i with seed + i), ignore_eos (vLLM's extension:
+run to max_tokens), logprobs (completions: 0 .. 5 alternatives; chat: true, with top_logprobs 0 .. 20), echo
+(completions: the prompt before the text, with its tokens' log-probabilities when logprobs is given; max_tokens 0
+then answers the prompt alone). The log-probabilities are the target's (before temperature, top_k and top_p) at the
+committed tokens, streamed with their text; the end-of-sequence token, which adds no text, has none. Other fields
+are ignored.
 Every field is checked by the rules of `kdtree_jax.validate` (those of `generate`), against the dtype and range of the
 engine column it is stored in, before the request reaches a slot.
 Errors are OpenAI-style JSON {"error": {"message", "type", "param", "code"}}: 400 for a bad request (context overflow,
@@ -47,7 +52,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .. import validate
 from ..checkpoint import read_json
-from .engine import ContextOverflow, Engine, EngineClosed, Event, QueueFull
+from .engine import ContextOverflow, Engine, EngineClosed, Event, Histogram, QueueFull
 from ..tokenizer import TOKENIZER_CONFIG_FILE
 
 log = logging.getLogger("kdtree_jax.serving.serve")
@@ -58,6 +63,9 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 MAX_STOP_STRINGS = 4
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (and the context has room)
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds the requests in flight get to finish when the server is stopped
+DEFAULT_MAX_N = 8  # choices per request (n), when the server is not told
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits: `logprobs` of /v1/completions, `top_logprobs` of chat
+MAX_CHAT_TOP_LOGPROBS = 20
 ABORT_GRACE_S = 2.0  # seconds the streams ended by a stop get to send their error event and [DONE]
 
 
@@ -122,6 +130,40 @@ class TextStream:
         return delta
 
 
+class LogprobText:
+    """The log-probabilities of a `TextStream`'s tokens, handed out with their text: a token goes once all its text has
+    been sent; when the stream ends, every token whose text begins in what was sent (after a stop string, none).
+    Items: (token id, text offset: characters before the token's text, plus `offset`, log-probability entry). The
+    end-of-sequence token, which adds no text, has none."""
+
+    def __init__(self, tokenizer, eos_id: int, offset: int = 0):
+        self.tokenizer, self.eos_id, self.offset = tokenizer, eos_id, offset
+        self.pending: list[tuple[int, tuple]] = []  # (token id, entry) not handed out yet
+        self.index = 0  # the first pending token's index in the stream's ids
+        self.start = 0  # where its text begins
+
+    def feed(self, stream: TextStream, ids: list[int], entries: list[tuple] | None,
+             final: bool = False) -> list[tuple[int, int, tuple]]:
+        """The items that `stream`'s latest `feed` of ids (with their entries) makes ready."""
+        self.pending += [(i, e) for i, e in zip(ids, entries or [None] * len(ids)) if i != self.eos_id]
+        out = []
+        while self.pending:
+            end = len(self.tokenizer.decode(stream.ids[:self.index + 1]).rstrip("\ufffd"))
+            if not (end <= stream.sent or final and not stream.stopped or stream.stopped and self.start < stream.sent):
+                break
+            token, entry = self.pending.pop(0)
+            out.append((token, self.offset + self.start, entry))
+            self.index, self.start = self.index + 1, max(self.start, end)
+        if stream.stopped or final:
+            self.pending = []
+        return out
+
+
+def text_offsets(tokenizer, ids: list[int]) -> list[int]:
+    """The characters of text before each token's (a token ending inside a character counts from the next)."""
+    return [len(tokenizer.decode(ids[:k]).rstrip("\ufffd")) for k in range(len(ids))]
+
+
 def _field(rule: Callable, *args):
     """rule(*args) (a `kdtree_jax.validate` rule), its ArgumentError as a 400 naming the field."""
     try:
@@ -139,9 +181,12 @@ class _Options:
     """The decoding parameters of one request, validated by the rules `generate` applies (`kdtree_jax.validate`): each
     integer and number in the range of the engine column that holds it."""
 
-    def __init__(self, body: dict, max_tokens_names: tuple[str, ...]):
-        given = [n for n in max_tokens_names if body.get(n) is not None]
-        self.max_tokens = (_field(validate.integer, given[0], body[given[0]], 1, validate.INT32_LIMIT) if given
+    def __init__(self, body: dict, chat: bool, max_n: int = 1):
+        self.echo = False if chat else _flag(body, "echo")
+        names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+        given = [n for n in names if body.get(n) is not None]
+        low = 0 if self.echo else 1  # max_tokens 0 with echo: the prompt alone (with its log-probabilities)
+        self.max_tokens = (_field(validate.integer, given[0], body[given[0]], low, validate.INT32_LIMIT) if given
                            else None)
         temperature = body.get("temperature")
         self.temperature = 1.0 if temperature is None else _field(validate.temperature, temperature)
@@ -151,9 +196,10 @@ class _Options:
         top_k = body.get("top_k")
         none = top_k is None or type(top_k) is int and top_k in (0, -1)  # vLLM's "no top_k"
         self.top_k = None if none else _field(validate.top_k, top_k)
-        if _field(validate.integer, "n", body.get("n", 1), 1) != 1:
-            raise BadRequest("n must be 1 (one choice per request)", param="n")
-        for name in ("logprobs", "echo", "suffix", "logit_bias", "tools"):
+        n = body.get("n")
+        self.n = 1 if n is None else _field(validate.integer, "n", n, 1, max_n + 1)
+        self.logprobs = self._logprobs(body, chat)
+        for name in ("suffix", "logit_bias", "tools") + (("echo",) if chat else ()):
             if body.get(name) not in (None, False):
                 raise BadRequest(f"{name} is not supported", param=name)
         stop = body.get("stop")
@@ -171,12 +217,28 @@ class _Options:
             raise BadRequest("stream_options must be an object", param="stream_options")
         self.stream_usage = _flag(stream_options or {}, "include_usage")
 
+    @staticmethod
+    def _logprobs(body: dict, chat: bool) -> int | None:
+        """The alternatives asked for with each token's log-probability (None: no log-probabilities): completions'
+        `logprobs` (0 .. 5), chat's `top_logprobs` (0 .. 20) when its `logprobs` is true."""
+        if not chat:
+            value = body.get("logprobs")
+            return None if value is None else _field(validate.integer, "logprobs", value, 0,
+                                                     MAX_COMPLETION_LOGPROBS + 1)
+        top = body.get("top_logprobs")
+        top = None if top is None else _field(validate.integer, "top_logprobs", top, 0, MAX_CHAT_TOP_LOGPROBS + 1)
+        if not _flag(body, "logprobs"):
+            if top is not None:
+                raise BadRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
+            return None
+        return top or 0
+
 
 class _Submitted:
     """One request in the engine, seen from the event loop: its events through an asyncio queue. It is in `open`
     (the server's requests in flight) until its response has ended, whichever way (`close`)."""
 
-    def __init__(self, engine: Engine, ids: list[int], opts: _Options, open_requests: set):
+    def __init__(self, engine: Engine, ids: list[int], opts: _Options, open_requests: set, seed: int | None):
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.engine, self.open = engine, open_requests
@@ -187,7 +249,8 @@ class _Submitted:
                 loop.call_soon_threadsafe(self.queue.put_nowait, ev)
 
         self.id = engine.submit(ids, max_tokens=opts.max_tokens, temperature=opts.temperature, top_k=opts.top_k,
-                                top_p=opts.top_p, seed=opts.seed, ignore_eos=opts.ignore_eos, on_event=post)
+                                top_p=opts.top_p, seed=seed, ignore_eos=opts.ignore_eos, logprobs=opts.logprobs,
+                                on_event=post)
         self.open.add(self)
 
     async def events(self) -> AsyncIterator[Event]:
@@ -214,9 +277,10 @@ class _Submitted:
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events whose request is closed however the response ends (done, client gone, error)."""
+    """Server-sent events whose requests (one per choice) are closed however the response ends (done, client gone,
+    error)."""
 
-    def __init__(self, body, submitted: _Submitted):
+    def __init__(self, body, submitted: list[_Submitted]):
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.submitted = submitted
 
@@ -224,7 +288,8 @@ class _EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.submitted.close()
+            for sub in self.submitted:
+                sub.close()
 
 
 def _sse(obj) -> str:
@@ -232,10 +297,12 @@ def _sse(obj) -> str:
 
 
 class Server:
-    """The app's state: the engine, the tokenizer, the served name, the chat template and the HTTP counters."""
+    """The app's state: the engine, the tokenizer, the served name, the chat template, the most choices a request may
+    ask for and the HTTP counters."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str, chat_template: str = EMBEDDED_CHAT_TEMPLATE):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+    def __init__(self, engine: Engine, tokenizer, model_name: str, chat_template: str = EMBEDDED_CHAT_TEMPLATE,
+                 max_n: int = DEFAULT_MAX_N):
+        self.engine, self.tokenizer, self.model_name, self.max_n = engine, tokenizer, model_name, max_n
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = self._template_error
         self.template = env.from_string(chat_template)
@@ -290,13 +357,19 @@ class Server:
                    if i is not None}
         return tok.encode(self.template.render(messages=clean, add_generation_prompt=True, **special))
 
-    def submit(self, ids: list[int], opts: _Options) -> _Submitted:
-        """Start the request in the engine (its errors as BadRequest with the right status)."""
+    def submit(self, ids: list[int], opts: _Options) -> list[_Submitted]:
+        """Start the request's choices in the engine, choice i with seed + i (its errors as BadRequest with the right
+        status; a choice refused cancels those already started). None for max_tokens 0 (echo: the prompt alone)."""
         if opts.max_tokens is None:
             room = self.engine.max_context - len(ids) - self.engine.extra_slots
             opts.max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
+        if opts.max_tokens == 0:
+            return []
+        subs: list[_Submitted] = []
         try:
-            return _Submitted(self.engine, ids, opts, self.open)
+            for i in range(opts.n):
+                seed = None if opts.seed is None else (opts.seed + i) % validate.SEED_LIMIT
+                subs.append(_Submitted(self.engine, ids, opts, self.open, seed))
         except ContextOverflow as e:
             raise BadRequest(str(e), param="max_tokens", code="context_length_exceeded") from None
         except validate.ArgumentError as e:
@@ -308,11 +381,19 @@ class Server:
                              code="queue_full") from None
         except EngineClosed as e:
             raise BadRequest(str(e), status=503, kind="server_error") from None
+        finally:
+            if len(subs) < opts.n:  # refused: none of the request's choices runs
+                for sub in subs:
+                    sub.close()
+        return subs
 
-    async def run(self, sub: _Submitted, opts: _Options) -> AsyncIterator[tuple[str, str | None, int]]:
-        """(text delta, finish reason or None, tokens so far) as the request decodes; a stop string ends it (finish
-        "stop") and cancels it. A request that fails raises BadRequest(status 500)."""
+    async def run(self, sub: _Submitted, opts: _Options,
+                  offset: int = 0) -> AsyncIterator[tuple[str, str | None, int, list | None]]:
+        """(text delta, finish reason or None, tokens so far, log-probability items of the delta's tokens or None) as
+        the request decodes (`LogprobText`, text offsets from `offset`); a stop string ends it (finish "stop") and
+        cancels it. A request that fails raises BadRequest(status 500)."""
         text = TextStream(self.tokenizer, opts.stop, self.engine.eos_id)
+        lp = None if opts.logprobs is None else LogprobText(self.tokenizer, self.engine.eos_id, offset)
         n = 0
         async for ev in sub.events():
             if sub.failure is not None:
@@ -320,14 +401,64 @@ class Server:
             n += len(ev.tokens)
             if ev.finish == "error":
                 raise BadRequest(f"generation failed: {ev.error}", status=500, kind="server_error")
-            delta = text.feed(ev.tokens, final=ev.finish is not None)
+            final = ev.finish is not None
+            delta = text.feed(ev.tokens, final)
+            items = None if lp is None else lp.feed(text, ev.tokens, ev.logprobs, final)
             if text.stopped:
                 sub.cancel()
-                yield delta, "stop", n
+                yield delta, "stop", n, items
                 return
-            yield delta, ev.finish, n
+            yield delta, ev.finish, n, items
 
     # --------------------------------------------------------------------------------------------------------------
+
+    def token_text(self, token: int) -> tuple[str, bytes]:
+        """A token as the log-probabilities show it: its text, or "bytes:\\xNN..." when its bytes are not whole
+        UTF-8 characters, and its bytes."""
+        tok = self.tokenizer
+        raw = tok.token_bytes(token) if hasattr(tok, "token_bytes") else tok.decode([token]).encode()
+        try:
+            return raw.decode("utf-8"), raw
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+    def logprobs(self, items: list, chat: bool) -> dict:
+        """OpenAI's logprobs object of a choice (or of a streamed chunk) from `LogprobText` items: completions'
+        {tokens, token_logprobs, top_logprobs (a dict of the alternatives and the token), text_offset}, chat's
+        {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}], refusal}."""
+        if chat:
+            def entry(token: int, value: float) -> dict:
+                text, raw = self.token_text(token)
+                return dict(token=text, logprob=value, bytes=list(raw))
+
+            return dict(content=[dict(entry(t, e[0]), top_logprobs=[entry(i, v) for i, v in e[1]])
+                                 for t, _, e in items], refusal=None)
+        tokens, values, tops = [], [], []
+        for t, _, e in items:
+            tokens.append(self.token_text(t)[0])
+            values.append(None if e is None else e[0])
+            top = None
+            if e is not None:
+                top = {}
+                for i, v in (*e[1], (t, e[0])):  # most likely first; tokens of one text keep the likeliest's
+                    top.setdefault(self.token_text(i)[0], v)
+            tops.append(top)
+        return dict(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=[o for _, o, _ in items])
+
+    async def echoed(self, ids: list[int], opts: _Options) -> tuple[str, list | None]:
+        """With echo: the prompt's text and, with logprobs, its tokens' items (the first token's entry None)."""
+        if not opts.echo:
+            return "", None
+        text = self.tokenizer.decode(ids)
+        if opts.logprobs is None:
+            return text, None
+        try:
+            entries = await asyncio.to_thread(self.engine.prompt_logprobs, ids, opts.logprobs)
+        except validate.ArgumentError as e:
+            raise BadRequest(str(e), param=e.name) from None
+        except (ValueError, TypeError) as e:
+            raise BadRequest(str(e)) from None
+        return text, list(zip(ids, text_offsets(self.tokenizer, ids), entries))
 
     async def completion(self, body: dict, chat: bool):
         """The answer to /v1/completions (chat False) or /v1/chat/completions (chat True)."""
@@ -335,53 +466,104 @@ class Server:
             raise BadRequest("the server is shutting down; retry on another", status=503, kind="server_error",
                              code="shutting_down")
         self.check_model(body)
-        opts = _Options(body, ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
+        opts = _Options(body, chat, self.max_n)
         ids = self.chat_ids(body.get("messages")) if chat else self.prompt_ids(body.get("prompt"))
-        sub = self.submit(ids, opts)
+        echo = await self.echoed(ids, opts)
+        subs = self.submit(ids, opts)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         head = dict(id=rid, object="chat.completion" if chat else "text_completion", created=int(time.time()),
                     model=self.model_name)
         if opts.stream:
-            return _EventStream(self._events(sub, opts, head, chat, len(ids)), sub)
+            return _EventStream(self._events(subs, opts, head, chat, len(ids), echo), subs)
         try:
-            parts, finish, n = [], None, 0
-            async for delta, finish, n in self.run(sub, opts):
-                parts.append(delta)
+            choices = await asyncio.gather(*(self._choice(sub, opts, echo) for sub in subs)) if subs else \
+                [(echo[0], "length", 0, echo[1] or [])] * opts.n
         finally:
-            sub.close()
-        text = "".join(parts)
-        choice = (dict(index=0, message=dict(role="assistant", content=text), finish_reason=finish) if chat
-                  else dict(index=0, text=text, finish_reason=finish, logprobs=None))
+            for sub in subs:
+                sub.close()
+        out = []
+        for i, (text, finish, _, items) in enumerate(choices):
+            logprobs = None if opts.logprobs is None else self.logprobs(items, chat)
+            out.append(dict(index=i, message=dict(role="assistant", content=text), logprobs=logprobs,
+                            finish_reason=finish) if chat
+                       else dict(index=i, text=text, finish_reason=finish, logprobs=logprobs))
+        n = sum(c[2] for c in choices)
         usage = dict(prompt_tokens=len(ids), completion_tokens=n, total_tokens=len(ids) + n)
-        return JSONResponse(dict(head, choices=[choice], usage=usage))
+        return JSONResponse(dict(head, choices=out, usage=usage))
 
-    async def _events(self, sub: _Submitted, opts: _Options, head: dict, chat: bool, prompt_tokens: int):
+    async def _choice(self, sub: _Submitted, opts: _Options, echo: tuple[str, list | None]):
+        """One choice whole: (text, finish reason, tokens, log-probability items)."""
+        parts, finish, n, items = [echo[0]], None, 0, list(echo[1] or [])
+        async for delta, finish, n, new in self.run(sub, opts, len(echo[0])):
+            parts.append(delta)
+            items += new or []
+        return "".join(parts), finish, n, items
+
+    async def _events(self, subs: list[_Submitted], opts: _Options, head: dict, chat: bool, prompt_tokens: int,
+                      echo: tuple[str, list | None]):
+        """The server-sent events of a streamed request: each choice's chunks as they come, its index on each."""
         head = dict(head, object="chat.completion.chunk" if chat else "text_completion")
 
-        def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
+        def chunk(i: int, delta: str | None, finish: str | None, items: list | None = None, role: bool = False) -> str:
+            logprobs = None if opts.logprobs is None or not items else self.logprobs(items, chat)
             if chat:
                 d = ({"role": "assistant", "content": ""} if role else {} if delta is None else {"content": delta})
-                return _sse(dict(head, choices=[dict(index=0, delta=d, finish_reason=finish)]))
-            return _sse(dict(head, choices=[dict(index=0, text=delta or "", finish_reason=finish, logprobs=None)]))
+                choice = dict(index=i, delta=d, finish_reason=finish)
+                if logprobs is not None:
+                    choice["logprobs"] = logprobs
+                return _sse(dict(head, choices=[choice]))
+            return _sse(dict(head, choices=[dict(index=i, text=delta or "", finish_reason=finish,
+                                                 logprobs=logprobs)]))
 
-        if chat:
-            yield chunk(None, None, role=True)
+        for i in range(opts.n):
+            if chat:
+                yield chunk(i, None, None, role=True)
+            if echo[0]:
+                yield chunk(i, echo[0], None, echo[1])
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, sub: _Submitted) -> None:
+            try:
+                async for item in self.run(sub, opts, len(echo[0])):
+                    events.put_nowait((i, item, None))
+            except Exception as e:  # handed to the stream below
+                events.put_nowait((i, None, e))
+            else:
+                events.put_nowait((i, None, None))
+
+        tasks = [asyncio.create_task(pump(i, sub), name=f"choice {i} of {head['id']}") for i, sub in enumerate(subs)]
         try:
-            async for delta, finish, n in self.run(sub, opts):
-                if delta:
-                    yield chunk(delta, None)
+            left, tokens = len(subs), [0] * opts.n
+            if not subs:  # max_tokens 0: the prompt alone
+                for i in range(opts.n):
+                    yield chunk(i, None, "length")
+            while left:
+                i, item, error = await events.get()
+                if error is not None:
+                    raise error
+                if item is None:
+                    left -= 1
+                    continue
+                delta, finish, tokens[i], items = item
+                if delta or items:
+                    yield chunk(i, delta, None, items)
                 if finish is not None:
-                    yield chunk(None, finish)
-                    usage = dict(prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n)
-                    if opts.stream_usage:
-                        yield _sse(dict(head, choices=[], usage=usage))
+                    yield chunk(i, None, finish)
+            if opts.stream_usage:
+                n = sum(tokens)
+                usage = dict(prompt_tokens=prompt_tokens, completion_tokens=n, total_tokens=prompt_tokens + n)
+                yield _sse(dict(head, choices=[], usage=usage))
         except BadRequest as e:
             yield _sse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}})
         except Exception as e:  # a bug while this request streams: it fails alone, its client is told
-            log.exception("request %d failed while streaming", sub.id)
-            sub.cancel()
+            log.exception("request %s failed while streaming", [sub.id for sub in subs])
+            for sub in subs:
+                sub.cancel()
             yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None,
                                   "code": None}})
+        finally:
+            for task in tasks:
+                task.cancel()
         yield "data: [DONE]\n\n"
 
     async def wait_closed(self, timeout: float) -> bool:
@@ -409,13 +591,18 @@ class Server:
 
     def metrics(self) -> str:
         """Prometheus text: requests by outcome and by HTTP status, tokens, prefill calls, tau, verified nodes, queue
-        depth, busy slots, step time."""
+        depth, busy slots, step time, the prefix cache's hits, tokens saved, entries and bytes, and histograms of
+        the time to first token, the time between tokens and the time in the queue."""
         s = self.engine.snapshot()
         lines = []
 
         def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]):
             lines.extend([f"# HELP kdtree_{name} {help_text}", f"# TYPE kdtree_{name} {kind}"])
             lines.extend(f"kdtree_{name}{labels} {value}" for labels, value in samples)
+
+        def histogram(name: str, help_text: str, h: Histogram):
+            samples = [(f'_bucket{{le="{"+Inf" if le == float("inf") else le}"}}', n) for le, n in h.cumulative()]
+            metric(name, "histogram", help_text, samples + [("_sum", h.sum), ("_count", h.count)])
 
         metric("requests_total", "counter", "Requests finished in the engine, by outcome (cancelled: the client "
                "left, or a stop string ended it).",
@@ -443,12 +630,29 @@ class Server:
         metric("queue_depth", "gauge", "Requests waiting for a slot.", [("", s["queue_depth"])])
         metric("active_slots", "gauge", "Slots decoding a request.", [("", s["active_slots"])])
         metric("max_batch", "gauge", "Slots (rows of the batch).", [("", s["max_batch"])])
+        metric("prefix_cache_hits_total", "counter", "Requests whose prompt began with a cached prefix, its cache rows "
+               "copied instead of prefilled.", [("", s["prefix_hits"])])
+        metric("prefix_cache_tokens_saved_total", "counter", "Prompt tokens read from the prefix cache instead of "
+               "prefilled.", [("", s["prefix_tokens_saved"])])
+        metric("prefix_cache_evictions_total", "counter", "Cached prefixes dropped to make room (least recently used "
+               "first).", [("", s["prefix_evictions"])])
+        metric("prefix_cache_entries", "gauge", "Prompts kept in the prefix cache.", [("", s["prefix_entries"])])
+        metric("prefix_cache_bytes", "gauge", "Bytes of cache rows the prefix cache holds (across the mesh).",
+               [("", s["prefix_bytes"])])
+        h = s["histograms"]
+        histogram("time_to_first_token_seconds", "From a request's arrival in the engine to its first token.",
+                  h["time_to_first_token"])
+        histogram("inter_token_latency_seconds", "Between a request's tokens (tokens that arrive together share the "
+                  "wait since the ones before).", h["inter_token"])
+        histogram("request_queue_time_seconds", "From a request's arrival in the engine to its prefill.", h["queue"])
         return "\n".join(lines) + "\n"
 
 
-def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = EMBEDDED_CHAT_TEMPLATE) -> FastAPI:
-    """The FastAPI app over an engine (the engine's lifetime is the caller's)."""
-    server = Server(engine, tokenizer, model_name, chat_template)
+def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = EMBEDDED_CHAT_TEMPLATE,
+               max_n: int = DEFAULT_MAX_N) -> FastAPI:
+    """The FastAPI app over an engine (the engine's lifetime is the caller's); max_n: the most choices a request may
+    ask for."""
+    server = Server(engine, tokenizer, model_name, chat_template, max_n)
     app = FastAPI(title="kdtree-jax", description="OpenAI-compatible completions with continuous batching")
     app.state.server = server
 
@@ -493,7 +697,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
     async def health():
         if not engine.alive or server.stopping:
             return JSONResponse({"status": "shutting down" if engine.alive else "engine stopped"}, status_code=503)
-        return {"status": "ok", "model": model_name, **engine.describe()}
+        return {"status": "ok", "model": model_name, **engine.describe(), "max_n": server.max_n}
 
     @app.get("/metrics")
     async def metrics():
