@@ -121,10 +121,12 @@ def _parser() -> argparse.ArgumentParser:
                                    "`generate` gives its prompt alone; a seeded sampled request gets the same tokens "
                                    "whatever else runs (with a fixed --budget; not with --budget auto).",
                        epilog="request fields: max_tokens, temperature (default 1; 0 = greedy), top_p, top_k, stop, "
-                              "seed (fixes every\ntoken drawn), stream, ignore_eos. Chat prompts use the checkpoint's "
-                              "chat template, else one line\n'role: content' per message, then 'assistant:'.\n\n"
-                              "example:\n"
+                              "seed (fixes every\ntoken drawn), stream, ignore_eos, n, logprobs (chat: top_logprobs), "
+                              "echo. Chat prompts use the\ncheckpoint's chat template, else one line 'role: content' "
+                              "per message, then 'assistant:'.\n\n"
+                              "examples:\n"
                               "  kdtree-jax serve --model builtin --method ddtree --budget 16 --port 8000\n"
+                              "  kdtree-jax serve --model /ckpt/k2 --mesh ep=4,tp=2 --prefix-cache-gb 8 --port 8000\n"
                               "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
                               "       -d '{\"model\": \"builtin\", \"prompt\": \"def fibonacci(n):\", "
                               "\"max_tokens\": 64, \"temperature\": 0}'")
@@ -152,6 +154,15 @@ def _parser() -> argparse.ArgumentParser:
                         "exits with status 0. A second Ctrl-C stops at once (status 130). Default: 30")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name requests must give (default: 'builtin', or the checkpoint directory's name)")
+    s.add_argument("--prefix-cache-gb", type=_gigabytes, default=0.0, metavar="GB",
+                   help="keep prompts' cache rows, up to this many GB (across the mesh), for later prompts that begin "
+                        "with the same tokens: those rows are copied instead of prefilled, the least recently used "
+                        "dropped first (default: 0, none)")
+    s.add_argument("--max-n", type=int, default=8, metavar="N",
+                   help="the most choices (n) one request may ask for, each decoded in its own slot (default: 8)")
+    s.add_argument("--cache-sharding", choices=("replicated", "sequence"), default=None,
+                   help="with --mesh: the latent cache on every model-parallel device (replicated) or split along "
+                        "the sequence over them (sequence). Default: the model's setting")
     _common(s, hosts=False)
     _compilation_cache_arg(s)
 
@@ -171,6 +182,13 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--model", default=None, help="model name to request (default: the server's)")
     bs.add_argument("--out", default="bench_serve", metavar="DIR", help="output directory (default: bench_serve/)")
     bs.add_argument("--name", default="bench_serve", help="file name of the outputs, without extension")
+    bs.add_argument("--shared-prefix", type=int, default=0, metavar="CHARS",
+                    help="instead of the concurrency levels: the time to first token of prompts that begin with CHARS "
+                         "characters of a held-out file, cold (a prefix the server has not seen) against warm (the "
+                         "prefix of the request just before, another question after it), --rounds pairs, one request "
+                         "at a time (a server with --prefix-cache-gb reuses the prefix)")
+    bs.add_argument("--question-chars", type=int, default=50,
+                    help="with --shared-prefix: characters of the question after the prefix (default: 50)")
     for sp in sub.choices.values():  # also after the subcommand: `kdtree-jax generate ... --debug`
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="on an error, show the traceback")
@@ -186,6 +204,17 @@ def _port(text: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
     return port
+
+
+def _gigabytes(text: str) -> float:
+    """A size in GB, >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GB, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of GB >= 0, got {text!r}")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -646,15 +675,24 @@ def serve_command(args) -> int:
     _check_auto_flags(args, args.budget == "auto")
     if args.max_context is not None and args.max_context < 64:
         raise ValueError(f"--max-context must be a power of two >= 64, got {args.max_context}")
+    if args.max_n < 1:
+        raise ValueError(f"--max-n must be at least 1, got {args.max_n}")
+    if args.cache_sharding is not None and args.mesh is None:
+        raise ValueError("--cache-sharding lays the cache out over --mesh: give a mesh too")
     _check_listen(args.host, args.port)
     _use_compilation_cache(args)
     params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
     _need_drafter(args, drafter)
+    if args.cache_sharding is not None:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, cache_sharding=args.cache_sharding)
     checkpoint = args.model if args.model not in (None, "builtin") else None
     name = args.served_model_name or (os.path.basename(os.path.normpath(checkpoint)) if checkpoint else "builtin")
     with Engine(params, cfg, method=args.method, drafter=drafter, budget=args.budget, max_budget=args.max_budget,
                 tiers=args.tiers, cost_model=args.cost_model, max_batch=args.max_batch, max_context=args.max_context,
-                max_queue=args.max_queue, chunk_steps=args.chunk_steps, eos_id=tok.eos_id, seed=args.seed) as engine:
+                max_queue=args.max_queue, chunk_steps=args.chunk_steps, eos_id=tok.eos_id, seed=args.seed,
+                prefix_cache_bytes=int(args.prefix_cache_gb * 1e9)) as engine:
         what = f"{args.method} (budget {engine.budget})" if args.method == "ddtree" else args.method
         if engine.chunk_steps != args.chunk_steps:
             _log(f"--chunk-steps {args.chunk_steps} rounded up to {engine.chunk_steps}: whole windows of the "
@@ -665,7 +703,7 @@ def serve_command(args) -> int:
         for sampling in (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=40)):
             engine.complete(tok.encode("def"), max_tokens=2, **sampling)  # each sampler form's program
         _log(f"compiled in {time.perf_counter() - t0:.1f} s; serving {name!r} on http://{args.host}:{args.port}")
-        app = serve.create_app(engine, tok, name, serve.load_chat_template(checkpoint))
+        app = serve.create_app(engine, tok, name, serve.load_chat_template(checkpoint), max_n=args.max_n)
         serve.run(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_line=_log)
     return 0
 
@@ -678,19 +716,27 @@ def bench_serve_command(args) -> int:
     except ValueError:
         raise ValueError(f"--concurrency {args.concurrency!r}: expected comma-separated integers") from None
     for name, value in (("concurrency", min(levels)), ("rounds", args.rounds), ("max-tokens", args.max_tokens),
-                        ("prompt-chars", args.prompt_chars)):
+                        ("prompt-chars", args.prompt_chars), ("question-chars", args.question_chars)):
         if value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}")
+    if args.shared_prefix < 0:
+        raise ValueError(f"--shared-prefix must be at least 0, got {args.shared_prefix}")
     _check_output_dir(args.out, "--out")
     import httpx
 
+    log = lambda line: print(line, flush=True)
     try:
-        result = bench_serve.run(args.url, levels, rounds=args.rounds, max_tokens=args.max_tokens,
-                                 prompt_chars=args.prompt_chars, seed=args.seed, model=args.model,
-                                 log=lambda line: print(line, flush=True))
+        if args.shared_prefix:
+            result = bench_serve.prefix_ttft(args.url, prefix_chars=args.shared_prefix,
+                                             question_chars=args.question_chars, rounds=args.rounds,
+                                             max_tokens=args.max_tokens, seed=args.seed, model=args.model, log=log)
+        else:
+            result = bench_serve.run(args.url, levels, rounds=args.rounds, max_tokens=args.max_tokens,
+                                     prompt_chars=args.prompt_chars, seed=args.seed, model=args.model, log=log)
     except (httpx.HTTPError, httpx.InvalidURL, json.JSONDecodeError) as e:  # unreachable, not a URL, not ours
         raise ValueError(f"--url {args.url}: {type(e).__name__}: {e}") from None
-    paths = bench_serve.write([result], args.out, args.name, f"kdtree-jax serve: {result['setup']['model']}")
+    what = "time to first token with a shared prefix" if args.shared_prefix else result["setup"]["model"]
+    paths = bench_serve.write([result], args.out, args.name, f"kdtree-jax serve: {what}")
     _log(f"wrote {', '.join(paths)}")
     return 0
 

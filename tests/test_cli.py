@@ -176,6 +176,20 @@ def test_serve_refuses_a_taken_port_a_bad_host_and_a_tiny_context_before_loading
     assert "--max-context must be a power of two >= 64, got 0" in capsys.readouterr().err
 
 
+def test_serve_refuses_bad_n_prefix_cache_and_cache_sharding_before_loading(monkeypatch, capsys):
+    _no_load(monkeypatch)
+    assert main(["serve", "--max-n", "0"]) == 2
+    assert "--max-n must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["serve", "--cache-sharding", "sequence"]) == 2
+    assert "--cache-sharding lays the cache out over --mesh" in capsys.readouterr().err
+    for gb in ("-1", "nan", "x"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "--prefix-cache-gb", gb])
+        assert exit_.value.code == 2 and "--prefix-cache-gb" in capsys.readouterr().err
+    assert main(["bench-serve", "--url", "http://127.0.0.1:1", "--shared-prefix", "-5"]) == 2
+    assert "--shared-prefix must be at least 0" in capsys.readouterr().err
+
+
 def test_outputs_that_cannot_be_written_are_refused_before_the_work(tmp_path, monkeypatch, capsys):
     _no_load(monkeypatch)
     missing = tmp_path / "no-such-folder" / "rows.json"

@@ -253,6 +253,20 @@ def test_prefix_reuse_with_ar_and_lru_eviction(model, solo):
         engine.close()
 
 
+def test_bench_serve_measures_prefix_ttft(served, tmp_path):
+    """`bench-serve --shared-prefix`'s measurement: each warm request reads its prefix from the cache."""
+    from kdtree_jax.serving import bench_serve
+
+    result = bench_serve.prefix_ttft(served["url"], prefix_chars=150, question_chars=20, rounds=1, max_tokens=2,
+                                     log=lambda line: None)
+    (row,), summary = result["rows"], result["summary"]
+    assert row["cold_prompt_tokens"] >= 170 and summary["warm_over_cold"] > 0
+    assert summary["prefix_cache_hits_total"] >= 1 and summary["prefix_cache_tokens_saved_total"] >= 150
+    paths = bench_serve.write([result], str(tmp_path), "prefix", "prefix TTFT")
+    assert [os.path.basename(p) for p in paths] == ["prefix.json", "prefix.md"]
+    assert "| median |" in (tmp_path / "prefix.md").read_text()
+
+
 def test_bad_logprobs_n_and_echo_get_400(served):
     bad = [("/v1/completions", dict(prompt="x", logprobs=6), "logprobs"),
            ("/v1/completions", dict(prompt="x", logprobs=True), "logprobs"),

@@ -6,6 +6,10 @@ the held-out files of the embedded model's corpus (standard-library files it was
 levels, every prompt is sent once (at the highest concurrency, 2 tokens each) so that compilation is not timed.
 Per level: aggregate tok/s (all tokens / wall time), per-request tok/s (mean of each request's tokens / its latency),
 time to first token p50 / p99, tokens and wall seconds. Results as JSON, a Markdown table and a PNG plot.
+
+`prefix_ttft` measures prefix reuse instead: the time to first token of prompts that begin with a long held-out
+prefix, cold (a prefix the server has not seen) against warm (the prefix of the request just before, another
+question after it), with the server's prefix-cache counters.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, ignore_eos=True,
                 stream_options={"include_usage": True})
     t0 = time.perf_counter()
-    first, tokens = None, None
+    first, tokens, prompt_tokens = None, None, None
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(_refusal(r.status_code, await r.aread()))
@@ -75,9 +79,10 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
             if first is None and data["choices"] and data["choices"][0]["text"]:
                 first = time.perf_counter() - t0
             if data.get("usage"):
-                tokens = data["usage"]["completion_tokens"]
+                tokens, prompt_tokens = data["usage"]["completion_tokens"], data["usage"]["prompt_tokens"]
     latency = time.perf_counter() - t0
-    return dict(latency_s=latency, ttft_s=first if first is not None else latency, tokens=tokens or 0)
+    return dict(latency_s=latency, ttft_s=first if first is not None else latency, tokens=tokens or 0,
+                prompt_tokens=prompt_tokens)
 
 
 async def _level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
@@ -110,14 +115,19 @@ def summarize(concurrency: int, results: list[dict], wall: float) -> dict:
 COUNTERS = ("row_steps_total", "step_tokens_total", "verified_nodes_total")  # a kdtree-jax server's, in /metrics
 
 
-def _counters(url: str, timeout: float) -> dict[str, float]:
-    """The server's request-step counters from /metrics (a kdtree-jax server; empty for other servers)."""
+def _read_metrics(url: str, timeout: float, names: tuple[str, ...]) -> dict[str, float]:
+    """These kdtree_ metrics from the server's /metrics (a kdtree-jax server; empty for other servers)."""
     with httpx.Client(base_url=url, timeout=timeout) as c:
         r = c.get("/metrics")
     if r.status_code != 200:
         return {}
     found = {m.group(1): float(m.group(2)) for m in re.finditer(r"^kdtree_(\w+) (\S+)$", r.text, re.M)}
-    return {n: found[n] for n in COUNTERS if n in found}
+    return {n: found[n] for n in names if n in found}
+
+
+def _counters(url: str, timeout: float) -> dict[str, float]:
+    """The server's request-step counters from /metrics."""
+    return _read_metrics(url, timeout, COUNTERS)
 
 
 def _steps(before: dict, after: dict) -> dict:
@@ -164,6 +174,73 @@ def run(url: str, concurrencies: list[int], *, rounds: int = 2, max_tokens: int 
     setup = dict(url=url, model=model, server=server, rounds=rounds, max_tokens=max_tokens, prompt_chars=prompt_chars,
                  seed=seed, date=datetime.date.today().isoformat(), commit=_commit())
     return dict(setup=setup, rows=rows)
+
+
+PREFIX_COUNTERS = ("prefix_cache_hits_total", "prefix_cache_tokens_saved_total")
+
+
+def prefix_ttft(url: str, *, prefix_chars: int = 1500, question_chars: int = 50, rounds: int = 3,
+                max_tokens: int = 8, seed: int = 0, model: str | None = None, timeout: float = 600.0,
+                log=print) -> dict:
+    """Time to first token of prompts beginning with `prefix_chars` characters of a held-out file, one request at a
+    time: per round, a new prefix and a question of `question_chars` characters (cold: the server has not seen the
+    prefix), then the same prefix and another question (warm: the server may reuse the prefix's cache rows). A first
+    round, not timed, compiles the programs those shapes need. Returns {"setup", "rows": one per round, "summary":
+    the medians, warm / cold, and the server's prefix-cache hits and tokens saved over the timed rounds}."""
+    url = url.rstrip("/")
+    with httpx.Client(base_url=url, timeout=timeout) as c:
+        model = model or c.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+        server = c.get("/health").raise_for_status().json()
+    prefixes = heldout_prompts(rounds + 1, prefix_chars, seed)
+    questions = heldout_prompts(2 * (rounds + 1), question_chars, seed + 1)
+
+    async def pair(prefix: str, a: str, b: str) -> tuple[dict, dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+            cold = await _one(client, model, prefix + a, max_tokens)
+            return cold, await _one(client, model, prefix + b, max_tokens)
+
+    log(f"warming up: a prefix of {prefix_chars} characters, then two questions of {question_chars}")
+    asyncio.run(pair(prefixes[0], questions[0], questions[1]))
+    before = _read_metrics(url, timeout, PREFIX_COUNTERS)
+    rows = []
+    for i in range(1, rounds + 1):
+        cold, warm = asyncio.run(pair(prefixes[i], questions[2 * i], questions[2 * i + 1]))
+        rows.append(dict(round=i, cold_prompt_tokens=cold["prompt_tokens"], warm_prompt_tokens=warm["prompt_tokens"],
+                         cold_ttft_s=cold["ttft_s"], warm_ttft_s=warm["ttft_s"]))
+        log(f"round {i}: cold {1e3 * cold['ttft_s']:.0f} ms ({cold['prompt_tokens']} prompt tokens), warm "
+            f"{1e3 * warm['ttft_s']:.0f} ms ({warm['prompt_tokens']})")
+    after = _read_metrics(url, timeout, PREFIX_COUNTERS)
+    cold_s = float(np.median([r["cold_ttft_s"] for r in rows]))
+    warm_s = float(np.median([r["warm_ttft_s"] for r in rows]))
+    summary = dict(cold_ttft_p50_s=cold_s, warm_ttft_p50_s=warm_s, warm_over_cold=warm_s / cold_s,
+                   **{n: after[n] - before[n] for n in PREFIX_COUNTERS if n in before and n in after})
+    setup = dict(url=url, model=model, server=server, rounds=rounds, prefix_chars=prefix_chars,
+                 question_chars=question_chars, max_tokens=max_tokens, seed=seed,
+                 date=datetime.date.today().isoformat(), commit=_commit())
+    return dict(setup=setup, rows=rows, summary=summary)
+
+
+def prefix_markdown(runs: list[dict], title: str, note: str = "") -> str:
+    """A table per `prefix_ttft` run: each round's cold and warm TTFT, then the medians."""
+    lines = [f"# {title}", ""] + ([note, ""] if note else [])
+    for run_ in runs:
+        s, srv, m = run_["setup"], run_["setup"]["server"], run_["summary"]
+        gb = srv.get("prefix_cache_bytes", 0) / 1e9
+        lines += [f"## {srv.get('method')}" + (f" (budget {srv['budget']})" if srv.get("budget") else "")
+                  + f", prefix cache {gb:g} GB", "",
+                  f"{s['date']}, {srv.get('device')}, commit {s['commit']}. Model {s['model']}; a held-out prefix of "
+                  f"{s['prefix_chars']} characters and a question of {s['question_chars']}, one request at a time, "
+                  f"{s['max_tokens']} tokens each (greedy); TTFT = time to the first streamed text. Over the timed "
+                  f"rounds the server counted {m.get('prefix_cache_hits_total', 0):g} prefix hits and "
+                  f"{m.get('prefix_cache_tokens_saved_total', 0):g} prompt tokens read from its prefix cache.", "",
+                  "| round | prompt tokens cold / warm | cold TTFT ms | warm TTFT ms | warm / cold |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['round']} | {r['cold_prompt_tokens']} / {r['warm_prompt_tokens']} | "
+                  f"{1e3 * r['cold_ttft_s']:.0f} | {1e3 * r['warm_ttft_s']:.0f} | "
+                  f"{r['warm_ttft_s'] / r['cold_ttft_s']:.2f} |" for r in run_["rows"]]
+        lines += [f"| median | | {1e3 * m['cold_ttft_p50_s']:.0f} | {1e3 * m['warm_ttft_p50_s']:.0f} | "
+                  f"{m['warm_over_cold']:.2f} |", ""]
+    return "\n".join(lines)
 
 
 COLUMNS = ("concurrency", "aggregate tok/s", "per-request tok/s", "TTFT p50 ms", "TTFT p99 ms", "tokens", "wall s",
@@ -228,10 +305,13 @@ def write(runs: list[dict], out_dir: str, name: str, title: str, note: str = "",
           with_plot: bool = True) -> list[str]:
     """name.json, name.md and (with_plot) name.png in out_dir, each written whole (a temporary file renamed into
     place), so a benchmark can write the runs it has after each one and a later failure loses only what follows.
-    Returns their paths."""
+    Runs of `prefix_ttft` get their own table and no plot. Returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, name)
-    for ext, text in ((".json", json.dumps(runs, indent=1)), (".md", markdown(runs, title, note))):
+    prefix = bool(runs) and "summary" in runs[0]
+    with_plot = with_plot and not prefix
+    table = prefix_markdown(runs, title, note) if prefix else markdown(runs, title, note)
+    for ext, text in ((".json", json.dumps(runs, indent=1)), (".md", table)):
         tmp = base + ext + ".tmp"
         try:
             with open(tmp, "w") as f:
