@@ -25,13 +25,14 @@ VARIANTS = {
 }
 
 
-def build_hf_model(variant: str, seed: int = 0):
-    """A random fp32 DeepseekV3ForCausalLM with eager attention, non-trivial norms and router bias."""
+def build_hf_model(variant: str, seed: int = 0, **overrides):
+    """A random fp32 DeepseekV3ForCausalLM with eager attention, non-trivial norms and router bias (overrides: config
+    fields changed from the variant's)."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = DeepseekV3Config(**{**BASE, **VARIANTS[variant]})
+    cfg = DeepseekV3Config(**{**BASE, **VARIANTS[variant], **overrides})
     model = DeepseekV3ForCausalLM(cfg).eval().to(torch.float32)
     model.config._attn_implementation = "eager"
     gen = torch.Generator().manual_seed(seed + 1)
