@@ -6,7 +6,7 @@ The checkpoint is benchmarks/convert.py's synthetic Kimi K2-shaped INT4 source (
 `--vocab` set its size), converted with kdtree-convert into a temporary directory. The embedded model is not such a
 checkpoint: `kj.load("builtin")` reads the package's npz files, which carry no checksums.
 
-    python benchmarks/load.py                                  # 1 dense + 1 MoE layer x 32 experts: ~2.6 GB
+    python benchmarks/load.py                                  # 1 dense + 1 MoE layer x 32 experts: ~3 GB
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def main(argv=None) -> int:
         f"# Checked loads ({meta['date']}, commit {meta['commit']})", "",
         f"{meta['machine']}. A {nbytes / 1e9:.2f} GB checkpoint (benchmarks/convert.py's synthetic K2 shapes: 1 dense "
         f"+ {args.moe_layers} MoE layer(s) x {args.experts} experts, vocab {args.vocab}), read from disk each time; "
-        f"median of {args.repeats} loads of each kind, alternating. `python benchmarks/load.py`.", "",
+        f"median of {args.repeats} loads of each kind, alternating. `python benchmarks/load.py "
+        f"{' '.join(argv if argv is not None else sys.argv[1:])}`.", "",
         "| load | seconds | GB/s |", "|---|---|---|",
         f"| checked (default) | {checked:.2f} | {nbytes / 1e9 / checked:.2f} |",
         f"| verify=False | {plain:.2f} | {nbytes / 1e9 / plain:.2f} |", "",

@@ -347,9 +347,11 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
                        for i in range(cfg.num_hidden_layers))
     params = Params(layers=layers, **top)
     drafter_dir = os.path.join(path, DRAFTER_DIR)
-    drafter = load_drafter(drafter_dir, mesh) if os.path.isdir(drafter_dir) else None
-    if drafter is not None and sums:
+    drafter = load_drafter(drafter_dir) if os.path.isdir(drafter_dir) else None
+    if drafter is not None and sums:  # checked where it was read, before it is split over the mesh
         check_sums(DRAFTER_DIR, item_sums(DRAFTER_DIR), checksums(flatten(drafter.params)))
+    if drafter is not None and mesh is not None:
+        drafter = shard_drafter(drafter, mesh)
     return Model(cfg=cfg, params=params, drafter=drafter, tokenizer=load_tokenizer(path), manifest=manifest)
 
 

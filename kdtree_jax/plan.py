@@ -4,12 +4,14 @@ weights read).
 Per GPU (docs/plan.md explains each term):
   weights        every declared weight (`model.param_info`) divided by the mesh axes its logical axes map to under
                  `sharding.RULES`; INT4 experts as packed int32 words [.., in/8] plus bf16 scales [.., in/group].
-                 A drafter's weights are replicated. Totals in closed form: every decoder layer of a kind (dense
+                 A drafter's weights are split the same way where the mesh divides them, else replicated
+                 (`drafter.drafter_shardings`). Totals in closed form: every decoder layer of a kind (dense
                  MLP, MoE) has the same arrays, so one layer of each kind is declared and counted (`layer_kinds`).
   latent cache   (kv_lora_rank + qk_rope_head_dim) values per token per layer in the model dtype, replicated over the
                  model axes ep x tp (every head reads all of it) and split over dp along the batch only when dp
                  divides the batch; generate sizes it at context + budget + 1 slots, rounded up to CACHE_ALIGN.
-                 A drafter's context cache (keys and values per drafter layer) has the same slots and rows.
+                 A drafter's context cache (keys and values per drafter layer) has the same slots and rows, its
+                 key/value heads split over ep x tp where they divide.
   activations    an estimate of the largest live buffers of one DDTree verify step over concurrency x (budget + 1)
                  tokens, with the custom calls (kernels="ffi"): every layer's output (kept for the drafter), working
                  hidden states, one layer's attention and routed-expert buffers, the vocabulary-sharded fp32 logits.
@@ -113,27 +115,28 @@ def _stored(a: ArrayInfo, group: int) -> list[tuple[str, tuple[int, ...], int]]:
     return [(f"weight {a.shape} axes {a.axes}", a.shape, jnp.dtype(a.dtype).itemsize)]
 
 
-def leaf_bytes(a: ArrayInfo, mesh: dict[str, int], group: int, replicated: bool = False) -> int:
-    """Bytes of declaration `a` held by one device (all of it when `replicated`)."""
+def leaf_bytes(a: ArrayInfo, mesh: dict[str, int], group: int, fitting: bool = False) -> int:
+    """Bytes of declaration `a` held by one device; with `fitting`, a dimension its mesh axes do not divide is
+    replicated (`sharding.fitting_sharding`, as the drafter is placed) instead of an error."""
     spec = logical_to_spec(a.axes)
     total = 0
     for what, shape, itemsize in _stored(a, group):
         elems = math.prod(shape)
         for dim, entry in zip(shape, spec):
-            names = () if entry is None or replicated else entry if isinstance(entry, tuple) else (entry,)
+            names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
             n = math.prod(mesh[m] for m in names)
-            if dim % n:
+            if dim % n and not fitting:
                 raise ShardingError(f"{what}: dimension {dim} of {shape} is not divisible by the {n} devices of "
                                     f"mesh axes {entry}")
-            elems //= n
+            elems //= n if dim % n == 0 else 1
         total += elems * itemsize
     return total
 
 
-def weight_bytes(infos, mesh: dict[str, int], group: int, replicated: bool = False) -> int:
-    """Bytes per device of a pytree of ArrayInfo declarations."""
+def weight_bytes(infos, mesh: dict[str, int], group: int, fitting: bool = False) -> int:
+    """Bytes per device of a pytree of ArrayInfo declarations (`fitting`: see leaf_bytes)."""
     leaves = jax.tree.leaves(infos, is_leaf=lambda x: isinstance(x, ArrayInfo))
-    return sum(leaf_bytes(a, mesh, group, replicated) for a in leaves)
+    return sum(leaf_bytes(a, mesh, group, fitting) for a in leaves)
 
 
 def layer_kinds(cfg: ModelConfig) -> tuple[Params, list[tuple[int, Layer]]]:
@@ -247,8 +250,10 @@ def plan(cfg: ModelConfig, dcfg: DrafterConfig | None, mesh: dict[str, int], con
     dt = cfg.jnp_dtype.itemsize
     per_row = slots * cfg.num_hidden_layers * cfg.kv_cache_dim * dt
     d_per_row = 0
-    if dcfg is not None:
-        d_per_row = 2 * dcfg.num_layers * slots * dcfg.num_kv_heads * dcfg.head_dim * jnp.dtype(dcfg.dtype).itemsize
+    if dcfg is not None:  # its key/value heads split over ep x tp where they divide, as init_draft_cache places them
+        split = mesh["ep"] * mesh["tp"] if dcfg.num_kv_heads % (mesh["ep"] * mesh["tp"]) == 0 else 1
+        d_per_row = (2 * dcfg.num_layers * slots * dcfg.num_kv_heads // split * dcfg.head_dim
+                     * jnp.dtype(dcfg.dtype).itemsize)
     notes = []
     if rows == concurrency and mesh["dp"] > 1:
         notes.append(f"concurrency {concurrency} is not divisible by dp={mesh['dp']}: the batch is replicated")
@@ -261,7 +266,7 @@ def plan(cfg: ModelConfig, dcfg: DrafterConfig | None, mesh: dict[str, int], con
     return Plan(model=model, mesh=mesh, context=context, concurrency=concurrency, budget=budget, gpu_bytes=gpu_bytes,
                 context_limit=limit,
                 rows=rows, slots=slots, weights=model_weight_bytes(cfg, mesh),
-                drafter_weights=weight_bytes(drafter_info(dcfg), mesh, cfg.group_size, replicated=True) if dcfg else 0,
+                drafter_weights=weight_bytes(drafter_info(dcfg), mesh, cfg.group_size, fitting=True) if dcfg else 0,
                 latent_cache=rows * per_row, drafter_cache=rows * d_per_row,
                 activations=activation_bytes(cfg, dcfg, mesh, rows, budget),
                 workspace=int(WORKSPACE_FRACTION * gpu_bytes),

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .builtin import from_shipping, load_npz, save_npz, to_shipping
+from .builtin import from_shipping, load_npz, save_npz, shipping_struct, to_shipping
 from .config import ModelConfig
 from .configs import TINY_BOS, TINY_EOS, TINY_MASK
 from .corpus import corpus_split, load_tokens, windows
@@ -40,7 +40,6 @@ from .model import (
     Params,
     _forward_jit,
     _logits,
-    abstract_params,
     embed,
     init_params,
     mla,
@@ -290,8 +289,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if args.resume_target:
         qcfg = ModelConfig.from_dict(json.load(open(os.path.join(args.resume_target, "config.json"))))
-        like = abstract_params(dataclasses.replace(qcfg, dtype="bfloat16"))
-        qparams = from_shipping(load_npz(os.path.join(args.resume_target, "target.npz"), like), jnp.float32)
+        qparams = from_shipping(load_npz(os.path.join(args.resume_target, "target.npz"), shipping_struct(qcfg)),
+                                jnp.float32)
         log(f"target loaded from {args.resume_target}")
     else:
         params = train_target(cfg, train, held, steps=args.steps, batch=args.batch, length=args.length,

@@ -4,13 +4,16 @@ them to XLA_FLAGS before jax starts (`KDTREE_JAX_XLA_FLAGS=0` leaves XLA_FLAGS a
 `--xla_gpu_enable_pdl=true` launches XLA's kernels as programmatic dependents (the next one starts while the one
 before it ends); `--xla_gpu_executable_num_compute_streams=2` with `--xla_gpu_graph_enable_concurrent_region=true`
 lets independent work (the shared expert beside the routed experts) run on a second stream, inside CUDA graphs
-too. They change nothing on a CPU. XLA reads XLA_FLAGS once, when its first backend starts: from Python, set them
-before the first computation (`os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""))`).
-What they gain is measured in docs/full_scale.md.
+too. They are added only where jax can use a CUDA GPU (its CUDA plugin is installed and JAX_PLATFORMS allows it):
+XLA aborts on a flag it does not know, and a CPU-only install has no reason to take that risk. XLA reads XLA_FLAGS
+once, when its first backend starts: from Python, set them before the first computation
+(`os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""))`). What they gain is measured in
+docs/full_scale.md.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import MutableMapping
 
@@ -26,7 +29,17 @@ def with_gpu_flags(current: str) -> str:
     return " ".join([current.strip(), *(f for f in GPU_FLAGS if f.split("=", 1)[0] not in given)]).strip()
 
 
-def apply_gpu_flags(environ: MutableMapping[str, str] = os.environ) -> None:
-    """environ["XLA_FLAGS"] = with_gpu_flags(its value), unless environ[OPT_OUT] is "0"."""
-    if environ.get(OPT_OUT, "1").strip() != "0":
+def cuda_possible(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Whether jax may start a CUDA backend: a CUDA plugin of jax is installed and JAX_PLATFORMS (if set) names it."""
+    platforms = environ.get("JAX_PLATFORMS", "").lower()
+    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+        return False
+    return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+
+
+def apply_gpu_flags(environ: MutableMapping[str, str] = os.environ, gpu: bool | None = None) -> None:
+    """environ["XLA_FLAGS"] = with_gpu_flags(its value) where jax may use a CUDA GPU (`gpu`, default
+    `cuda_possible(environ)`), unless environ[OPT_OUT] is "0"."""
+    gpu = cuda_possible(environ) if gpu is None else gpu
+    if gpu and environ.get(OPT_OUT, "1").strip() != "0":
         environ["XLA_FLAGS"] = with_gpu_flags(environ.get("XLA_FLAGS", ""))

@@ -185,3 +185,28 @@ def test_malformed_json_names_the_file(tmp_path, capsys, name, text):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"kdtree-jax: error: {tmp_path / name}: "), err
     assert ("not valid JSON" if text != "[]" else "expected a JSON object") in err[0]
+
+
+def test_drafter_weights_and_cache_are_split_as_placed():
+    """A K2.5-DFlash-shaped drafter on ep=8: its weights split like the target's (all but its norms), so one GPU holds
+    just over 1/8 of them; its 8 key/value heads split too, so its context cache per row is 1/8; a drafter of 1
+    key/value head keeps that cache whole."""
+    import dataclasses
+
+    import jax
+
+    from kdtree_jax import plan
+    from kdtree_jax.drafter import init_drafter
+
+    cfg = kj.configs.tiny()
+    d8 = dataclasses.replace(jax.eval_shape(lambda: init_drafter(cfg, jax.random.key(0))).cfg, hidden_size=7168,
+                             num_heads=64, num_kv_heads=8, head_dim=112, intermediate_size=18432, num_layers=6,
+                             target_layer_ids=(1, 2, 3, 4, 5, 6), vocab_size=163840, target_num_layers=61,
+                             dtype="bfloat16")
+    whole = plan.weight_bytes(plan.drafter_info(d8), {"dp": 1, "ep": 1, "tp": 1}, 32)
+    split = plan.weight_bytes(plan.drafter_info(d8), {"dp": 1, "ep": 8, "tp": 1}, 32, fitting=True)
+    assert whole / 8 <= split < whole / 7.9
+    k2 = kj.configs.k2_6()
+    cache = lambda kv, ep: plan.plan(k2, dataclasses.replace(d8, num_kv_heads=kv), {"ep": ep}, 4096, 1, 16,
+                                     141 * GB).drafter_cache
+    assert cache(8, 1) == 8 * cache(8, 8) and cache(1, 1) == cache(1, 8)

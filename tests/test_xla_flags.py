@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from kdtree_jax.xla_flags import GPU_FLAGS, OPT_OUT, apply_gpu_flags, with_gpu_flags
+from kdtree_jax.xla_flags import GPU_FLAGS, OPT_OUT, apply_gpu_flags, cuda_possible, with_gpu_flags
 
 
 def test_missing_flags_are_added_and_given_values_kept():
@@ -16,15 +16,19 @@ def test_missing_flags_are_added_and_given_values_kept():
     assert set(GPU_FLAGS[1:]) <= set(out) and len(out) == 4
 
 
-def test_opt_out_and_idempotence():
+def test_opt_out_idempotence_and_gpu_only():
     env = {OPT_OUT: "0", "XLA_FLAGS": "--xla_dump_to=/tmp/d"}
-    apply_gpu_flags(env)
+    apply_gpu_flags(env, gpu=True)
     assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
     env = {}
-    apply_gpu_flags(env)
+    apply_gpu_flags(env, gpu=True)
     once = env["XLA_FLAGS"]
-    apply_gpu_flags(env)
+    apply_gpu_flags(env, gpu=True)
     assert env["XLA_FLAGS"] == once and once.split() == list(GPU_FLAGS)
+    env = {}
+    apply_gpu_flags(env, gpu=False)
+    assert "XLA_FLAGS" not in env
+    assert not cuda_possible({"JAX_PLATFORMS": "cpu"})
 
 
 def test_the_installed_jaxlib_accepts_the_flags():
