@@ -148,13 +148,13 @@ def _parser() -> argparse.ArgumentParser:
                         "auto rounds it up to whole windows of the steps between its plans)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     s.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535 (default: 8000)")
-    s.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+    s.add_argument("--shutdown-timeout", type=_amount("seconds"), default=30.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C: new requests get 503 and those in flight get this long to finish; then "
                         "each still open ends with an error (a stream: an error event and [DONE]) and the server "
                         "exits with status 0. A second Ctrl-C stops at once (status 130). Default: 30")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name requests must give (default: 'builtin', or the checkpoint directory's name)")
-    s.add_argument("--prefix-cache-gb", type=_gigabytes, default=0.0, metavar="GB",
+    s.add_argument("--prefix-cache-gb", type=_amount("GB"), default=0.0, metavar="GB",
                    help="keep prompts' cache rows, up to this many GB (across the mesh), for later prompts that begin "
                         "with the same tokens: those rows are copied instead of prefilled, the least recently used "
                         "dropped first (default: 0, none)")
@@ -206,26 +206,19 @@ def _port(text: str) -> int:
     return port
 
 
-def _gigabytes(text: str) -> float:
-    """A size in GB, >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GB, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of GB >= 0, got {text!r}")
-    return value
+def _amount(unit: str):
+    """An argparse type: a finite number of `unit` >= 0 (--prefix-cache-gb, --shutdown-timeout)."""
 
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
+        if not 0 <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a finite number of {unit} >= 0, got {text!r}")
+        return value
 
-def _seconds(text: str) -> float:
-    """--shutdown-timeout: a finite number of seconds >= 0."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 <= seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
-    return seconds
+    return parse
 
 
 def _check_listen(host: str, port: int) -> None:
