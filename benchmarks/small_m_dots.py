@@ -6,8 +6,10 @@ expert's gate + up and down, the router, the dense MLP, the vocabulary shard) an
 distinct weights (L x the weight's bytes > 4 x the L2, so no weight is read from L2): x -> x @ W_i, the next input
 the last one scaled by one column of the product (a dependence, fused into the next dot's input). Variants:
   layout "kn": W stored [K, N] (x @ W, the model's layout); "nk": W stored [N, K] (the contraction over W's last
-  axis, contiguous per output row); backend "default" (XLA's choice: reduction fusions at M = 1, Triton GEMMs or
-  cuBLAS above) or "cublas" (compiler option xla_gpu_enable_triton_gemm=false).
+  axis, contiguous per output row); "auto": W logically [K, N] in the device layout XLA picks for the program
+  (jit with Format(Layout.AUTO), the weights put in the compiled program's input formats); backend "default"
+  (XLA's choice: reduction fusions at M = 1, Triton GEMMs or cuBLAS above) or "cublas" (compiler option
+  xla_gpu_enable_triton_gemm=false).
 Per dot: the wall time of the chain / L (queued calls, median), the bytes floor (weight + x + y at the copy
 bandwidth measured in the same run) and the ratio.
 
@@ -53,15 +55,24 @@ def measure(name: str, k: int, n: int, m: int, layout: str, backend: str, bw: fl
     wbytes = k * n * 2
     count = 2 if quick else max(6, int(np.ceil(4 * L2_BYTES / wbytes)))
     key = jax.random.key(hash((k, n)) % 2**31)
-    shape = (k, n) if layout == "kn" else (n, k)
+    shape = (n, k) if layout == "nk" else (k, n)
     ws = [jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16) * 0.02 for i in range(count)]
     x = jax.random.normal(jax.random.fold_in(key, 999), (m, k), jnp.bfloat16)
     opts = {"xla_gpu_enable_triton_gemm": False} if backend == "cublas" else None
-    fn = jax.jit(chain(layout)).lower(x, ws).compile(compiler_options=opts) if opts else jax.jit(chain(layout))
+    if layout == "auto":
+        from jax.experimental.layout import Format, Layout
+
+        fn = jax.jit(chain("kn"), in_shardings=(None, [Format(Layout.AUTO)] * count))
+        fn = fn.lower(x, ws).compile(compiler_options=opts)
+        ws = [jax.device_put(w, fmt) for w, fmt in zip(ws, fn.input_formats[0][1])]
+        picked = fn.input_formats[0][1][0].layout.major_to_minor
+    else:
+        fn = jax.jit(chain(layout)).lower(x, ws).compile(compiler_options=opts)
+        picked = None
     sec, _ = timed(fn, (x, ws), count, min_batch=0.02, samples=5)
     floor = (wbytes + 2 * m * (k + n)) / bw
     del ws
-    return dict(name=name, k=k, n=n, m=m, layout=layout, backend=backend, dots=count, us=sec * 1e6,
+    return dict(name=name, k=k, n=n, m=m, layout=layout, backend=backend, dots=count, us=sec * 1e6, picked=picked,
                 floor_us=floor * 1e6, x_floor=sec / floor, tbps=wbytes / sec / 1e12)
 
 
@@ -143,12 +154,13 @@ def main(argv=None) -> int:
     for name in names:
         k, n = SHAPES[name]
         for m in ms:
-            for layout in ("kn", "nk"):
+            for layout in ("kn", "nk", "auto"):
                 for be in backends:
                     r = measure(name, k, n, m, layout, be, bw, args.quick)
                     rows.append(r)
                     print(f"{name:15s} M={m:4d} {layout}/{be:7s} {r['us']:8.2f} us  {r['x_floor']:5.2f}x floor  "
-                          f"{r['tbps']:.2f} TB/s  [{time.perf_counter() - t0:.0f} s]", flush=True)
+                          f"{r['tbps']:.2f} TB/s  picked {r['picked']}  [{time.perf_counter() - t0:.0f} s]",
+                          flush=True)
         write_report(args.out, meta, rows)
     write_report(args.out, meta, rows)
     return 0
