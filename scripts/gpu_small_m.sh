@@ -9,7 +9,7 @@
 #   OUT=/tmp/out BASE_DIR=<dir> BASE_COMMIT=<commit> bash scripts/gpu_small_m.sh ab
 #                                                    # tests; the same cells at an older commit (its tree in BASE_DIR)
 #                                                    # and at this build, side by side in one report (AB_FLAGS=1:
-#                                                    # this build with the XLA flags above; BENCH=1: the embedded
+#                                                    # both builds with the XLA flags above; BENCH=1: the embedded
 #                                                    # model's greedy tokens compared across methods; NCU=1: ncu
 #                                                    # of the custom calls in a 3-layer step; FIXED=1, before the
 #                                                    # mode's steps: benchmarks/fixed_cost.py)
@@ -42,8 +42,8 @@ finish() { tar -czf "$OUT/results.tar.gz" -C "$OUT" results; }
 trap finish EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | tee -a "$LOG"
 . scripts/ffi_env.sh
-step tests 120 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_moe_route.py \
-  "tests/test_mla_verify.py::test_gpu_fast_path_matches_float64_and_cpu_kernel"
+step tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_moe_route.py \
+  tests/test_mla_verify.py
 
 if [ -n "${FIXED:-}" ]; then  # each custom call's kernels hot and after an L2 flush (benchmarks/fixed_cost.py)
   step fixed 150 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
@@ -84,7 +84,8 @@ ab)
       > "$OUT/results/base_build.log" 2>&1 || { tail -20 "$OUT/results/base_build.log"; exit 1; }
   fi
   cp benchmarks/full_scale.py benchmarks/common.py benchmarks/profile_tools.py "$BASE_DIR/benchmarks/"
-  step base 260 "${BIG[@]}" KDTREE_JAX_FFI_DIR="$BASE_DIR/lib" PYTHONPATH="$BASE_DIR" python3 \
+  step base 260 "${BIG[@]}" ${AB_FLAGS:+XLA_FLAGS="$FLAGS"} KDTREE_JAX_FFI_DIR="$BASE_DIR/lib" \
+    PYTHONPATH="$BASE_DIR" python3 \
     "$BASE_DIR/benchmarks/full_scale.py" --out "$OUT/results/base" --cells "$CELLS" --profile "$PROFILE" \
     --repeats 3 --commit "${BASE_COMMIT:-base}"
   step new 260 "${BIG[@]}" ${AB_FLAGS:+XLA_FLAGS="$FLAGS"} python3 benchmarks/full_scale.py --out "$OUT/results/new" \

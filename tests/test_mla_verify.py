@@ -176,12 +176,17 @@ def test_impl_xla_is_the_reference_and_vmap_works():
 
 
 def test_plan_splits_fills_the_gpu_and_keeps_tiles_per_split():
+    # narrow kernel (B x ceil(N H / 32) <= 16): blocks of 32 rows, at least one key tile per split
+    assert plan_splits(1, 1, 8, 4096, sms=132) == 64  # one tile a split: 64 blocks, the most 64 tiles allow
     assert plan_splits(1, 1, 8, 32768, sms=132) == 119  # the fewest splits that keep >= 90% of the SMs busy
-    assert plan_splits(1, 1, 64, 32768, sms=132) == 64  # 64 rows of partials: at least 8 key tiles per split
-    assert plan_splits(1, 1, 64, 1024, sms=132) == 2
+    assert plan_splits(1, 1, 64, 32768, sms=132) == 60  # 2 row blocks x 60 = 120 blocks (>= 90% of 132)
+    assert plan_splits(1, 1, 64, 1024, sms=132) == 4  # 32 rows of partials: at least 4 tiles a split; 16 tiles
+    assert plan_splits(8, 1, 64, 32768, sms=132) == 8  # 16 row blocks x 8 = 128 blocks
+    assert plan_splits(1, 17, 8, 4096, sms=132) == 16  # 5 row blocks x 16 (4 tiles a split)
+    # wide kernel: blocks of 64 rows, at least 4 key tiles per split
     assert plan_splits(8, 256, 64, 32768, sms=132) == 1  # 2048 row tiles already fill the GPU
     assert plan_splits(1, 64, 64, 32768, sms=132) == 2  # 64 row tiles x 2 = 128 blocks: one wave
-    assert plan_splits(8, 1, 64, 32768, sms=132) == 15
+    assert plan_splits(10, 17, 8, 4096, sms=132) == 4  # 30 row tiles x 4 = 120 blocks
 
 
 def _bad(**change):
@@ -269,6 +274,10 @@ GPU_CASES = [
     (2, 16, 64, 3000, 1),
     (2, 16, 64, 3000, 7),
     (1, 1, 8, 600, 64),
+    (1, 17, 8, 4096, None),  # the narrow kernel at one device's verify of 16 nodes (5 row blocks)
+    (10, 1, 8, 4096, None),  # and at decode, C = 10
+    (10, 17, 8, 4096, None),  # the wide kernel at the same shapes, C = 10 (50 row blocks of 32)
+    (16, 4, 8, 2048, None),  # the narrow rule's edge: 16 x 1 blocks of 32 rows
 ]
 
 

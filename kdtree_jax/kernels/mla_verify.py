@@ -11,9 +11,11 @@ latents are already written at slots cache_lens[b] + u. Per head h:
 This is `mla_absorbed_attention` below (including its clamping when cache_lens + N > S). Softmax and
 sums are fp32; the output has the queries' dtype.
 
-The CUDA handler's fast path takes bf16 with R = 512 and dr = 64 (Kimi K2): a flash-decoding kernel on the tensor
-cores that splits the keys over blocks when the batch alone does not fill the GPU; its fp32 partial results are
-extra outputs of the call, sized here (`plan_splits`). Every other dtype or size (R <= 1024, dr <= 256) runs a
+The CUDA handler's fast path takes bf16 with R = 512 and dr = 64 (Kimi K2): flash decoding on the tensor cores
+that splits the keys over blocks when the batch alone does not fill the GPU; its fp32 partial results are extra
+outputs of the call, sized here (`plan_splits`). Two kernels share the splits and the partials: a narrow one (8
+query rows a warp, 32 a block, mma.sync) while B x ceil(N H / 32) <= 16 (decode and small trees on one device),
+else a wide one (64 query rows a block, wgmma). Every other dtype or size (R <= 1024, dr <= 256) runs a
 generic CUDA-core kernel: correct, not fast.
 """
 
@@ -29,7 +31,8 @@ import numpy as np
 from . import _registry
 
 FAST_RANK, FAST_ROPE = 512, 64  # the head sizes of the CUDA fast path (bf16 only)
-_ROWS, _KEYS = 64, 64  # the fast path's query rows per block and keys per tile
+_ROWS, _KEYS = 64, 64  # the fast path's query rows per block (wide kernel) and keys per tile
+NARROW_ROWS, NARROW_MAX_BLOCKS = 32, 16  # the narrow kernel's rows per block; used while B x row blocks <= this
 MAX_SPLITS = 1024
 
 
@@ -83,19 +86,23 @@ def _sm_count() -> int:
 
 
 def plan_splits(b: int, n: int, h: int, s: int, sms: int | None = None) -> int:
-    """Key splits per (batch row, 64-row query tile) of the CUDA fast path.
+    """Key splits per (batch row, query-row block) of the CUDA fast path: blocks of 64 rows (the wide kernel), or
+    of 32 (the narrow one, while B x ceil(N H / 32) <= NARROW_MAX_BLOCKS, the rule of ffi/mla_verify.cu).
 
-    One block per multiprocessor (the kernel takes ~225 KB of shared memory). Each split streams at least 4 key
-    tiles (64 keys, 73.7 KB each), and enough of them that its fp32 partial output (rows x 2 KB, written and read
-    back) stays under half the bytes it streams. Within that cap: the fewest splits whose blocks keep >= 90% of
-    the multiprocessors busy over their waves, else the busiest choice.
+    One block per multiprocessor (either kernel takes 190-225 KB of shared memory). Each split streams enough key
+    tiles (64 keys, 73.7 KB each) that its fp32 partial output (rows x 2 KB, written and read back) stays under
+    half the bytes it streams, and at least 4 in the wide kernel, whose fixed cost per block is large (one tile in
+    the narrow one). Within that cap: the fewest splits whose blocks keep >= 90% of the multiprocessors busy over
+    their waves, else the busiest choice.
     """
     sms = _sm_count() if sms is None else sms
-    work = b * math.ceil(n * h / _ROWS)
+    narrow = b * math.ceil(n * h / NARROW_ROWS) <= NARROW_MAX_BLOCKS
+    block_rows = NARROW_ROWS if narrow else _ROWS
+    work = b * math.ceil(n * h / block_rows)
     if work >= sms:
         return 1
-    rows = min(_ROWS, n * h)
-    least = max(4, math.ceil(rows * 2 * 2048 / (0.5 * _KEYS * 1152)))
+    rows = min(block_rows, n * h)
+    least = max(1 if narrow else 4, math.ceil(rows * 2 * 2048 / (0.5 * _KEYS * 1152)))
     cap = max(1, min(math.ceil(s / _KEYS) // least, MAX_SPLITS))
 
     def busy(splits: int) -> float:
