@@ -6,7 +6,7 @@ bytes = latent + rope cache (576 bf16 per token) + queries + output; FLOPs = 2 B
 Every cache row is full (cache_lens = S - N), each batch row verifies its own random tree. Each timed call runs the
 op on enough distinct input sets (>= 256 MB together) that the caches do not sit in L2; time = median per op.
 
-usage: python benchmarks/mla_verify.py [--quick] [--sweep] [--out DIR] [--commit SHA] [--budget SECONDS]
+usage: python benchmarks/mla_verify.py [--quick] [--sweep] [--kernel both] [--out DIR] [--commit SHA] [--budget S]
        python benchmarks/mla_verify.py --plot DIR/mla_verify.json      (redraw the table and plot from saved numbers)
 """
 
@@ -49,10 +49,10 @@ def make_sets(b, n, h, s, count, seed):
     return sets
 
 
-def measure(b, n, h, s, ceil, with_xla=True, splits_list=(None,)) -> list[dict]:
+def measure(b, n, h, s, ceil, with_xla=True, splits_list=(None,), narrow=None) -> list[dict]:
     import jax
 
-    from kdtree_jax.kernels.mla_verify import mla_verify, plan_splits
+    from kdtree_jax.kernels.mla_verify import mla_verify, plan_splits, use_narrow
 
     nbytes, flops = cost(b, n, h, s)
     roof = max(nbytes / ceil["copy_Bps"], flops / ceil["matmul_flops"])
@@ -66,7 +66,7 @@ def measure(b, n, h, s, ceil, with_xla=True, splits_list=(None,)) -> list[dict]:
         ref = np.asarray(xla_out[0], np.float32)
     rows = []
     for splits in splits_list:
-        ker = jax.jit(lambda st, sp=splits: [mla_verify(*a, SCALE, num_splits=sp) for a in st])
+        ker = jax.jit(lambda st, sp=splits: [mla_verify(*a, SCALE, num_splits=sp, narrow=narrow) for a in st])
         ker_s, ker_out = timed(ker, (sets,), count)
         err = None
         if ref is not None:
@@ -75,7 +75,8 @@ def measure(b, n, h, s, ceil, with_xla=True, splits_list=(None,)) -> list[dict]:
         rows.append(dict(b=b, n=n, h=h, s=s, bytes=nbytes, flops=flops, roofline_s=roof,
                          bound="memory" if nbytes / ceil["copy_Bps"] >= flops / ceil["matmul_flops"] else "compute",
                          kernel_s=ker_s, xla_s=xla_s, rel_err_vs_xla=err,
-                         splits=splits or plan_splits(b, n, h, s), sets=count))
+                         splits=splits or plan_splits(b, n, h, s, narrow=narrow), sets=count,
+                         kernel="narrow" if use_narrow(b, n, h, narrow) else "wide"))
     return rows
 
 
@@ -121,11 +122,11 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], sweep: list[dict]) 
                      f"{us(r['kernel_s'])} | {pct(r['kernel_s'], r['roofline_s'])} | {us(r['xla_s'])} | "
                      f"{pct(r['xla_s'], r['roofline_s'])} | {speed} | {r['splits']} | {err} |")
     if sweep:
-        lines += ["", "## Key splits (decode regime)", "", "| B | N | H | S | splits | kernel µs | % roofline |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "## Key splits (decode regime)", "",
+                  "| B | N | H | S | kernel | splits | kernel µs | % roofline |", "|---|---|---|---|---|---|---|---|"]
         for r in sweep:
-            lines.append(f"| {r['b']} | {r['n']} | {r['h']} | {r['s']:,} | {r['splits']} | {us(r['kernel_s'])} | "
-                         f"{pct(r['kernel_s'], r['roofline_s'])} |")
+            lines.append(f"| {r['b']} | {r['n']} | {r['h']} | {r['s']:,} | {r.get('kernel', 'wide')} | "
+                         f"{r['splits']} | {us(r['kernel_s'])} | {pct(r['kernel_s'], r['roofline_s'])} |")
     with open(os.path.join(out_dir, "mla_verify.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     if rows:
@@ -169,6 +170,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="ten configurations instead of the full grid")
     ap.add_argument("--sweep", action="store_true", help="also time several key-split counts in the decode regime")
+    ap.add_argument("--kernel", choices=("default", "wide", "narrow", "both"), default="default",
+                    help="the fast path's kernel in the sweep (default: the wrapper's rule; both: each in turn)")
     ap.add_argument("--sweep-at", metavar="B:N:H:S,...",
                     help="sweep only these cases (splits 1, 2, 4, .. 128; no grid)")
     add_report_args(ap, "configurations", "mla_verify")
@@ -201,16 +204,18 @@ def main() -> None:
 
         cases = ([tuple(int(v) for v in c.split(":")) for c in args.sweep_at.split(",")] if args.sweep_at
                  else sweep_cases())
-        for b, n, h, s in cases:
+        kernels = {"default": [None], "wide": [False], "narrow": [True], "both": [False, True]}[args.kernel]
+        for (b, n, h, s), narrow in ((c, k) for c in cases for k in kernels):
             if time.perf_counter() - start > args.budget:
                 break
-            base = plan_splits(b, n, h, s)
+            base = plan_splits(b, n, h, s, narrow=narrow)
             options = sorted({max(1, base // 4), max(1, base // 2), base, 2 * base, max(1, s // 64 // 16)})
             if args.sweep_at:
                 options = sorted({base, *(2 ** i for i in range(8) if 2 ** i <= -(-(s + n) // 64))})
-            for r in measure(b, n, h, s, ceil, with_xla=False, splits_list=options):
+            for r in measure(b, n, h, s, ceil, with_xla=False, splits_list=options, narrow=narrow):
                 sweep.append(r)
-                print(f"sweep B={b} N={n} H={h} S={s} splits {r['splits']}: {r['kernel_s'] * 1e6:.1f} us", flush=True)
+                print(f"sweep B={b} N={n} H={h} S={s} {r['kernel']} splits {r['splits']}: "
+                      f"{r['kernel_s'] * 1e6:.1f} us", flush=True)
     write_report(args.out, meta, rows, sweep)
 
 

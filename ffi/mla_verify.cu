@@ -14,6 +14,8 @@
 //   * With several splits, each block writes its normalized partial output, its row max and its row sum (fp32),
 //     and a second kernel combines them in a fixed order (deterministic; no atomics, nothing to clear).
 //     The split count is the extent of the partials output's second axis (the Python wrapper plans it).
+//   * With the "narrow" attribute, a second kernel for few query rows (see NarrowKernel: 8 rows a warp on mma.sync,
+//     the keys as the A operand) computes the same partials; the combine is shared.
 // Generic path (any other dtype or head size, R <= 1024, dr <= 256): one warp per query row, online softmax on
 // CUDA cores. Correct but slow: it exists so that every shape the CPU handler takes also runs on the GPU.
 
@@ -543,12 +545,12 @@ __global__ void __launch_bounds__(kThreads, 1) MlaVerifyKernel(const FastParams 
 //     memory), the masked online softmax in fp32 (a lane holds rows 2t and 2t + 1: its rescales stay in the lane),
 //     writes P as bf16 [8 rows x 64 keys] to its own shared-memory slot, and adds V^T P^T into O^T [512 x 8] (32
 //     dimension tiles x 4 k-steps, V^T from ldmatrix.trans): 128 fp32 accumulators a lane;
-//   * warps without a real row only copy. Used while B * ceil(M / 32) <= kNarrowMaxBlocks (decode, trees up to 16
-//     nodes of 8 heads at C = 1), where it fills the GPU with splits; the Python planner mirrors the rule.
+//   * warps without a real row only copy. The call's "narrow" attribute picks this kernel (the Python wrapper decides:
+//     meant for B * ceil(M / 32) <= 16, decode and trees up to 16 nodes of 8 heads at C = 1, where splits fill the
+//     GPU). Any M, splits and mask of the fast path are valid here; the two kernels write the same partials.
 constexpr int kNarrowWarps = 4;
 constexpr int kNarrowThreads = 32 * kNarrowWarps;
 constexpr int kNarrowRows = 8 * kNarrowWarps;        // query rows per block
-constexpr int kNarrowMaxBlocks = 16;                 // B * ceil(M / kNarrowRows) at most: the narrow path
 constexpr int kRowBytes = 2 * (kRank + kRope) + 16;  // a key or query row in shared memory, padded: 1,168
 constexpr int kNarrowStage = kKeys * kRowBytes;      // one key tile: 74,752 bytes
 constexpr int kPStride = 2 * kKeys + 16;             // a row of P (64 keys, bf16), padded: 144 bytes
@@ -955,7 +957,8 @@ ffi::Error MlaVerifyCudaImpl(cudaStream_t stream,
                              float scale,                          // softmax scale
                              ffi::Result<ffi::AnyBuffer> out,      // [B, N, H, R]
                              ffi::Result<ffi::Buffer<ffi::F32>> part,    // [B, splits, M or 0, R]
-                             ffi::Result<ffi::Buffer<ffi::F32>> stats) { // [B, splits, M or 0, 2]
+                             ffi::Result<ffi::Buffer<ffi::F32>> stats,   // [B, splits, M or 0, 2]
+                             int32_t narrow) {                           // fast path: the narrow kernel
   kdtree::MlaShape shape;
   if (ffi::Error e = kdtree::CheckMlaShape(q_lat.dimensions(), q_pe.dimensions(), latent.dimensions(),
                                            pe.dimensions(), cache_lens.element_count(), tree_mask.element_count(),
@@ -998,8 +1001,7 @@ ffi::Error MlaVerifyCudaImpl(cudaStream_t stream,
     p.m = static_cast<int>(M);
     p.splits = static_cast<int>(splits);
     p.scale_log2 = scale_log2;
-    // the narrow path (kdtree_jax/kernels/mla_verify.py's NARROW_ROWS and NARROW_MAX_BLOCKS plan its splits)
-    if (B * ((M + kNarrowRows - 1) / kNarrowRows) <= kNarrowMaxBlocks) {
+    if (narrow != 0) {  // the Python wrapper chooses (kdtree_jax/kernels/mla_verify.py: use_narrow)
       if (cudaFuncSetAttribute(NarrowKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kNarrowSmem) !=
           cudaSuccess) {
         return LastError("raising the narrow kernel's shared-memory limit");
@@ -1070,5 +1072,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KdMlaVerifyCuda, MlaVerifyCudaImpl,
                                   .Attr<float>("scale")               // softmax scale
                                   .Ret<ffi::AnyBuffer>()              // out [B, N, H, R]
                                   .Ret<ffi::Buffer<ffi::F32>>()       // partial outputs [B, splits, M, R]
-                                  .Ret<ffi::Buffer<ffi::F32>>(),      // partial (max, sum) [B, splits, M, 2]
+                                  .Ret<ffi::Buffer<ffi::F32>>()       // partial (max, sum) [B, splits, M, 2]
+                                  .Attr<int32_t>("narrow"),           // 1: the narrow kernel (fast path)
                               {xla::ffi::Traits::kCmdBufferCompatible});
