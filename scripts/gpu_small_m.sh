@@ -13,6 +13,8 @@
 #                                                    # model's greedy tokens compared across methods; NCU=1: ncu
 #                                                    # of the custom calls in a 3-layer step; FIXED=1, before the
 #                                                    # mode's steps: benchmarks/fixed_cost.py)
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh tests   # the GPU tests of every custom call (the "done when"):
+#                                                    # marlin_moe, mla_verify (both kernels), moe_route, tree kernels
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh narrow  # tests (both mla_verify kernels); the key-split sweep of both
 #                                                    # kernels at one device's shapes; the full step with the wide
 #                                                    # kernel (KDTREE_JAX_MLA_NARROW=0) and then the narrow one (=1),
@@ -46,6 +48,11 @@ finish() { tar -czf "$OUT/results.tar.gz" -C "$OUT" results; }
 trap finish EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | tee -a "$LOG"
 . scripts/ffi_env.sh
+if [ "$MODE" = tests ]; then
+  step all_tests 540 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_marlin_moe.py \
+    tests/test_mla_verify.py tests/test_moe_route.py tests/test_tree_kernels.py
+  exit 0
+fi
 step tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_moe_route.py \
   tests/test_mla_verify.py
 
