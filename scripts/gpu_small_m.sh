@@ -115,7 +115,7 @@ ab)
   ;;
 narrow)
   # the narrow mla_verify kernel against the wide one: both in the same build, chosen by $KDTREE_JAX_MLA_NARROW
-  step sweep 150 python3 benchmarks/mla_verify.py --kernel both --out "$OUT/results/mla_sweep" \
+  step sweep 200 python3 benchmarks/mla_verify.py --kernel both --profile --out "$OUT/results/mla_sweep" \
     --sweep-at 1:1:8:4096,1:17:8:4096,10:1:8:4096,1:9:8:4096,1:1:8:131072 --commit "$KDTREE_COMMIT"
   CELLS=${CELLS_NARROW:-4096:1x1,4096:1x17,4096:10x1,131072:1x1}
   step wide 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" KDTREE_JAX_MLA_NARROW=0 python3 benchmarks/full_scale.py \
