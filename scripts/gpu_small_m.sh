@@ -16,9 +16,11 @@
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh tests   # the GPU tests of every custom call (the "done when"):
 #                                                    # marlin_moe, mla_verify (both kernels), moe_route, tree kernels
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh narrow  # tests (both mla_verify kernels); the key-split sweep of both
-#                                                    # kernels at one device's shapes; the full step with the wide
-#                                                    # kernel (KDTREE_JAX_MLA_NARROW=0) and then the narrow one (=1),
-#                                                    # both with the XLA flags, side by side in one report
+#                                                    # kernels at one device's shapes, with GPU times (~6 min)
+#   OUT=/tmp/out SKIP_TESTS=1 bash scripts/gpu_small_m.sh narrow_step
+#                                                    # the full step with the wide kernel (KDTREE_JAX_MLA_NARROW=0)
+#                                                    # and then the narrow one (=1), both with the XLA flags, side by
+#                                                    # side in one report (~7 min; a second call after `narrow`)
 #
 # Environment: KDTREE_COMMIT stamps the results (default: git rev-parse --short HEAD); KDTREE_JAX_FFI_DIR = prebuilt
 # libraries of this build (else built here); CELLS, PROFILE = full_scale.py's --cells / --profile.
@@ -53,8 +55,10 @@ if [ "$MODE" = tests ]; then
     tests/test_mla_verify.py tests/test_moe_route.py tests/test_tree_kernels.py
   exit 0
 fi
-step tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_moe_route.py \
-  tests/test_mla_verify.py
+if [ -z "${SKIP_TESTS:-}" ]; then
+  step tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_moe_route.py \
+    tests/test_mla_verify.py
+fi
 
 if [ -n "${FIXED:-}" ]; then  # each custom call's kernels hot and after an L2 flush (benchmarks/fixed_cost.py)
   step fixed 150 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
@@ -117,6 +121,8 @@ narrow)
   # the narrow mla_verify kernel against the wide one: both in the same build, chosen by $KDTREE_JAX_MLA_NARROW
   step sweep 200 python3 benchmarks/mla_verify.py --kernel both --profile --out "$OUT/results/mla_sweep" \
     --sweep-at 1:1:8:4096,1:17:8:4096,10:1:8:4096,1:9:8:4096,1:1:8:131072 --commit "$KDTREE_COMMIT"
+  ;;
+narrow_step)
   CELLS=${CELLS_NARROW:-4096:1x1,4096:1x17,4096:10x1,131072:1x1}
   step wide 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" KDTREE_JAX_MLA_NARROW=0 python3 benchmarks/full_scale.py \
     --out "$OUT/results/wide" --cells "$CELLS" --profile 4096:1x1 --repeats 3 --commit "$KDTREE_COMMIT+wide"
