@@ -43,9 +43,9 @@ def _parser() -> argparse.ArgumentParser:
                         "the Python standard library, continues well)")
     g.add_argument("--method", choices=("ar", "chain", "ddtree"), default="ar",
                    help="ar: one token per step; chain: DFlash linear draft; ddtree: DDTree draft tree (default: ar)")
-    g.add_argument("--budget", type=_budget, default=64,
-                   help="ddtree: draft tree nodes per step, or 'auto': chosen every step from a cost model measured "
-                        "once for this setup (kept in ~/.cache/kdtree-jax/costs) (default: 64)")
+    g.add_argument("--budget", type=_budget, default=None,
+                   help="with --method ddtree: draft tree nodes per step, or 'auto': chosen every step from a cost "
+                        "model measured once for this setup (kept in ~/.cache/kdtree-jax/costs) (default: 64)")
     _auto_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -67,8 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                                    "must: decoding is lossless).")
     b.add_argument("--methods", default="ar,chain,ddtree", help="comma-separated, from ar, chain, ddtree "
                                                                  "(default: all three; ar is always run)")
-    b.add_argument("--budgets", default="16,64",
-                   help="ddtree node budgets, comma-separated; 'auto' for budget='auto' (default: 16,64)")
+    b.add_argument("--budgets", default=None,
+                   help="ddtree node budgets, comma-separated; 'auto' for budget='auto' (default: 16,64; with ddtree "
+                        "in --methods only)")
     _auto_args(b)
     b.add_argument("--calibrate", action="store_true",
                    help="measure budget='auto''s cost model for --batch and --max-budget now (replacing a saved one), "
@@ -132,10 +133,10 @@ def _parser() -> argparse.ArgumentParser:
                               "\"max_tokens\": 64, \"temperature\": 0}'")
     s.add_argument("--method", choices=("ar", "chain", "ddtree"), default="ddtree",
                    help="ar: one token per step; chain: DFlash linear draft; ddtree: DDTree draft tree (default)")
-    s.add_argument("--budget", type=_budget, default=64,
-                   help="ddtree: draft tree nodes per step, or 'auto': chosen every step for the live requests from "
-                        "a cost model measured once for --max-batch slots (saved, reused; greedy answers unchanged, "
-                        "but a seeded sampled answer then depends on what else runs) (default: 64)")
+    s.add_argument("--budget", type=_budget, default=None,
+                   help="with --method ddtree: draft tree nodes per step, or 'auto': chosen every step for the live "
+                        "requests from a cost model measured once for --max-batch slots (saved, reused; greedy answers "
+                        "unchanged, but a seeded sampled answer then depends on what else runs) (default: 64)")
     _auto_args(s)
     s.add_argument("--max-batch", type=int, default=8, help="slots: requests decoded together (default: 8)")
     s.add_argument("--max-context", type=int, default=None,
@@ -287,6 +288,13 @@ def _budget(text: str):
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
+def _model_dir(text: str) -> str:
+    """--model: not empty (a path that os.path.abspath would make the working directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a checkpoint directory or 'builtin', got {text!r}")
+    return text
+
+
 def _utf8_text(text: str) -> str:
     """--prompt: text that is UTF-8 (argv bytes that are not arrive as lone surrogates, which no tokenizer takes)."""
     try:
@@ -336,9 +344,77 @@ def _check_auto_flags(args, auto: bool) -> None:
         args.max_budget = 64
 
 
+def _check_decoding(args, sampling: bool) -> None:
+    """generate's and serve's decoding flags, checked before the model is loaded (minutes for a large one) by the
+    rules that generate and the serving engine apply (`kdtree_jax.validate`, with their messages), and the flags
+    that would be ignored refused: --budget without --method ddtree, the budget auto flags without --budget auto
+    and, with `sampling` (generate's flags), --top-k and --top-p at temperature 0. Fills in the budgets' defaults."""
+    from . import validate
+
+    if args.budget is not None and args.method != "ddtree":
+        raise ValueError(f"--budget: for --method ddtree only (--method {args.method} drafts no tree; add --method "
+                         "ddtree, or drop --budget)")
+    if args.budget is None:
+        args.budget = 64
+    elif args.budget != "auto" and args.budget < 1:
+        raise ValueError(f"--budget must be at least 1 (or 'auto'), got {args.budget}")
+    _check_auto_flags(args, args.budget == "auto")
+    if args.budget == "auto":
+        if args.max_budget < 1:
+            raise ValueError(f"--max-budget must be at least 1, got {args.max_budget}")
+        if args.tiers is not None and max(args.tiers) != args.max_budget:  # (_tiers checked the rest)
+            raise ValueError(f"--tiers {','.join(map(str, args.tiers))}: the largest tier must equal --max-budget "
+                             f"({args.max_budget})")
+        if args.cost_model is not None and not os.path.isfile(args.cost_model):
+            raise ValueError(f"--cost-model {args.cost_model}: no such file (a cost model saved by `kdtree-jax bench "
+                             "--calibrate`; leave it out to use, or measure, the one kept for this setup)")
+    if not sampling:
+        return
+    validate.integer("max_new_tokens", args.max_new_tokens, 1, validate.INT32_LIMIT)
+    validate.temperature(args.temperature)
+    validate.top_k(args.top_k)
+    validate.top_p(args.top_p)
+    given = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
+    if given and args.temperature == 0:
+        raise ValueError(f"{', '.join(given)}: for --temperature > 0 only (at 0, greedy decoding takes the most likely "
+                         f"token; add a temperature, or drop {'them' if len(given) > 1 else 'it'})")
+
+
+def _check_serving(args) -> None:
+    """serve's flags, checked before the model is loaded (the engine checks them again, after it)."""
+    _check_decoding(args, sampling=False)
+    for name in ("max_batch", "max_queue", "chunk_steps", "max_n"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.max_context is not None and (args.max_context < 64 or args.max_context & (args.max_context - 1)):
+        raise ValueError(f"--max-context must be a power of two >= 64, got {args.max_context}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name must not be empty (requests name the model they ask for)")
+    if args.cache_sharding is not None and args.mesh is None:
+        raise ValueError("--cache-sharding lays the cache out over --mesh: give a mesh too")
+
+
+def _check_hosts_flags(args) -> None:
+    """--coordinator, --num-processes and --process-id: all three or none, the id in range."""
+    given = {f"--{n.replace('_', '-')}": getattr(args, n) for n in ("coordinator", "num_processes", "process_id")}
+    missing = [flag for flag, value in given.items() if value is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} missing: a multi-host run takes --coordinator, --num-processes and "
+                         "--process-id together")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--coordinator {args.coordinator!r}: expected HOST:PORT, the port 1-65535 (process 0 "
+                         "listens there)")
+    if args.num_processes < 1:
+        raise ValueError(f"--num-processes must be at least 1, got {args.num_processes}")
+    if not 0 <= args.process_id < args.num_processes:
+        raise ValueError(f"--process-id must be in 0..{args.num_processes - 1} (--num-processes "
+                         f"{args.num_processes}), got {args.process_id}")
+
+
 def _common(g: argparse.ArgumentParser, hosts: bool = True) -> None:
     """--model, --seed, --mesh, --kernels, --ffi-ops and (with hosts) the multi-host flags."""
-    g.add_argument("--model", default=None,
+    g.add_argument("--model", default=None, type=_model_dir,
                    help="a converted checkpoint directory (kdtree-convert), or 'builtin'. Default: the embedded "
                         "model shipped in the package (else a random tiny model with a byte tokenizer)")
     g.add_argument("--seed", type=_seed, default=0,
@@ -463,7 +539,7 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def generate_command(args) -> int:
-    _check_auto_flags(args, args.budget == "auto")
+    _check_decoding(args, sampling=True)
     _use_compilation_cache(args)
     params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
     _need_drafter(args, drafter)
@@ -558,8 +634,11 @@ def bench_command(args) -> int:
     bad = [m for m in methods if m not in ("ar", "chain", "ddtree")]
     if bad:
         raise ValueError(f"--methods: unknown method(s) {bad}; choose from ar, chain, ddtree")
+    if args.budgets is not None and "ddtree" not in methods:
+        raise ValueError(f"--budgets: for ddtree only (--methods {args.methods} drafts no tree; add ddtree to "
+                         "--methods, or drop --budgets)")
     try:
-        budgets = [_budget(b.strip()) for b in args.budgets.split(",")] if "ddtree" in methods else []
+        budgets = [_budget(b.strip()) for b in (args.budgets or "16,64").split(",")] if "ddtree" in methods else []
     except argparse.ArgumentTypeError:
         raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated integers or 'auto'") from None
     if any(b != "auto" and b < 1 for b in budgets):
@@ -637,6 +716,8 @@ def plan_command(args) -> int:
 
     from kdtree_jax import plan
 
+    if args.hosts < 1:
+        raise ValueError(f"--hosts must be a positive integer, got {args.hosts}")
     cfg, dcfg, description = plan.load_config(args.model)
     p = plan.plan(cfg, dcfg, parse_mesh(args.mesh), args.context, args.concurrency, args.budget,
                   args.gpu_memory_gb * plan.GB, model=f"{args.model} ({description})")
@@ -665,13 +746,7 @@ def serve_command(args) -> int:
         raise ValueError(f"kdtree-jax serve needs the serve extra: pip install 'kdtree-jax[serve]' ({e})") from None
     from kdtree_jax.serving.engine import Engine
 
-    _check_auto_flags(args, args.budget == "auto")
-    if args.max_context is not None and args.max_context < 64:
-        raise ValueError(f"--max-context must be a power of two >= 64, got {args.max_context}")
-    if args.max_n < 1:
-        raise ValueError(f"--max-n must be at least 1, got {args.max_n}")
-    if args.cache_sharding is not None and args.mesh is None:
-        raise ValueError("--cache-sharding lays the cache out over --mesh: give a mesh too")
+    _check_serving(args)
     _check_listen(args.host, args.port)
     _use_compilation_cache(args)
     params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
@@ -789,8 +864,10 @@ def main(argv=None) -> int:
 
 def _join_and_run(command, args) -> int:
     """Join a multi-process job first when --coordinator is given; then only process 0 writes to stdout."""
-    if getattr(args, "coordinator", None) is not None or getattr(args, "num_processes", None) is not None:
+    if any(getattr(args, n, None) is not None for n in ("coordinator", "num_processes", "process_id")):
         from .distributed import init_distributed, is_leader
+
+        _check_hosts_flags(args)
 
         init_distributed(args.coordinator, args.num_processes, args.process_id)
         if not is_leader():

@@ -23,7 +23,8 @@ def test_generate_prints_text_and_stats(method, prompt, sampling, capsys, monkey
     monkeypatch.setattr(cli, "stats_line", lambda stats: seen.append(stats) or stats_line(stats))
     real_stream = api.stream
     monkeypatch.setattr(api, "stream", lambda *a, **kw: streamed.append(kw) or real_stream(*a, **kw))
-    argv = ["generate", "--max-new-tokens", "24", "--method", method, "--budget", "16"] + sampling
+    budget = ["--budget", "16"] if method == "ddtree" else []  # (refused with the other methods: it would be ignored)
+    argv = ["generate", "--max-new-tokens", "24", "--method", method] + budget + sampling
     assert main(argv + (["--prompt", prompt] if prompt else [])) == 0
     assert streamed and all(kw["method"] == method for kw in streamed)
     if sampling:
@@ -188,6 +189,66 @@ def test_serve_refuses_bad_n_prefix_cache_and_cache_sharding_before_loading(monk
         assert exit_.value.code == 2 and "--prefix-cache-gb" in capsys.readouterr().err
     assert main(["bench-serve", "--url", "http://127.0.0.1:1", "--shared-prefix", "-5"]) == 2
     assert "--shared-prefix must be at least 0" in capsys.readouterr().err
+
+
+def test_an_empty_model_path_is_a_usage_error(capsys):
+    """Not the working directory's name in 'is not a kdtree-jax checkpoint'."""
+    for command in ("generate", "bench", "serve"):
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--model", ""])
+        assert exit_.value.code == 2
+        assert "--model: expected a checkpoint directory or 'builtin', got ''" in capsys.readouterr().err
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kdtree-jax: error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-new-tokens", "-1"], r"max_new_tokens must be an integer in [1, 2**31), got -1"),
+    (["--max-new-tokens", str(2**40)], r"max_new_tokens must be an integer in [1, 2**31)"),
+    (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "-0.5"], "temperature must be a finite number >= 0, got -0.5"),
+    (["--temperature", "1", "--top-p", "0"], "top_p must be None or a number in (0, 1], got 0.0"),
+    (["--temperature", "1", "--top-k", "0"], "top_k must be None or an integer in [1, 2**31), got 0"),
+    (["--method", "ddtree", "--budget", "-1"], "--budget must be at least 1 (or 'auto'), got -1"),
+    (["--method", "ddtree", "--budget", "auto", "--max-budget", "0"], "--max-budget must be at least 1, got 0"),
+    (["--method", "ddtree", "--budget", "auto", "--tiers", "0,32"],
+     "--tiers 0,32: the largest tier must equal --max-budget (64)"),
+    (["--method", "ddtree", "--budget", "auto", "--cost-model", "/no/such/cost.json"],
+     "--cost-model /no/such/cost.json: no such file"),
+    # flags that would be ignored
+    (["--budget", "16"], "--budget: for --method ddtree only (--method ar drafts no tree"),
+    (["--method", "chain", "--budget", "auto"], "--budget: for --method ddtree only (--method chain"),
+    (["--top-k", "40"], "--top-k: for --temperature > 0 only"),
+    (["--temperature", "0", "--top-k", "40", "--top-p", "0.9"], "--top-k, --top-p: for --temperature > 0 only"),
+])
+def test_generate_refuses_bad_decoding_flags_in_one_line_before_loading(argv, message, monkeypatch, capsys):
+    """Refused before the model is loaded (minutes for a large one) and before 'compiling' is announced: the error
+    is the one line on stderr."""
+    _no_load(monkeypatch)
+    assert main(["generate", "--prompt", "x", *argv]) == 2
+    assert message in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--max-batch", "0"], "--max-batch must be at least 1, got 0"),
+    (["serve", "--max-queue", "-1"], "--max-queue must be at least 1, got -1"),
+    (["serve", "--chunk-steps", "0"], "--chunk-steps must be at least 1, got 0"),
+    (["serve", "--max-context", "100"], "--max-context must be a power of two >= 64, got 100"),
+    (["serve", "--budget", "0"], "--budget must be at least 1 (or 'auto'), got 0"),
+    (["serve", "--method", "ar", "--budget", "16"], "--budget: for --method ddtree only (--method ar drafts no tree"),
+    (["serve", "--served-model-name", ""], "--served-model-name must not be empty"),
+    (["bench", "--methods", "ar", "--budgets", "abc"], "--budgets: for ddtree only (--methods ar drafts no tree"),
+    (["plan", "--model", "tiny", "--context", "8", "--hosts", "0"], "--hosts must be a positive integer, got 0"),
+])
+def test_serve_bench_and_plan_refuse_bad_flags_in_one_line_before_loading(argv, message, monkeypatch, capsys):
+    _no_load(monkeypatch)
+    monkeypatch.setattr(cli, "_read_model", lambda *a: pytest.fail("the model was read"))
+    assert main(argv) == 2
+    assert message in _one_line_error(capsys)
 
 
 def test_outputs_that_cannot_be_written_are_refused_before_the_work(tmp_path, monkeypatch, capsys):

@@ -78,9 +78,14 @@ def test_processes_that_disagree_fail_with_a_message(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0"], "must be HOST:PORT"),
-    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"], "process_id must be in 0..1"),
-    (["--num-processes", "2"], "give all of coordinator_address, num_processes and process_id"),
+    (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator 'nohost': expected HOST:PORT"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id must be in 0..1 (--num-processes 2), got 2"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes must be at least 1, got 0"),
+    (["--num-processes", "2"], "--coordinator, --process-id missing: a multi-host run takes"),
+    (["--process-id", "1"], "--coordinator, --num-processes missing"),  # alone it used to be ignored
 ])
 def test_bad_multihost_flags_are_one_line_errors(capsys, flags, message):
     from kdtree_jax.cli import main
