@@ -283,6 +283,11 @@ def read_manifest(path: str) -> dict:
         if not os.path.lexists(path) and os.path.isdir(old):
             raise CheckpointError(f"{path} does not exist, but {old} holds the checkpoint a `kdtree-convert "
                                   "--overwrite` was replacing when it stopped: rerun that command to finish it")
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path} is not a kdtree-jax checkpoint: no such file or directory")
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path} is not a kdtree-jax checkpoint: it is a file; give the checkpoint's "
+                                  "directory (what kdtree-convert wrote)")
         raise CheckpointError(f"{path} is not a kdtree-jax checkpoint (no {MANIFEST_FILE}); "
                               "convert a Hugging Face checkpoint with kdtree-convert")
     manifest = read_json(os.path.join(path, MANIFEST_FILE))
@@ -309,7 +314,16 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
     checkpoint on its own). Over several processes, all must load the same checkpoint onto the same mesh (checked: a
     clear error, not a hang).
     """
-    path = os.fspath(path)
+    path = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path
+    if not isinstance(path, str):
+        raise TypeError(f"path must be a checkpoint directory (a str or os.PathLike) or 'builtin', got "
+                        f"{type(path).__name__}")
+    if not path.strip():  # os.path.abspath would make it the working directory
+        raise CheckpointError("path is empty: give a checkpoint directory or 'builtin'")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be None or a jax.sharding.Mesh (kj.make_mesh), got {type(mesh).__name__}")
+    if verify is not None and not isinstance(verify, (bool, np.bool_)):  # "no" would be true
+        raise TypeError(f"verify must be None, True or False, got {verify!r}")
     if path == "builtin":  # the embedded default model shipped in the package
         model = load_builtin()
         check_same("the model (builtin) and mesh", ["builtin", None if mesh is None else dict(mesh.shape)])

@@ -226,6 +226,7 @@ def stream(params: Params | Any, cfg: ModelConfig | None = None, prompt=None, *,
     `generate`, resumed from its donated state (`decoding.advance`); the same tokens. Returns the final loop state
     (the generator's return value; `decoding.step_stats` reads steps and tau from it)."""
     params, cfg, prompt, drafter = _unpack(params, cfg, prompt, drafter)
+    prompt = validate.token_row(prompt, cfg.vocab_size)  # one prompt: its errors name `prompt`, not `prompts`
     m, req = _request(params, cfg, [prompt], drafter, max_new_tokens=max_new_tokens, method=method, budget=budget,
                       temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, prefill_chunk=prefill_chunk,
                       seed=seed, max_budget=max_budget, tiers=tiers, cost_model=cost_model)

@@ -110,33 +110,48 @@ def token_id(name: str, value, vocab_size: int, *, optional: bool = False) -> in
     return int(value)
 
 
+ENCODE_HINT = "encode text with the model's tokenizer first (model.tokenizer.encode(text))"
+
+
+def _ids(what: str, name: str, r, vocab_size: int) -> np.ndarray:
+    """One token-id sequence `r` as int32, `what` naming it in messages ("prompt", "prompts: prompt 2")."""
+    if isinstance(r, (str, bytes)):
+        raise ArgumentError(name, f"{what} is text, not token ids: {ENCODE_HINT}")
+    try:
+        a = np.asarray(r)
+    except ValueError:  # ragged nesting
+        raise ArgumentError(name, f"{what} must be a flat sequence of token ids") from None
+    if a.ndim != 1 or a.size == 0:
+        raise ArgumentError(name, f"{what} must be a non-empty 1-D sequence of token ids, got shape {a.shape}")
+    if not np.issubdtype(a.dtype, np.integer):
+        if a.dtype.kind in "US":
+            raise TypeError(f"{what} holds text, not token ids: {ENCODE_HINT}")
+        raise TypeError(f"{what} must hold integer token ids, got dtype {a.dtype}")
+    if a.min() < 0 or a.max() >= vocab_size:
+        bad = int(a[(a < 0) | (a >= vocab_size)][0])
+        raise ArgumentError(name, f"{what} has token id {bad} outside the vocabulary [0, {vocab_size})")
+    return a.astype(np.int32)
+
+
+def token_row(value, vocab_size: int, name: str = "prompt") -> np.ndarray:
+    """One prompt as an int32 array: a non-empty 1-D sequence of integers in [0, vocab_size) (text is refused with
+    a pointer to the tokenizer). TypeError for ids that are not integers."""
+    return _ids(name, name, value, vocab_size)
+
+
 def token_rows(rows, vocab_size: int, name: str = "prompts", row: str = "prompt") -> list[np.ndarray]:
     """Token-id rows (a list of lists, or an array [B, T]) as int32 arrays: at least one row, every row a non-empty
     1-D sequence of integers in [0, vocab_size). `name` is the argument, `row` what one row is called in messages.
     TypeError for ids that are not integers."""
+    if isinstance(rows, (str, bytes)):
+        raise ArgumentError(name, f"{name} is text, not lists of token ids: {ENCODE_HINT}, one list per {row}")
     if isinstance(rows, np.ndarray) or (hasattr(rows, "__array__") and not isinstance(rows, Sequence)):
         arr = np.asarray(rows)
         if arr.ndim != 2:
             raise ArgumentError(name, f"{name} as an array must be [B, T], got shape {arr.shape}")
         rows = list(arr)
-    if not isinstance(rows, Sequence) or isinstance(rows, str) or len(rows) == 0:
+    if not isinstance(rows, Sequence) or len(rows) == 0:
         raise ArgumentError(name, f"{name} must be a non-empty list of token-id lists (or a [B, T] array)")
     if all(_is_int(r) for r in rows):
         raise ArgumentError(name, f"{name} must be a list of {row}s (token-id lists); wrap a single {row} in []")
-    out = []
-    for i, r in enumerate(rows):
-        try:
-            a = np.asarray(r)
-        except ValueError:  # ragged nesting
-            raise ArgumentError(name, f"{name}: {row} {i} must be a flat sequence of token ids") from None
-        if a.ndim != 1 or a.size == 0:
-            raise ArgumentError(name, f"{name}: {row} {i} must be a non-empty 1-D sequence of token ids, got shape "
-                                      f"{a.shape}")
-        if not np.issubdtype(a.dtype, np.integer):
-            raise TypeError(f"{name}: {row} {i} must hold integer token ids, got dtype {a.dtype}")
-        if a.min() < 0 or a.max() >= vocab_size:
-            bad = int(a[(a < 0) | (a >= vocab_size)][0])
-            raise ArgumentError(name, f"{name}: {row} {i} has token id {bad} outside the vocabulary [0, "
-                                      f"{vocab_size})")
-        out.append(a.astype(np.int32))
-    return out
+    return [_ids(f"{name}: {row} {i}", name, r, vocab_size) for i, r in enumerate(rows)]

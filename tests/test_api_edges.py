@@ -147,3 +147,44 @@ def test_one_rule_for_the_api_the_engine_the_server_and_the_cli(tiny):
                           env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("kdtree-jax: error: top_k must be None or an integer in")
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda p, c: kj.generate(p, c, "def f", max_new_tokens=2), ValueError,
+     r"^prompts is text, not lists of token ids: encode text with the model's tokenizer first \(model\.tokenizer"),
+    (lambda p, c: kj.generate(p, c, ["def f"], max_new_tokens=2), ValueError, r"^prompts: prompt 0 is text, not token"),
+    (lambda p, c: kj.generate(p, c, [["d", "e"]], max_new_tokens=2), TypeError, r"^prompts: prompt 0 holds text"),
+    (lambda p, c: next(stream(p, c, "def f", max_new_tokens=2)), ValueError, r"^prompt is text, not token ids"),
+    (lambda p, c: next(stream(p, c, [[1, 2]], max_new_tokens=2)), ValueError,
+     r"^prompt must be a non-empty 1-D sequence of token ids, got shape \(1, 2\)"),
+    (lambda p, c: next(stream(p, c, [1, 999], max_new_tokens=2)), ValueError,
+     r"^prompt has token id 999 outside the vocabulary \[0, 264\)"),
+])
+def test_text_prompts_point_to_the_tokenizer_and_stream_names_its_prompt(tiny, call, error, match):
+    """Text where token ids belong is the likeliest mistake: named as text, with the way to ids; `stream` takes one
+    `prompt` and its errors say so (not "prompts: prompt 0")."""
+    cfg, params, _ = tiny
+    with pytest.raises(error, match=match):
+        call(params, cfg)
+
+
+def test_load_refuses_bad_arguments_naming_them(tmp_path):
+    """Before anything is read: a path that is not one (not the working directory for ""), a file, a verify that
+    is not a bool ("no" would have been true), a mesh that is not one."""
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_bytes(b"x")
+    for kwargs, error, match in [
+        (dict(path=None), TypeError, r"path must be a checkpoint directory \(a str or os\.PathLike\) or 'builtin', "
+                                     "got NoneType"),
+        (dict(path=7), TypeError, "path must be a checkpoint directory .* got int"),
+        (dict(path=""), ValueError, "path is empty: give a checkpoint directory or 'builtin'"),
+        (dict(path=str(tmp_path / "missing")), ValueError, "missing is not a kdtree-jax checkpoint: no such file or "
+                                                           "directory"),
+        (dict(path=a_file), ValueError, "model.safetensors is not a kdtree-jax checkpoint: it is a file; give the "
+                                        "checkpoint's directory"),
+        (dict(path="builtin", verify="no"), TypeError, "verify must be None, True or False, got 'no'"),
+        (dict(path="builtin", mesh="tp=2"), TypeError, r"mesh must be None or a jax\.sharding\.Mesh \(kj\.make_mesh\), "
+                                                       "got str"),
+    ]:
+        with pytest.raises(error, match=match):
+            kj.load(**kwargs)

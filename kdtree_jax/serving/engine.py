@@ -647,7 +647,7 @@ class Engine:
         logprobs = validate.integer("logprobs", logprobs, 0, _top(self.cfg) + 1, optional=True)
         if not callable(on_event):
             raise TypeError(f"on_event must be callable, got {type(on_event).__name__}")
-        rows = validate.token_rows([prompt], self.cfg.vocab_size, name="prompt")
+        rows = [validate.token_row(prompt, self.cfg.vocab_size)]
         need = len(rows[0]) + max_tokens + self.extra_slots
         if need > self.max_context:
             raise ContextOverflow(f"prompt of {len(rows[0])} tokens + max_tokens {max_tokens}"
@@ -711,7 +711,7 @@ class Engine:
         before it and of the `top` most likely tokens there (None for the first token), by one teacher-forced forward
         on the calling thread (the prompt padded to a power of two)."""
         top = validate.integer("logprobs", top, 0, _top(self.cfg) + 1)
-        req = prepare(self.cfg, validate.token_rows([prompt], self.cfg.vocab_size, name="prompt"), 1)
+        req = prepare(self.cfg, [validate.token_row(prompt, self.cfg.vocab_size)], 1)
         with trace_context(self.params, self.cfg):
             values = _prompt_logprobs(self.params, self.cfg, req.tokens, top=_top(self.cfg))
         chosen, ids, logp = jax.device_get(values)
