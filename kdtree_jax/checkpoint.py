@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -173,6 +174,61 @@ def crc32(a: np.ndarray) -> str:
     return f"{zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8)):08x}"
 
 
+# Checked loads split a large array's CRC-32 into pieces the worker threads compute side by side (zlib releases the
+# GIL), then join them: crc(A B) = shift_|B|(crc(A)) ^ crc(B), where shift_n is the linear map (over GF(2)) that
+# appends n zero bytes to a CRC-32. Every piece after the first is CRC_PIECE bytes, so one shift serves them all.
+CRC_PIECE = 64 << 20
+
+
+def _gf2_apply(op: tuple[int, ...], v: int) -> int:
+    """op (32 columns) times the 32-bit vector v over GF(2)."""
+    out, i = 0, 0
+    while v:
+        if v & 1:
+            out ^= op[i]
+        v >>= 1
+        i += 1
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _crc_shift(nbytes: int) -> tuple[int, ...]:
+    """The operator that appends `nbytes` zero bytes to a CRC-32 (zlib's crc32_combine, as a matrix)."""
+    one_bit = (0xEDB88320, *(1 << (n - 1) for n in range(1, 32)))  # the reflected polynomial: one zero bit
+    op = one_bit
+    for _ in range(3):  # 8 zero bits: one byte
+        op = tuple(_gf2_apply(op, c) for c in op)
+    total = tuple(1 << n for n in range(32))  # identity
+    while nbytes:
+        if nbytes & 1:
+            total = tuple(_gf2_apply(op, c) for c in total)
+        nbytes >>= 1
+        if nbytes:
+            op = tuple(_gf2_apply(op, c) for c in op)
+    return total
+
+
+def crc32_pieces(a: np.ndarray, submit, piece: int | None = None):
+    """`crc32(a)` computed in pieces: submit(fn, *args) -> future (a thread pool's submit) runs each piece's
+    zlib.crc32; returns a function that waits for them and joins them into the 8 hex digits `crc32` gives. The
+    first piece takes the remainder, so that every later one is `piece` bytes long (default CRC_PIECE)."""
+    piece = piece or CRC_PIECE
+    flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    head = flat.size % piece or min(piece, flat.size)
+    futures = [submit(zlib.crc32, flat[:head])]
+    futures += [submit(zlib.crc32, flat[i:i + piece]) for i in range(head, flat.size, piece)]
+
+    def join() -> str:
+        crc = futures[0].result()
+        if len(futures) > 1:
+            shift = _crc_shift(piece)
+            for f in futures[1:]:
+                crc = _gf2_apply(shift, crc) ^ f.result()
+        return f"{crc:08x}"
+
+    return join
+
+
 def checksums(flat: dict[Path, Any]) -> dict[str, str]:
     """{dotted array path: crc32} of a flat pytree of arrays."""
     return {".".join(p): crc32(np.asarray(a)) for p, a in flat.items()}
@@ -306,7 +362,8 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
 
     Every array is checked against `model.abstract_params(cfg)` (shape and dtype) before it is read, and, as it is
     read, against the CRC-32 the manifest records (checked loads: a flipped byte anywhere is a CheckpointError
-    naming the array; the checksums run in worker threads while the next part is read). Each array then goes to its
+    naming the array; the checksums run in pieces on worker threads while the next part is read, and each item's
+    are compared once the next item is read). Each array then goes to its
     sharding (`kdtree_jax.model.param_shardings`; without a mesh, to the first device), layer by layer, so no device
     ever holds more than its share. verify=False skips the checksums: each device then reads only its shard. The
     default (None) checks them on a single process; over several processes it does not, since a whole-array
@@ -353,12 +410,23 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
         shardings = param_shardings(cfg, mesh)
     params_dir = os.path.join(path, PARAMS_DIR)
     item_sums = (lambda item: sums.get(item, {})) if sums else (lambda item: None)
-    with ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 2) - 1))) as pool:
-        top = _restore(os.path.join(params_dir, TOP_ITEM), TOP_ITEM, {k: getattr(abstract, k) for k in TOP_FIELDS},
-                       {k: getattr(shardings, k) for k in TOP_FIELDS}, item_sums(TOP_ITEM), pool)
-        layers = tuple(_restore(os.path.join(params_dir, layer_item(i)), layer_item(i), abstract.layers[i],
-                                shardings.layers[i], item_sums(layer_item(i)), pool)
+    checks = []  # the items' checksum comparisons, each run once the next item is read (its last pieces' CRCs
+    # overlap that read; a corrupt item is still reported one item later, not at the end of a long load)
+
+    def restored(tree):
+        while len(checks) > 1:
+            checks.pop(0)()  # a CheckpointError names the item and array; nothing is returned
+        return tree
+
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 2))) as pool:
+        top = restored(_restore(os.path.join(params_dir, TOP_ITEM), TOP_ITEM,
+                                {k: getattr(abstract, k) for k in TOP_FIELDS},
+                                {k: getattr(shardings, k) for k in TOP_FIELDS}, item_sums(TOP_ITEM), pool, checks))
+        layers = tuple(restored(_restore(os.path.join(params_dir, layer_item(i)), layer_item(i), abstract.layers[i],
+                                         shardings.layers[i], item_sums(layer_item(i)), pool, checks))
                        for i in range(cfg.num_hidden_layers))
+        for check in checks:
+            check()
     params = Params(layers=layers, **top)
     drafter_dir = os.path.join(path, DRAFTER_DIR)
     drafter = load_drafter(drafter_dir) if os.path.isdir(drafter_dir) else None
@@ -505,12 +573,15 @@ def _read_part(part: str, what: str, restore_args):
         raise CheckpointError(f"{what}: {part} is corrupt or truncated ({_one_line(e)})") from None
 
 
-def _restore(directory: str, what: str, expected, shardings, sums: dict[str, str] | None, pool: ThreadPoolExecutor):
+def _restore(directory: str, what: str, expected, shardings, sums: dict[str, str] | None, pool: ThreadPoolExecutor,
+             checks: list | None = None):
     """Restore one item into `shardings` after checking its arrays against `expected` (same structure).
 
     With `sums` (the manifest's {dotted array path: crc32} of the item), each part is read to the host, its arrays'
-    checksums computed in `pool` while the next part is read (zlib releases the GIL), each array placed in its
-    sharding, and the checksums compared before returning; without, each device reads only its shard."""
+    checksums computed in `pool` in pieces (`crc32_pieces`) while the next part is read, and each array placed in its
+    sharding; the checksums are compared before returning, or, with `checks` (a list), the comparison is appended to
+    it for the caller to run later (`load` runs it after the next item is read, so that no item's last checksums
+    hold up the next item's reading). Without `sums`, each device reads only its shard."""
     parts = _item_parts(directory, what)
     stored = [flatten(_part_metadata(p, what)) for p in parts]
     check_arrays(what, {k: v for part in stored for k, v in part.items()}, flatten(expected))
@@ -525,8 +596,14 @@ def _restore(directory: str, what: str, expected, shardings, sums: dict[str, str
         host = flatten(_read_part(part, what, unflatten_dict({p: ocp.RestoreArgs(restore_type=np.ndarray)
                                                               for p in paths})))
         for p, a in host.items():
-            pending[".".join(p)] = pool.submit(crc32, a)
+            pending[".".join(p)] = crc32_pieces(a, pool.submit)
             out[p] = jax.device_put(a, where[p])
     if sums is not None:
-        check_sums(what, sums, {k: f.result() for k, f in pending.items()})
+        def check():
+            check_sums(what, sums, {k: join() for k, join in pending.items()})
+
+        if checks is None:
+            check()
+        else:
+            checks.append(check)
     return from_flat(out, expected)

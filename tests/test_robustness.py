@@ -14,7 +14,9 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 
+import numpy as np
 import pytest
 
 import kdtree_jax as kj
@@ -237,6 +239,32 @@ def test_checksums_catch_flipped_bytes(source, tmp_path, capsys):
     assert cli(["generate", "--model", bad, "--prompt", "x", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not match its checksum" in err[0]
+
+
+def test_checksums_in_pieces_equal_zlib_and_catch_a_flip_in_any_piece(source, tmp_path, monkeypatch):
+    """Checked loads compute a large array's CRC-32 in pieces on worker threads and join them: the joined value is
+    zlib's CRC-32 of the whole array for any size and piece length, and a flipped byte in a later piece of a
+    multi-piece array is still a CheckpointError."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import kdtree_jax.checkpoint as ckpt
+
+    rng = np.random.default_rng(5)
+    with ThreadPoolExecutor(2) as pool:
+        for n in (0, 1, 7, 4095, 4096, 4097, 3 * 4096 + 5, 100_003):
+            a = rng.integers(0, 256, n, dtype=np.uint8)
+            for piece in (1, 3, 4096, 1 << 20):
+                assert ckpt.crc32_pieces(a, pool.submit, piece)() == f"{zlib.crc32(a):08x}", (n, piece)
+        b = rng.standard_normal((300, 1001)).astype(np.float32)
+        assert ckpt.crc32_pieces(b, pool.submit, 4096)() == ckpt.crc32(b)
+    _, old = source
+    bad = str(tmp_path / "bad")
+    shutil.copytree(old, bad)
+    flip_byte(os.path.join(bad, "params", "layer_001"))
+    monkeypatch.setattr(ckpt, "CRC_PIECE", 1024)  # every array of the small model in several pieces
+    with pytest.raises(CheckpointError, match=r"layer_001: array '.*' does not match its checksum"):
+        kj.load(bad)
+    assert kj.load(old).manifest["checksums"]  # the intact checkpoint loads, checked in pieces
 
 
 @pytest.mark.parametrize("damage", ["truncated_data", "truncated_metadata"])
