@@ -148,7 +148,8 @@ class Served:
 class Compiles(threading.Thread):
     """The server's compilations as they happen, from its log (JAX_LOG_COMPILES: a "Compiling <name> with global
     shapes and types ..." line, maybe a compilation-cache hit, then "Finished XLA compilation of <name> in <s> sec"):
-    events {t_s (by `clock`, within 0.5 s), name, seconds, cache_hit, shapes (the start of the argument list)}."""
+    events {t_s (by `clock`, within 0.5 s), name, seconds, cache_hit, shapes (of the last 8 arguments: those of the
+    requests, after the weights and the state; a prefill's rows and padded prompt length among them)}."""
 
     def __init__(self, path: str, clock):
         super().__init__(name="compiles", daemon=True)
@@ -175,7 +176,8 @@ class Compiles(threading.Thread):
 
     def parse(self, line: str) -> None:
         if (m := re.search(r"Compiling (.+?) with global shapes and types (.*)", line)):
-            self._pending = dict(name=m.group(1), shapes=m.group(2)[:240], cache_hit=False)
+            self._pending = dict(name=m.group(1), shapes=" ".join(re.findall(r"\w+\[[^\]]*\]", m.group(2))[-8:]),
+                                 cache_hit=False)
         elif "Persistent compilation cache hit" in line:
             self._pending["cache_hit"] = True
         elif (m := re.search(r"Finished XLA compilation of (.+) in ([0-9.]+) sec", line)):
@@ -517,8 +519,9 @@ def solo(http: httpx.Client, model: str, g: dict) -> None:
 
 
 def growth(samples: list[dict], key: str, baseline_t: float, end_t: float) -> dict | None:
-    """The memory verdict of one series, from the samples taken while the clients ran (t <= end_t): the first sample
-    at or after baseline_t (the end of minute 1) and the last; growth = (last - that) / that. For context: the peak
+    """The memory verdict of one series, from the samples taken while every client ran (t <= end_t, the soak's
+    planned end: as the last requests finish, memory drops): the first sample at or after baseline_t (the end of
+    minute 1) and the last; growth = (last - that) / that. For context: the peak
     after baseline_t, the median of the last minute against that of the minute after baseline_t (less noisy than two
     samples), and a least-squares slope after baseline_t."""
     import numpy as np
@@ -534,11 +537,17 @@ def growth(samples: list[dict], key: str, baseline_t: float, end_t: float) -> di
     t = np.array([s["t_s"] for s in after]) / 60
     v = np.array([s[key] for s in after], float)
     slope = float(np.polyfit(t, v, 1)[0]) if len(after) > 2 else 0.0
-    # the growth over the sample intervals in which the server compiled (or loaded) a program, and over the rest
-    steps = [(b[key] - a[key], b.get("compiles", 0) > a.get("compiles", 0)) for a, b in zip(after, after[1:])]
+    # the growth after the server's last compilation (or load of a program) of the soak: the median of the minute
+    # that follows the sample that saw it against that of the last minute
+    since = None
+    if all("compiles" in x for x in series):
+        changed = [b for a, b in zip(series, series[1:]) if b["compiles"] > a["compiles"]]
+        t_c = changed[-1]["t_s"] if changed else series[0]["t_s"]
+        window = [x[key] for x in series if t_c <= x["t_s"] < t_c + 60]
+        if last["t_s"] - t_c >= 120:
+            since = dict(t_s=t_c, first=float(np.median(window)), last=float(np.median(last_min)))
     return dict(baseline_t_s=base["t_s"], baseline=base[key], last_t_s=last["t_s"], last=last[key],
-                compile_intervals=sum(c for _, c in steps), compile_growth=sum(d for d, c in steps if c),
-                other_growth=sum(d for d, c in steps if not c),
+                after_last_compilation=since,
                 growth=(last[key] - base[key]) / base[key], peak_growth=(v.max() - base[key]) / base[key],
                 median_growth=(float(np.median(last_min)) - float(np.median(first_min))) / float(np.median(first_min)),
                 slope_per_min=slope, first=series[0][key])
@@ -580,10 +589,12 @@ def judge(res: dict, limit: float) -> dict:
                                         f"{100 * g['growth']:+.2f}% (peak {100 * g['peak_growth']:+.2f}%; "
                                         f"last minute's median against minute 2's: {100 * g['median_growth']:+.2f}%; "
                                         f"fitted slope {g['slope_per_min'] / 2**20:+.2f} MiB/min; "
-                                        f"{g['compile_growth'] / 2**20:+,.0f} MiB over the "
-                                        f"{g['compile_intervals']} sample intervals with a compilation, "
-                                        f"{g['other_growth'] / 2**20:+,.0f} MiB over the rest; "
-                                        f"{g['first'] / 2**20:,.0f} MiB at the start)")
+                                        + (f"after the server's last compilation (the sample at {lc['t_s']:.0f} "
+                                           f"s), the minute that follows to the last minute, medians: "
+                                           f"{lc['first'] / 2**20:,.0f} -> {lc['last'] / 2**20:,.0f} MiB, "
+                                           f"{100 * (lc['last'] / lc['first'] - 1):+.2f}%; "
+                                           if (lc := g.get("after_last_compilation")) else "")
+                                        + f"{g['first'] / 2**20:,.0f} MiB at the start)")
     finished = sum(end["engine_requests"].values()) - sum(s["engine_requests_before"].values())
     entered = res["engine_submitted"]
     leak_ok = (end["active_slots"] == 0 and end["queue_depth"] == 0 and finished == entered
@@ -606,11 +617,22 @@ def judge(res: dict, limit: float) -> dict:
     return goals
 
 
+def verdicts(res: dict) -> None:
+    """The memory growth of each series and the goals' verdicts, from the run's samples and counts (again on
+    --replot)."""
+    st = res["setup"]
+    end_t = min(60.0 * st["minutes"], st["soak_s"])
+    for key in ("rss", "gpu"):
+        res["memory"][key] = growth(res["memory"]["samples"], key, min(60.0, st["soak_s"]), end_t)
+    res["goals"] = judge(res, st["growth_limit"])
+    res["passed"] = not any(v["passed"] is False for v in res["goals"].values())
+
+
 def markdown(res: dict) -> str:
     st, c = res["setup"], res["clients"]
     mark = {True: "**pass**", False: "**FAIL**", None: "not judged"}
     lines = [f"# Soak of kdtree-jax serve ({st['date']}, {st['device']}, commit {st['commit']})", "",
-             f"`{st['command']}`", "",
+             f"`{st['command']}`", ""] + ([st["note"], ""] if st.get("note") else []) + [
              f"Server: `{st['serve_command']}` (XLA_PYTHON_CLIENT_PREALLOCATE="
              f"{'unset' if st['preallocate'] else 'false'}); {st['health'].get('method')}"
              + (f" budget {st['health']['budget']}" if st['health'].get('budget') else "")
@@ -652,11 +674,12 @@ def markdown(res: dict) -> str:
                   f"compilation cache): {len(events) - len(during)} before or after the soak, {len(during)} during it, "
                   f"{len(late)} after its first minute"
                   + (": " + "; ".join(f"{e['name']} at {e['t_s']:.0f} s ({e['seconds']:.2f} s"
-                                      f"{', a cache hit' if e['cache_hit'] else ''})" for e in late[:12])
+                                      f"{', a cache hit' if e['cache_hit'] else ''}; arguments ... "
+                                      f"`{e['shapes']}`)" for e in late[:12])
                      + (f"; ... ({len(late) - 12} more)" if len(late) > 12 else "") if late else "") + "."]
     samples = res["memory"]["samples"]
     base = next((x for x in samples if x["t_s"] >= min(60.0, st["soak_s"])), samples[-1])
-    last = [x for x in samples if x["t_s"] <= st["soak_s"]][-1]
+    last = [x for x in samples if x["t_s"] <= min(60.0 * st["minutes"], st["soak_s"])][-1]
     if samples[0].get("fds") is not None:
         lines += ["", "The server's open file descriptors and threads (not goals; a leaked connection would show): "
                   + "; ".join(f"{what} {x['fds']} and {x['threads']}" for what, x in (
@@ -758,11 +781,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "soak"),
                     help="output directory (default: benchmarks/results/soak/)")
     ap.add_argument("--name", default="soak", help="output file name without extension (default: soak)")
+    ap.add_argument("--note", default=None, help="a line printed under the command in the report (with --replot: "
+                                                 "added to the saved run)")
     ap.add_argument("--replot", metavar="JSON", help="rewrite the table and plot next to a saved JSON")
     args = ap.parse_args(argv)
     if args.replot:
         with open(args.replot) as f:
             res = json.load(f)
+        if args.note is not None:
+            res["setup"]["note"] = args.note
+        verdicts(res)  # from the saved samples and counts, by this version's rules
         print("wrote", ", ".join(write(res, os.path.dirname(os.path.abspath(args.replot)), res["setup"]["name"])))
         return 0 if res["passed"] else 1
     chars = tuple(int(x) for x in args.prompt_chars.split(","))
@@ -873,7 +901,7 @@ def main(argv: list[str] | None = None) -> int:
                    minutes=args.minutes, soak_s=soak_s, concurrency=args.concurrency, prompts=args.prompts,
                    prompt_chars=chars, max_tokens=tokens, p_bad=args.bad, p_disconnect=args.disconnect,
                    bad_kinds=len(bads), warmup_rounds=args.warmup_rounds, sample_s=args.sample_s,
-                   growth_limit=args.growth, seed=args.seed,
+                   growth_limit=args.growth, seed=args.seed, note=args.note,
                    loadavg_before=loadavg_before),
         pool=[dict(name=g["name"], path=g["path"], prompt_chars=g["prompt_chars"], max_tokens=g["body"]["max_tokens"],
                    ignore_eos=g["body"]["ignore_eos"], solo_finish=g["solo_finish"], solo_tokens=g["solo_tokens"])
@@ -886,15 +914,13 @@ def main(argv: list[str] | None = None) -> int:
         engine_outcomes={k: eng_end.get(k, 0) - eng_before.get(k, 0) for k in eng_end},
         engine_submitted=entered, warmup=warm,
         extra_requests=len(goods) + 1 + sum(v for k, v in warm.items() if k != "none"), after=after,
-        memory=dict(samples=samples, rss=growth(samples, "rss", min(60.0, soak_s), soak_s),
-                    gpu=growth(samples, "gpu", min(60.0, soak_s), soak_s)),
+        memory=dict(samples=samples),
         stop=dict(status=rc, seconds=stop_s, shutdown_timeout_s=args.shutdown_timeout,
                   bound_s=args.shutdown_timeout + 30),
         log=dict(lines=len(lines), errors=errors[:50], tail=[ln[:300] for ln in lines[-20:]]),
         compiles=compiles.events,
         loadavg_after=os.getloadavg()[0])
-    res["goals"] = judge(res, args.growth)
-    res["passed"] = not any(v["passed"] is False for v in res["goals"].values())
+    verdicts(res)
     shutil.rmtree(log_dir, ignore_errors=True)
     for goal, v in res["goals"].items():
         verdict = {True: "pass: ", False: "FAIL: ", None: ""}[v["passed"]]
