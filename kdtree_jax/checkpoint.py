@@ -20,6 +20,7 @@ layers (the model keeps every layer in arrays of its own).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import json
@@ -169,13 +170,32 @@ def _parts(flat: dict[Path, np.ndarray]) -> list[list[Path]]:
     return parts
 
 
+@functools.cache
+def _native_crc32():
+    """`KdCrc32` of the C++ library (ffi/crc32.cc: zlib's CRC-32, folded with carry-less multiplies, ~6x faster
+    than zlib 1.2's on one core; ctypes releases the GIL), or None where the library is missing or predates it."""
+    try:
+        from .kernels._registry import cpu_library
+        fn = cpu_library().KdCrc32
+    except (RuntimeError, OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint64]
+    return fn
+
+
+def crc32_update(flat: np.ndarray, crc: int = 0) -> int:
+    """zlib.crc32(flat, crc) of a contiguous uint8 array, by the native function where there is one."""
+    fn = _native_crc32()
+    return zlib.crc32(flat, crc) if fn is None else int(fn(crc, flat.ctypes.data, flat.nbytes))
+
+
 def crc32(a: np.ndarray) -> str:
     """The CRC-32 of an array's bytes (C order), as 8 hex digits: what the manifest records per array."""
-    return f"{zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8)):08x}"
+    return f"{crc32_update(np.ascontiguousarray(a).reshape(-1).view(np.uint8)):08x}"
 
 
-# Checked loads split a large array's CRC-32 into pieces the worker threads compute side by side (zlib releases the
-# GIL), then join them: crc(A B) = shift_|B|(crc(A)) ^ crc(B), where shift_n is the linear map (over GF(2)) that
+# Checked loads split a large array's CRC-32 into pieces the worker threads compute side by side (the CRC releases
+# the GIL), then join them: crc(A B) = shift_|B|(crc(A)) ^ crc(B), where shift_n is the linear map (over GF(2)) that
 # appends n zero bytes to a CRC-32. Every piece after the first is CRC_PIECE bytes, so one shift serves them all.
 CRC_PIECE = 64 << 20
 
@@ -210,13 +230,13 @@ def _crc_shift(nbytes: int) -> tuple[int, ...]:
 
 def crc32_pieces(a: np.ndarray, submit, piece: int | None = None):
     """`crc32(a)` computed in pieces: submit(fn, *args) -> future (a thread pool's submit) runs each piece's
-    zlib.crc32; returns a function that waits for them and joins them into the 8 hex digits `crc32` gives. The
+    `crc32_update`; returns a function that waits for them and joins them into the 8 hex digits `crc32` gives. The
     first piece takes the remainder, so that every later one is `piece` bytes long (default CRC_PIECE)."""
     piece = piece or CRC_PIECE
     flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
     head = flat.size % piece or min(piece, flat.size)
-    futures = [submit(zlib.crc32, flat[:head])]
-    futures += [submit(zlib.crc32, flat[i:i + piece]) for i in range(head, flat.size, piece)]
+    futures = [submit(crc32_update, flat[:head])]
+    futures += [submit(crc32_update, flat[i:i + piece]) for i in range(head, flat.size, piece)]
 
     def join() -> str:
         crc = futures[0].result()

@@ -241,6 +241,29 @@ def test_checksums_catch_flipped_bytes(source, tmp_path, capsys):
     assert len(err) == 1 and "does not match its checksum" in err[0]
 
 
+def test_native_crc32_equals_zlib():
+    """The checksums come from the C++ library's CRC-32 (carry-less-multiply folding) where it is built: equal to
+    zlib's for every length 0..600 (the folding starts at 64 bytes), every start value kind, at odd addresses, and
+    on a large array; it folds on a CPU with PCLMULQDQ (the x86 machines CI and the GPU hosts run on)."""
+    import kdtree_jax.checkpoint as ckpt
+    from kdtree_jax.kernels._registry import cpu_library
+
+    assert ckpt._native_crc32() is not None, "the C++ library has no KdCrc32: checksums would fall back to zlib"
+    with open("/proc/cpuinfo") as f:
+        clmul = " pclmulqdq " in f.read().replace("\n", " ")
+    assert cpu_library().KdCrc32Folds() == int(clmul)
+    rng = np.random.default_rng(11)
+    buf = rng.integers(0, 256, 700, dtype=np.uint8)
+    for n in range(601):
+        for off in (0, 1, 3):
+            piece = buf[off:off + n]
+            for start in (0, 1, 0xDEADBEEF, zlib.crc32(buf[:5])):
+                assert ckpt.crc32_update(piece, start) == zlib.crc32(piece, start), (n, off, start)
+    big = rng.integers(0, 256, (3 << 20) + 77, dtype=np.uint8)
+    assert ckpt.crc32_update(big[1:]) == zlib.crc32(big[1:])
+    assert ckpt.crc32(big.view(np.uint8)[:-1]) == f"{zlib.crc32(big[:-1]):08x}"
+
+
 def test_checksums_in_pieces_equal_zlib_and_catch_a_flip_in_any_piece(source, tmp_path, monkeypatch):
     """Checked loads compute a large array's CRC-32 in pieces on worker threads and join them: the joined value is
     zlib's CRC-32 of the whole array for any size and piece length, and a flipped byte in a later piece of a
