@@ -53,6 +53,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from .. import validate
 from ..checkpoint import read_json
 from .engine import ContextOverflow, Engine, EngineClosed, Event, Histogram, QueueFull
+from .heap import HeapTrimmer
 from ..tokenizer import TOKENIZER_CONFIG_FILE
 
 log = logging.getLogger("kdtree_jax.serving.serve")
@@ -758,7 +759,8 @@ def run(app, host: str, port: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TI
     """Serve until SIGTERM or Ctrl-C, then stop gracefully (`Server.shutdown`): new requests get 503, those in flight
     get up to `shutdown_timeout` seconds, then each still open ends with an error (a stream: an error event and
     [DONE]); returns once the server has closed. A second SIGTERM or Ctrl-C ends the process at once with status 130
-    and one line, after the open streams are told (at most ABORT_GRACE_S seconds)."""
+    and one line, after the open streams are told (at most ABORT_GRACE_S seconds). While it serves, the C heap's free
+    memory is handed back to the system every few seconds (`heap.HeapTrimmer`), so that its resident set stays flat."""
     server = _Uvicorn(uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off",
                                      timeout_graceful_shutdown=ABORT_GRACE_S))
     state: Server = app.state.server
@@ -786,9 +788,11 @@ def run(app, host: str, port: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TI
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
+        trimmer = HeapTrimmer()
         try:
             await server.serve()
         finally:
+            trimmer.stop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 
