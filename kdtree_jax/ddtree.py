@@ -28,6 +28,7 @@ from .budget_policy import BudgetPolicy, node_scores, reliability_counts
 from .config import ModelConfig
 from .decoding import Committed, DecodeState, Sampler, nonfinite_rows
 from .drafter import DrafterProtocol
+from . import validate
 from .kernels import tree_accept, tree_build
 from .model import KVCache, Params, StepOutput, move_accepted, prefill_last, step
 from .sharding import replicated_call
@@ -294,9 +295,10 @@ def speculative(cfg: ModelConfig, method: str, drafter, budget, policy: BudgetPo
     depth = drafter.depth
     if method == "chain":
         return Speculative(drafter, method, depth)
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+    if not validate.is_integer(budget) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1 (or 'auto' in generate and the serving engine), got "
                          f"{budget!r}")
+    budget = int(budget)  # a numpy integer as a Python one (a static field of the method)
     if budget > depth * cfg.vocab_size:
         raise ValueError(f"budget {budget} exceeds the {depth} x {cfg.vocab_size} distinct (depth, token) choices")
     if policy is not None and policy.tiers[-1] != budget:

@@ -158,8 +158,8 @@ def check_auto(method: str, budget, max_budget) -> bool:
     auto = isinstance(budget, str) and budget == "auto"
     if auto and method != "ddtree":
         raise ValueError(f"budget='auto' chooses ddtree's tree size; method={method!r} has no budget")
-    if auto and (isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < 1):
-        raise ValueError(f"max_budget must be an integer >= 1, got {max_budget!r}")
+    if auto:
+        validate.integer("max_budget", max_budget, 1)  # a numpy integer too, as every integer argument
     return auto
 
 
@@ -167,6 +167,7 @@ def auto_method(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: in
                 cost_model=None) -> Method:
     """ddtree with budget="auto" for `batch` rows: trees of max_budget nodes, each step verifying the part that the
     cost model (`budget.resolve`: the given one, the saved one for this setup, or one measured now) makes pay."""
+    max_budget = validate.integer("max_budget", max_budget, 1)
     m = make_method(cfg, "ddtree", drafter, max_budget)  # the drafter and max_budget checked before any calibration
     cost = resolve(params, cfg, drafter, batch=batch, max_budget=max_budget, tiers=tiers, cost_model=cost_model)
     return m.with_policy(BudgetPolicy.choosing(cost))

@@ -34,7 +34,8 @@ def _bound(n: int) -> str:
     return f"2**{n.bit_length() - 1}" if n >= 2**16 and n & (n - 1) == 0 else str(n)
 
 
-def _is_int(value) -> bool:
+def is_integer(value) -> bool:
+    """Whether value is a Python or numpy integer (not a bool)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
@@ -47,7 +48,7 @@ def integer(name: str, value, low: int | None = None, high: int | None = None, *
     passes when `optional`."""
     if value is None and optional:
         return None
-    if not _is_int(value) or (low is not None and value < low) or (high is not None and value >= high):
+    if not is_integer(value) or (low is not None and value < low) or (high is not None and value >= high):
         if low is not None and high is not None:
             need = f"an integer in [{_bound(low)}, {_bound(high)})"
         elif low is not None:
@@ -103,7 +104,7 @@ def token_id(name: str, value, vocab_size: int, *, optional: bool = False) -> in
     """A token id in [0, vocab_size) (eos_id, for one)."""
     if value is None and optional:
         return None
-    if not _is_int(value):
+    if not is_integer(value):
         raise ArgumentError(name, f"{name} must be {'None or ' if optional else ''}an integer token id, got {value!r}")
     if not 0 <= value < vocab_size:
         raise ArgumentError(name, f"{name} {value} is outside the vocabulary [0, {vocab_size})")
@@ -123,6 +124,10 @@ def _ids(what: str, name: str, r, vocab_size: int) -> np.ndarray:
         raise ArgumentError(name, f"{what} must be a flat sequence of token ids") from None
     if a.ndim != 1 or a.size == 0:
         raise ArgumentError(name, f"{what} must be a non-empty 1-D sequence of token ids, got shape {a.shape}")
+    if not np.issubdtype(a.dtype, np.integer) and all(is_integer(x) for x in r):  # integers past int64, which numpy
+        bad = next((int(x) for x in r if not 0 <= x < vocab_size), None)  # makes objects or float64
+        if bad is not None:
+            raise ArgumentError(name, f"{what} has token id {bad} outside the vocabulary [0, {vocab_size})")
     if not np.issubdtype(a.dtype, np.integer):
         if a.dtype.kind in "US":
             raise TypeError(f"{what} holds text, not token ids: {ENCODE_HINT}")
@@ -152,6 +157,6 @@ def token_rows(rows, vocab_size: int, name: str = "prompts", row: str = "prompt"
         rows = list(arr)
     if not isinstance(rows, Sequence) or len(rows) == 0:
         raise ArgumentError(name, f"{name} must be a non-empty list of token-id lists (or a [B, T] array)")
-    if all(_is_int(r) for r in rows):
+    if all(is_integer(r) for r in rows):
         raise ArgumentError(name, f"{name} must be a list of {row}s (token-id lists); wrap a single {row} in []")
     return [_ids(f"{name}: {row} {i}", name, r, vocab_size) for i, r in enumerate(rows)]

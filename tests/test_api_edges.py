@@ -31,6 +31,8 @@ def tiny():
     (np.zeros((1, 0), np.int32), ValueError, "non-empty"),
     ([[1.5, 2.0]], TypeError, "integer token ids"),
     ([[1, 2], [3]], ValueError, "rows of one length"),
+    ([[1, 2**70]], ValueError, "token id 1180591620717411303424 outside the vocabulary"),  # was "got dtype object"
+    ([[1, 2**64 - 1]], ValueError, "token id 18446744073709551615 outside the vocabulary"),  # "got dtype float64"
     ([1, 2, 3], ValueError, "wrap a single row in"),
     (np.zeros((2, 3, 4), np.int32), ValueError, r"\[B, T\]"),
 ])
@@ -188,3 +190,22 @@ def test_load_refuses_bad_arguments_naming_them(tmp_path):
     ]:
         with pytest.raises(error, match=match):
             kj.load(**kwargs)
+
+
+def test_numpy_integers_are_integers_for_budget_max_budget_and_the_engine(tiny):
+    """Every integer argument takes a numpy integer (validate.is_integer); budget, max_budget and the engine's sizes
+    refused them ('budget must be an integer >= 1, got np.int64(4)')."""
+    cfg, params, drafter = tiny
+    args = dict(max_new_tokens=4, method="ddtree", drafter=drafter)
+    assert (kj.generate(params, cfg, [[1, 2, 3]], budget=np.int64(4), **args).tokens
+            == kj.generate(params, cfg, [[1, 2, 3]], budget=4, **args).tokens)
+    from kdtree_jax.generate import check_auto
+
+    assert check_auto("ddtree", "auto", np.int32(8))
+    with pytest.raises(ValueError, match=r"max_budget must be an integer >= 1, got np\.int64\(0\)"):
+        check_auto("ddtree", "auto", np.int64(0))
+    from kdtree_jax.serving.engine import Engine
+
+    with Engine(params, cfg, max_batch=np.int64(1), max_context=np.int64(64), chunk_steps=np.int32(2)) as engine:
+        assert (engine.max_batch, engine.max_context, engine.chunk_steps) == (1, 64, 2)
+        assert type(engine.max_context) is int

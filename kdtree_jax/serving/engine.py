@@ -565,14 +565,14 @@ class Engine:
                  max_budget: int = 64, tiers=None, cost_model=None, max_batch: int = 8, max_context: int | None = None,
                  max_queue: int = 64, chunk_steps: int = 4, eos_id: int | None = None, seed: int = 0,
                  warmup: tuple[int, ...] = (), prefix_cache_bytes: int = 0):
-        for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("chunk_steps", chunk_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        max_batch, max_queue, chunk_steps = (validate.integer(name, value, 1) for name, value in (
+            ("max_batch", max_batch), ("max_queue", max_queue), ("chunk_steps", chunk_steps)))
         prefix_cache_bytes = validate.integer("prefix_cache_bytes", prefix_cache_bytes, 0)
         context = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
-        if isinstance(context, bool) or not isinstance(context, int) or context < 64 or context & (context - 1):
+        if not validate.is_integer(context) or context < 64 or context & (context - 1):
             raise ValueError(f"max_context must be a power of two >= 64 (prompts are padded to powers of two), "
                              f"got {context!r}")
+        context = int(context)
         if context > cfg.max_position_embeddings:
             raise ValueError(f"max_context {context} exceeds the model's context of {cfg.max_position_embeddings}")
         check_params(params, cfg)
