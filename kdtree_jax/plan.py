@@ -26,7 +26,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import configs
 from .builtin import PACKAGE_DIR
@@ -99,8 +98,11 @@ def check_hosts(mesh: dict[str, int], hosts: int) -> dict:
     if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1 or devices % hosts:
         raise ShardingError(f"the mesh's {devices} GPUs do not split evenly over {hosts!r} hosts")
     per_host = devices // hosts
-    host = np.arange(devices).reshape(mesh["dp"], mesh["ep"], mesh["tp"]) // per_host
-    crossing = [a for i, a in enumerate(MESH_AXES) if np.any(host != np.take(host, [0], axis=i))]
+    # in closed form, not over an array of the devices (a mesh of 10**12 GPUs is planned at once): an axis' groups
+    # are its strides through aligned blocks of `block` devices (tp: tp; ep: ep x tp; dp: all), and a group spans
+    # hosts where a host's first device (a multiple of per_host) falls inside a block
+    block = {"dp": devices, "ep": mesh["ep"] * mesh["tp"], "tp": mesh["tp"]}
+    crossing = [a for a in MESH_AXES if mesh[a] > 1 and per_host % block[a]]
     if "tp" in crossing:
         raise ShardingError(f"tp = {mesh['tp']} would put a tensor-parallel group on several hosts of {per_host} GPUs; "
                             "keep tp inside a host")
@@ -370,7 +372,8 @@ def format_report(r: dict) -> str:
     if not conc and not ctx:
         lines.append("  the weights alone leave no room: use more devices (a larger ep or tp)")
     s = r["sequence_sharded"]
-    lines.append(f"with cache_sharding=\"sequence\" (each of the ep x tp devices holds 1/{r['mesh']['ep'] * r['mesh']['tp']} "
+    lines.append(f"with cache_sharding=\"sequence\" (each of the ep x tp devices holds "
+                 f"1/{r['mesh']['ep'] * r['mesh']['tp']} "
                  "of every row's slots; tested on simulated devices, not yet measured on GPUs): "
                  f"{s['cache_gb']:.2f} GB of cache per GPU, "
                  f"total {s['total_gb']:.2f} GB: " + ("would not fit either" if not s["fits"] else "would fit"

@@ -210,3 +210,32 @@ def test_drafter_weights_and_cache_are_split_as_placed():
     cache = lambda kv, ep: plan.plan(k2, dataclasses.replace(d8, num_kv_heads=kv), {"ep": ep}, 4096, 1, 16,
                                      141 * GB).drafter_cache
     assert cache(8, 1) == 8 * cache(8, 8) and cache(1, 1) == cache(1, 8)
+
+
+def test_hosts_in_closed_form_match_the_device_array_and_take_no_memory():
+    """check_hosts reads the crossing axes from the mesh's sizes: the same as laying the devices out in an array
+    (tp innermost, as kj.make_mesh does) for every small mesh, and at once for a mesh of 10**12 GPUs (the array took
+    8 bytes a GPU: --mesh dp=1000000000 wanted gigabytes, even with --hosts 1)."""
+    import itertools
+
+    import numpy as np
+
+    from kdtree_jax.plan import check_hosts
+    from kdtree_jax.sharding import ShardingError
+
+    for dp, ep, tp in itertools.product(range(1, 7), repeat=3):
+        devices = dp * ep * tp
+        mesh = dict(dp=dp, ep=ep, tp=tp)
+        for hosts in (h for h in range(1, devices + 1) if devices % h == 0):
+            host = np.arange(devices).reshape(dp, ep, tp) // (devices // hosts)
+            crossing = [a for i, a in enumerate(("dp", "ep", "tp")) if np.any(host != np.take(host, [0], axis=i))]
+            if "tp" in crossing:
+                with pytest.raises(ShardingError, match="keep tp inside a host"):
+                    check_hosts(mesh, hosts)
+            else:
+                assert check_hosts(mesh, hosts)["crossing"] == crossing, (mesh, hosts)
+    t0 = time.perf_counter()
+    assert check_hosts(dict(dp=10**12, ep=8, tp=1), 2 * 10**12)["crossing"] == ["dp", "ep"]  # 4 GPUs a host
+    assert check_hosts(dict(dp=10**12, ep=8, tp=1), 10**11)["crossing"] == ["dp"]  # 80 GPUs a host
+    assert check_hosts(dict(dp=10**12, ep=1, tp=1), 1)["crossing"] == []
+    assert time.perf_counter() - t0 < 0.1
