@@ -296,7 +296,10 @@ def _model_dir(text: str) -> str:
 
 
 def _utf8_text(text: str) -> str:
-    """--prompt: text that is UTF-8 (argv bytes that are not arrive as lone surrogates, which no tokenizer takes)."""
+    """--prompt: text that is UTF-8 (argv bytes that are not arrive as lone surrogates, which no tokenizer takes), and
+    not empty (no token to continue from: refused here, before the model is loaded)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected the text to continue, got '' (leave --prompt out for the default)")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -789,6 +792,9 @@ def bench_serve_command(args) -> int:
             raise ValueError(f"--{name} must be at least 1, got {value}")
     if args.shared_prefix < 0:
         raise ValueError(f"--shared-prefix must be at least 0, got {args.shared_prefix}")
+    if args.name.strip() in ("", ".", "..") or any(sep and sep in args.name for sep in (os.sep, os.altsep)):
+        raise ValueError(f"--name {args.name!r}: expected a file name without a folder (the outputs go in --out as "
+                         "NAME.json, NAME.md, NAME.png)")
     _check_output_dir(args.out, "--out")
     import httpx
 

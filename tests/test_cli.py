@@ -139,6 +139,15 @@ def test_a_prompt_that_is_not_utf8_is_a_usage_error(capsys):
     assert exit_.value.code == 2 and "not UTF-8 text: byte ff at character 3" in capsys.readouterr().err
 
 
+def test_an_empty_prompt_is_a_usage_error(capsys):
+    """Named as --prompt and refused before the model is loaded (it failed after, as the API's 'prompt must be a
+    non-empty 1-D sequence of token ids, got shape (0,)')."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--prompt", ""])
+    assert exit_.value.code == 2 and "argument --prompt: expected the text to continue, got ''" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize("tiers, message", [("0,-8", "tiers must be >= 0"), ("0,x", "comma-separated integers"),
                                             ("0,8,8,16", "8 given more than once")])
 def test_bad_tiers_are_usage_errors(tiers, message, capsys):
@@ -266,6 +275,9 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_work(tmp_path, mo
     assert "exists and is not a directory" in capsys.readouterr().err
     assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--out", str(a_file / "x")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+    for name in ("sub/run", "", ".."):  # a folder in --name failed when the results were written, after the run
+        assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--out", str(tmp_path), "--name", name]) == 2
+        assert f"--name {name!r}: expected a file name without a folder" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no probe file left behind
 
 
