@@ -417,3 +417,24 @@ def test_nonfinite_values_are_counted_across_chunks(monkeypatch):
     a[[3, 2500, 10_499]] = [np.nan, np.inf, -np.inf]
     assert c.count_nonfinite(a) == 3
     assert c.count_nonfinite(np.arange(5000, dtype=np.int32)) == 0
+
+
+@pytest.mark.parametrize("flags, named", [(["--overwrite"], "--overwrite shapes"),
+                                          (["--dtype", "bfloat16", "--dry-run"], "--dtype, --dry-run shape"),
+                                          (["--drafter", "d", "--experts", "int4"], "--drafter, --experts shape")])
+def test_verify_refuses_conversion_flags(flags, named, capsys, tmp_path):
+    """--verify checks a checkpoint as it is: flags of a conversion would be ignored, so they are refused."""
+    with pytest.raises(SystemExit) as e:
+        main(["--verify", str(tmp_path), *flags])
+    assert e.value.code == 2
+    assert f"--verify CKPT checks a checkpoint as it is; {named} a conversion" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, name", [(["--verify", ""], "--verify"), (["", "out"], "SRC_DIR"),
+                                        (["src", " "], "OUT_DIR"), (["src", "out", "--drafter", ""], "--drafter")])
+def test_empty_paths_are_usage_errors(argv, name, capsys):
+    """An empty path is not the working directory (whose name the error named: '/cwd is not a kdtree-jax
+    checkpoint', 'no config.json in /cwd')."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and f"{name}: expected a directory, got " in capsys.readouterr().err

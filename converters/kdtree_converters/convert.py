@@ -798,7 +798,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="routed experts: int4 (compressed-tensors group-32 values, repacked bit-exactly from INT4 "
                         "sources, quantized from float ones) or bf16 (dense, in --dtype). Default: int4 for INT4 "
                         "sources, bf16 otherwise")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                    help="dtype of the weights other than the INT4 experts (the router bias stays fp32). "
                         "Default: bfloat16")
     p.add_argument("--dry-run", action="store_true",
@@ -816,8 +816,19 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
+    for name, value in (("SRC_DIR", args.src_dir), ("OUT_DIR", args.out_dir), ("--verify", args.verify),
+                        ("--drafter", args.drafter)):
+        if value is not None and not value.strip():  # not the working directory's name in the error that follows
+            p.error(f"{name}: expected a directory, got {value!r}")
     if args.verify is not None and (args.src_dir or args.out_dir):
         p.error("--verify CKPT takes no SRC_DIR or OUT_DIR")
+    conversion = [flag for flag, given in (("--drafter", args.drafter is not None), ("--experts", args.experts),
+                                           ("--dtype", args.dtype), ("--dry-run", args.dry_run),
+                                           ("--overwrite", args.overwrite)) if given]
+    if args.verify is not None and conversion:  # they would be ignored
+        several = len(conversion) > 1
+        p.error(f"--verify CKPT checks a checkpoint as it is; {', '.join(conversion)} "
+                f"{'shape' if several else 'shapes'} a conversion (drop {'them' if several else 'it'})")
     if args.verify is None and not args.out_dir:
         p.error("the following arguments are required: SRC_DIR OUT_DIR")
     return report_errors("kdtree-convert", lambda: _command(args), args.debug, status=1)
@@ -869,8 +880,8 @@ def _command(args) -> int:
         print(verify(args.verify))
         return 0
     log = lambda msg: print(msg, file=sys.stderr)
-    m = convert(args.src_dir, args.out_dir, experts=args.experts, dtype=args.dtype, overwrite=args.overwrite,
-                dry_run=args.dry_run, drafter=args.drafter, log=log)
+    m = convert(args.src_dir, args.out_dir, experts=args.experts, dtype=args.dtype or "bfloat16",
+                overwrite=args.overwrite, dry_run=args.dry_run, drafter=args.drafter, log=log)
     s, c = m["source"], m["converted"]
     reasons = Counter(m["skipped"].values())
     skipped = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())) or "none"
