@@ -184,13 +184,26 @@ BAD = [
     (dict(model="builtin", prompt=[1, 2, 100000]), "prompt"),  # a token id outside the vocabulary
     (dict(model="builtin", prompt="x", top_k=2**31), "top_k"),  # past the engine's int32 column
     (dict(model="builtin", prompt="x", max_tokens=2.0), "max_tokens"),
+    (dict(model="builtin", prompt="x\ud800y"), "prompt"),  # a lone surrogate (a JSON \ud800 escape): was a 500
+    (dict(model="builtin", prompt="x", stop="\udc80"), "stop"),
+    (dict(model="builtin", prompt="x", stop=0), "stop"),  # 0, false and {} were taken as no stop string
+    (dict(model="builtin", prompt="x", stop=False), "stop"),
+    (dict(model="builtin", prompt="x", stop={}), "stop"),
+    (dict(model="builtin", prompt="x", presence_penalty=0.5), "presence_penalty"),  # these were ignored
+    (dict(model="builtin", prompt="x", frequency_penalty=-1), "frequency_penalty"),
+    (dict(model="builtin", prompt="x", best_of=3), "best_of"),
+    (dict(model="builtin", prompt="x", response_format={"type": "json_object"}), "response_format"),
+    (dict(model="builtin", prompt="x", stream_options={"include_usage": True}), "stream_options"),
+    (dict(model="builtin", prompt="x" * CONTEXT), "prompt"),  # no room and no max_tokens given: was max_tokens
+    # echo's prompt log-probabilities past the server's context: was a 200 (a forward the server was not sized for)
+    (dict(model="builtin", prompt="x" * (CONTEXT + 1), echo=True, logprobs=0, max_tokens=0), "prompt"),
 ]
 
 
 def test_bad_requests_get_400(served):
     with httpx.Client(base_url=served["url"], timeout=60) as http:
-        for body, param in BAD:
-            r = http.post("/v1/completions", json=body)
+        for body, param in BAD:  # (json.dumps escapes the lone surrogates that httpx's json= cannot encode)
+            r = http.post("/v1/completions", content=json.dumps(body), headers={"Content-Type": "application/json"})
             assert r.status_code == 400, (body, r.text)
             error = r.json()["error"]
             assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param, body
@@ -201,6 +214,56 @@ def test_bad_requests_get_400(served):
         assert http.get("/health").json()["status"] == "ok"
     with pytest.raises(openai.BadRequestError, match="unknown model"):
         served["client"].completions.create(model="gpt-4", prompt="x", max_tokens=4)
+
+
+def test_chat_conflicts_unknown_routes_and_fields_that_ask_for_nothing(served):
+    """Chat's lone surrogates, two different token limits and a prompt with no room are 400s naming the field; an
+    unknown path or method gets OpenAI's error format naming the routes; the unsupported fields pass where they ask
+    for nothing (null, 0, {}, "none", text)."""
+    chat = dict(model="builtin", messages=[{"role": "user", "content": "hi"}])
+    with httpx.Client(base_url=served["url"], timeout=300) as http:
+        for body, param in [(dict(chat, messages=[{"role": "user", "content": "a\ud800"}]), "messages"),
+                            (dict(chat, max_tokens=4, max_completion_tokens=8), "max_tokens"),
+                            (dict(chat, messages=[{"role": "user", "content": "x" * CONTEXT}]), "messages")]:
+            r = http.post("/v1/chat/completions", content=json.dumps(body),
+                          headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        neutral = dict(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, best_of=1, tool_choice="none",
+                       response_format={"type": "text"}, suffix="", stream_options=None)
+        r = http.post("/v1/completions", json=dict(model="builtin", prompt="x", max_tokens=2, temperature=0, **neutral))
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/chat/completions", json=dict(chat, max_tokens=2, max_completion_tokens=2, temperature=0))
+        assert r.status_code == 200, r.text
+        r = http.get("/v1/completions")
+        assert r.status_code == 405 and r.json()["error"]["message"].startswith(
+            "Method Not Allowed: GET /v1/completions (the routes: POST /v1/completions,")
+        r = http.post("/v1/complete", json=chat)
+        assert r.status_code == 404 and r.json()["error"]["message"].startswith("Not Found: POST /v1/complete (")
+
+
+def test_a_client_gone_before_its_body_is_not_a_server_error(served):
+    """A client that closes the connection before the body its Content-Length promised was counted (and logged, with
+    a traceback) as a 500: it is nginx's 499 now, and no 5xx."""
+    import socket
+    import time
+
+    def counts():
+        text = httpx.get(served["url"] + "/metrics").text
+        return {int(k): float(v) for k, v in re.findall(r'^kdtree_http_responses_total\{status="(\d+)"\} (\S+)$',
+                                                         text, re.M)}
+
+    before = counts()
+    host, port = served["url"].split("//")[1].split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        time.sleep(0.2)
+    for _ in range(100):
+        after = counts()
+        if after.get(499, 0) > before.get(499, 0):
+            break
+        time.sleep(0.05)
+    assert after.get(499, 0) == before.get(499, 0) + 1 and after.get(500, 0) == before.get(500, 0), after
 
 
 def test_full_queue_gets_429(model, served):

@@ -11,8 +11,9 @@ n (choices, up to the server's max_n: one engine request each, choice i with see
 run to max_tokens), logprobs (completions: 0 .. 5 alternatives; chat: true, with top_logprobs 0 .. 20), echo
 (completions: the prompt before the text, with its tokens' log-probabilities when logprobs is given; max_tokens 0
 then answers the prompt alone). The log-probabilities are the target's (before temperature, top_k and top_p) at the
-committed tokens, streamed with their text; the end-of-sequence token, which adds no text, has none. Other fields
-are ignored.
+committed tokens, streamed with their text; the end-of-sequence token, which adds no text, has none. The fields
+of OpenAI's API that are not implemented (`UNSUPPORTED`: suffix, logit_bias, tools, penalties, best_of,
+response_format, ...) are refused with a 400 unless they ask for nothing (null, 0, {}); other fields are ignored.
 Every field is checked by the rules of `kdtree_jax.validate` (those of `generate`), against the dtype and range of the
 engine column it is stored in, before the request reaches a slot.
 Errors are OpenAI-style JSON {"error": {"message", "type", "param", "code"}}: 400 for a bad request (context overflow,
@@ -49,6 +50,8 @@ import jinja2.sandbox
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .. import validate
 from ..checkpoint import read_json
@@ -67,6 +70,7 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds the requests in flight get to finish 
 DEFAULT_MAX_N = 8  # choices per request (n), when the server is not told
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits: `logprobs` of /v1/completions, `top_logprobs` of chat
 MAX_CHAT_TOP_LOGPROBS = 20
+ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
 ABORT_GRACE_S = 2.0  # seconds the streams ended by a stop get to send their error event and [DONE]
 
 
@@ -173,6 +177,29 @@ def _field(rule: Callable, *args):
         raise BadRequest(str(e), param=e.name) from None
 
 
+# OpenAI's (and vLLM's) request fields this server does not implement, with the values that ask for nothing (None:
+# null): any other value is refused with a 400, not ignored
+UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+               "tool_choice": (None, "none"), "function_call": (None, "none"), "presence_penalty": (None, 0),
+               "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "best_of": (None, 1),
+               "response_format": (None, {"type": "text"}), "min_tokens": (None, 0)}
+
+
+def _same(a, b) -> bool:
+    """JSON values equal as JSON compares them: a bool is not a number (json.loads gives True == 1 in Python)."""
+    return type(a) is type(b) and a == b if isinstance(a, bool) or isinstance(b, bool) else a == b
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """A 400 naming the field for text that is not Unicode a tokenizer takes: a lone surrogate (a JSON \\ud800 escape
+    without its pair), which no UTF-8 encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{param} is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at character "
+                         f"{e.start} (a \\u escape of a surrogate must be one of a pair)", param=param) from None
+
+
 def _flag(body: dict, name: str) -> bool:
     value = body.get(name)
     return False if value is None else _field(validate.flag, name, value)
@@ -183,6 +210,7 @@ class _Options:
     integer and number in the range of the engine column that holds it."""
 
     def __init__(self, body: dict, chat: bool, max_n: int = 1):
+        self.prompt_field = "messages" if chat else "prompt"
         self.echo = False if chat else _flag(body, "echo")
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
         given = [n for n in names if body.get(n) is not None]
@@ -200,15 +228,24 @@ class _Options:
         n = body.get("n")
         self.n = 1 if n is None else _field(validate.integer, "n", n, 1, max_n + 1)
         self.logprobs = self._logprobs(body, chat)
-        for name in ("suffix", "logit_bias", "tools") + (("echo",) if chat else ()):
-            if body.get(name) not in (None, False):
-                raise BadRequest(f"{name} is not supported", param=name)
+        for name, neutral in UNSUPPORTED.items():
+            if name in body and not any(_same(body[name], v) for v in neutral):
+                accepted = " or ".join(json.dumps(v) for v in neutral if v is not None)
+                raise BadRequest(f"{name} is not supported: leave it out" + (f" (or give {accepted})" if accepted
+                                                                              else ""), param=name)
+        if chat and body.get("echo") not in (None, False):
+            raise BadRequest("echo is not supported", param="echo")
+        if len(given) == 2 and not _same(body[given[0]], body[given[1]]):
+            raise BadRequest(f"max_completion_tokens {body[given[0]]!r} and max_tokens {body[given[1]]!r} differ: give "
+                             "one of them", param="max_tokens")
         stop = body.get("stop")
-        stop = [stop] if isinstance(stop, str) else stop or []
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop  # (0, false, {}: refused below)
         if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
                 or not all(isinstance(s, str) and s for s in stop)):
             raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
                              param="stop")
+        for s in stop:
+            _check_unicode(s, "stop")
         self.stop = stop
         self.seed = None if body.get("seed") is None else _field(validate.seed, body["seed"])
         self.stream = _flag(body, "stream")
@@ -216,6 +253,9 @@ class _Options:
         stream_options = body.get("stream_options")
         if stream_options is not None and not isinstance(stream_options, dict):
             raise BadRequest("stream_options must be an object", param="stream_options")
+        if stream_options is not None and not self.stream:
+            raise BadRequest("stream_options is for streamed requests only: add \"stream\": true, or drop it",
+                             param="stream_options")
         self.stream_usage = _flag(stream_options or {}, "include_usage")
 
     @staticmethod
@@ -331,6 +371,7 @@ class Server:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
+            _check_unicode(prompt, "prompt")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return prompt
@@ -356,14 +397,22 @@ class Server:
         tok = self.tokenizer
         special = {name: tok.decode([i]) for name, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id))
                    if i is not None}
-        return tok.encode(self.template.render(messages=clean, add_generation_prompt=True, **special))
+        text = self.template.render(messages=clean, add_generation_prompt=True, **special)
+        _check_unicode(text, "messages")
+        return tok.encode(text)
 
     def submit(self, ids: list[int], opts: _Options) -> list[_Submitted]:
         """Start the request's choices in the engine, choice i with seed + i (its errors as BadRequest with the right
         status; a choice refused cancels those already started). None for max_tokens 0 (echo: the prompt alone)."""
         if opts.max_tokens is None:
             room = self.engine.max_context - len(ids) - self.engine.extra_slots
-            opts.max_tokens = max(1, min(DEFAULT_MAX_TOKENS, room))
+            if room < 1:  # the prompt's fault, not that of a max_tokens the client did not give
+                raise BadRequest(f"{opts.prompt_field}: a prompt of {len(ids)} tokens leaves no room for a new token "
+                                 f"in the server's context of {self.engine.max_context} tokens"
+                                 + (f" (less {self.engine.extra_slots} speculative slots)"
+                                    if self.engine.extra_slots else ""), param=opts.prompt_field,
+                                 code="context_length_exceeded")
+            opts.max_tokens = min(DEFAULT_MAX_TOKENS, room)
         if opts.max_tokens == 0:
             return []
         subs: list[_Submitted] = []
@@ -453,6 +502,9 @@ class Server:
         text = self.tokenizer.decode(ids)
         if opts.logprobs is None:
             return text, None
+        if len(ids) > self.engine.max_context:  # (its forward would run past the memory the server was sized for)
+            raise BadRequest(f"prompt of {len(ids)} tokens exceeds the server's context of {self.engine.max_context} "
+                             "tokens", param="prompt", code="context_length_exceeded")
         try:
             entries = await asyncio.to_thread(self.engine.prompt_logprobs, ids, opts.logprobs)
         except validate.ArgumentError as e:
@@ -657,9 +709,18 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
     app = FastAPI(title="kdtree-jax", description="OpenAI-compatible completions with continuous batching")
     app.state.server = server
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        """An unknown path or a method a route does not take: OpenAI's error format, naming the routes."""
+        return JSONResponse({"error": {"message": f"{e.detail}: {request.method} {request.url.path} (the routes: "
+                                                  f"{ROUTES})", "type": "invalid_request_error", "param": None,
+                                       "code": None}}, status_code=e.status_code, headers=e.headers)
+
     async def body_of(request: Request) -> dict:
         try:
             body = await request.json()
+        except ClientDisconnect:  # gone before the whole body came: nginx's 499, not a failure of the server
+            raise BadRequest("the client closed the connection before sending the whole body", status=499) from None
         except ValueError:
             raise BadRequest("the body is not valid JSON") from None
         except RecursionError:
