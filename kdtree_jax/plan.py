@@ -294,7 +294,7 @@ def largest_concurrency(cfg, dcfg, p: Plan, limit: int = 1 << 20) -> int:
     """The largest concurrency (a multiple of dp, so that the batch splits) that fits at p's context, or 0."""
     dp = p.mesh["dp"]
     ok = lambda rows: plan(cfg, dcfg, p.mesh, p.context, rows * dp, p.budget, p.gpu_bytes).fits
-    return _largest(ok, limit // dp) * dp
+    return _largest(ok, max(1, limit // dp)) * dp  # one row per dp group at least, however wide dp is
 
 
 def context_limit(cfg: ModelConfig, budget: int) -> int:

@@ -80,6 +80,14 @@ def test_dp_splits_the_cache_rows(capsys):
     assert one["cache_rows_per_gpu"] == 4 and two["cache_rows_per_gpu"] == 2
 
 
+def test_a_dp_wider_than_the_search_still_finds_its_concurrency(capsys):
+    """With dp past the search's limit of 2**20 rows, the largest concurrency is still searched (one row per dp
+    group at least): a tiny model at dp = 2**21 fits 2**21 rows and more, and says so."""
+    status, r = _plan_json(capsys, "--model", "tiny", "--context", "64", "--mesh", f"dp={2**21}",
+                           "--concurrency", str(2**21))
+    assert status == 0 and r["fits"] and r["largest_concurrency"] >= 2**21 and r["largest_concurrency"] % 2**21 == 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "k3_0", "--context", "8"], "not a preset"),
     (["--model", "/no/such/dir", "--context", "8"], "no config.json"),
