@@ -19,7 +19,7 @@ LAYERS = [
     {"decoding", "budget_policy"},
     {"ddtree"},
     {"generate", "builtin", "budget"},
-    {"checkpoint", "serving", "serving.engine"},
+    {"checkpoint", "serving", "serving.engine", "serving.heap"},
     {"plan", "train", "cli", "serving.serve", "serving.bench_serve"},
     {"__init__"},
 ]
