@@ -206,6 +206,9 @@ def machine() -> str:
 
 
 def commit() -> str:
+    """$KDTREE_COMMIT when set (a copy whose git metadata is stale), else git's short hash of HEAD."""
+    if os.environ.get("KDTREE_COMMIT"):
+        return os.environ["KDTREE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()

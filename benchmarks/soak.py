@@ -60,22 +60,14 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from convert import commit  # noqa: E402
 
 DEFAULT_SERVE = ["--method", "ddtree", "--budget", "16", "--max-batch", "16"]
 KINDS = ("good", "bad", "disconnect")
 FIRST = 10  # failures kept in full, per kind of failure
 MIN_JUDGED_S = 120.0  # memory is judged only on soaks at least this long
-
-
-def commit() -> str:
-    """$KDTREE_COMMIT when set (a copy whose git metadata is stale), else git's short hash of HEAD."""
-    if os.environ.get("KDTREE_COMMIT"):
-        return os.environ["KDTREE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def free_port() -> int:
