@@ -16,7 +16,8 @@
     clean stop      SIGTERM: the process exits with status 0 within its shutdown timeout
 
 How: `kdtree-jax serve --model builtin` is started as a subprocess on a free port (its own flags after `--`; default
-`--method ddtree --budget 16 --max-batch 16`; the allocator's preallocation turned off,
+`--method ddtree --budget 16 --max-batch 16 --warmup all`: every program a request without a cached prefix can need
+compiled before the server answers; the allocator's preallocation turned off,
 XLA_PYTHON_CLIENT_PREALLOCATE=false, so that nvidia-smi sees what the server holds, unless `--preallocate`). A pool
 of `--prompts` requests (held-out standard-library text of 16..400 characters, max_tokens 16..128, a quarter of them
 chat, half with ignore_eos) is sent once each, alone and not streamed, at temperature 0: their solo answers. A
@@ -35,7 +36,7 @@ does not judge memory).
     python benchmarks/soak.py --minutes 20 --concurrency 16                       # on a CPU or a GPU
     # the H200 run, after scripts/ffi_env.sh (the custom calls' libraries, as scripts/gpu_serve.sh loads them):
     KDTREE_COMMIT=$(git rev-parse --short HEAD) python3 benchmarks/soak.py --name soak_h200 \
-        -- --method ddtree --budget 16 --max-batch 16 --ffi-ops tree_build,tree_accept
+        -- --method ddtree --budget 16 --max-batch 16 --warmup all --ffi-ops tree_build,tree_accept
     python benchmarks/soak.py --replot benchmarks/results/soak/soak.json          # rewrite the table and plot
 """
 
@@ -64,7 +65,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from convert import commit  # noqa: E402
 
-DEFAULT_SERVE = ["--method", "ddtree", "--budget", "16", "--max-batch", "16"]
+DEFAULT_SERVE = ["--method", "ddtree", "--budget", "16", "--max-batch", "16", "--warmup", "all"]
 KINDS = ("good", "bad", "disconnect")
 FIRST = 10  # failures kept in full, per kind of failure
 MIN_JUDGED_S = 120.0  # memory is judged only on soaks at least this long

@@ -159,6 +159,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep prompts' cache rows, up to this many GB (across the mesh), for later prompts that begin "
                         "with the same tokens: those rows are copied instead of prefilled, the least recently used "
                         "dropped first (default: 0, none)")
+    s.add_argument("--warmup", type=_warmup, default=(), metavar="LENGTHS",
+                   help="before serving, compile the prefill of every admission size (1, 2, 4, ... slots) for prompts "
+                        "of these lengths in tokens, comma-separated, or 'all': every length prompts are padded to "
+                        "(powers of two up to --max-context), so that no request waits for a compilation; longer "
+                        "start (default: none: each first compiles when a request needs it)")
     s.add_argument("--max-n", type=int, default=8, metavar="N",
                    help="the most choices (n) one request may ask for, each decoded in its own slot (default: 8)")
     s.add_argument("--cache-sharding", choices=("replicated", "sequence"), default=None,
@@ -288,6 +293,19 @@ def _budget(text: str):
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
+def _warmup(text: str) -> tuple[int, ...] | str:
+    """--warmup: 'all', or comma-separated prompt lengths >= 1."""
+    if text == "all":
+        return text
+    try:
+        lengths = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'all' or comma-separated integers, got {text!r}") from None
+    if any(n < 1 for n in lengths):
+        raise argparse.ArgumentTypeError(f"prompt lengths must be >= 1, got {text!r}")
+    return lengths
+
+
 def _model_dir(text: str) -> str:
     """--model: not empty (a path that os.path.abspath would make the working directory)."""
     if not text.strip():
@@ -395,6 +413,9 @@ def _check_serving(args) -> None:
         raise ValueError("--served-model-name must not be empty (requests name the model they ask for)")
     if args.cache_sharding is not None and args.mesh is None:
         raise ValueError("--cache-sharding lays the cache out over --mesh: give a mesh too")
+    if args.warmup and args.warmup != "all" and args.max_context is not None and max(args.warmup) >= args.max_context:
+        raise ValueError(f"--warmup {max(args.warmup)}: a prompt must be shorter than --max-context "
+                         f"{args.max_context}")
 
 
 def _check_hosts_flags(args) -> None:
@@ -760,10 +781,17 @@ def serve_command(args) -> int:
         cfg = dataclasses.replace(cfg, cache_sharding=args.cache_sharding)
     checkpoint = args.model if args.model not in (None, "builtin") else None
     name = args.served_model_name or (os.path.basename(os.path.normpath(checkpoint)) if checkpoint else "builtin")
+    if args.warmup:
+        _log(f"compiling the prefills of every admission size for {args.max_batch} slots and prompts of "
+             f"{'every padded length' if args.warmup == 'all' else ', '.join(map(str, args.warmup)) + ' tokens'} "
+             "(--warmup) ...")
+    t0 = time.perf_counter()
     with Engine(params, cfg, method=args.method, drafter=drafter, budget=args.budget, max_budget=args.max_budget,
                 tiers=args.tiers, cost_model=args.cost_model, max_batch=args.max_batch, max_context=args.max_context,
                 max_queue=args.max_queue, chunk_steps=args.chunk_steps, eos_id=tok.eos_id, seed=args.seed,
-                prefix_cache_bytes=int(args.prefix_cache_gb * 1e9)) as engine:
+                warmup=args.warmup, prefix_cache_bytes=int(args.prefix_cache_gb * 1e9)) as engine:
+        if args.warmup:
+            _log(f"warm-up compiled in {time.perf_counter() - t0:.1f} s")
         what = f"{args.method} (budget {engine.budget})" if args.method == "ddtree" else args.method
         if engine.chunk_steps != args.chunk_steps:
             _log(f"--chunk-steps {args.chunk_steps} rounded up to {engine.chunk_steps}: whole windows of the "

@@ -186,7 +186,7 @@ def test_serve_refuses_a_taken_port_a_bad_host_and_a_tiny_context_before_loading
     assert "--max-context must be a power of two >= 64, got 0" in capsys.readouterr().err
 
 
-def test_serve_refuses_bad_n_prefix_cache_and_cache_sharding_before_loading(monkeypatch, capsys):
+def test_serve_refuses_bad_n_prefix_cache_cache_sharding_and_warmup_before_loading(monkeypatch, capsys):
     _no_load(monkeypatch)
     assert main(["serve", "--max-n", "0"]) == 2
     assert "--max-n must be at least 1, got 0" in capsys.readouterr().err
@@ -196,6 +196,12 @@ def test_serve_refuses_bad_n_prefix_cache_and_cache_sharding_before_loading(monk
         with pytest.raises(SystemExit) as exit_:
             main(["serve", "--prefix-cache-gb", gb])
         assert exit_.value.code == 2 and "--prefix-cache-gb" in capsys.readouterr().err
+    for lengths in ("0", "x", "8,,16", "every"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "--warmup", lengths])
+        assert exit_.value.code == 2 and "--warmup" in capsys.readouterr().err
+    assert main(["serve", "--warmup", "8,128", "--max-context", "128"]) == 2
+    assert "--warmup 128: a prompt must be shorter than --max-context 128" in capsys.readouterr().err
     assert main(["bench-serve", "--url", "http://127.0.0.1:1", "--shared-prefix", "-5"]) == 2
     assert "--shared-prefix must be at least 0" in capsys.readouterr().err
 

@@ -257,3 +257,39 @@ def test_a_failing_stream_fails_alone(served, solo_text, monkeypatch):
         streams.stop()
     assert set(streams.texts) == {solo_text} and not streams.errors
     assert served["engine"].wait_idle(timeout=60) and served["engine"].snapshot()["active_slots"] == 0
+
+
+def test_warmup_all_compiles_every_prefill(model):
+    """Engine(warmup="all") (serve --warmup all) compiles, before it starts, the prefill of every padded prompt length
+    and admission size and the decoding chunk in every form a request can ask for (greedy, sampled, filtered, each
+    with and without log-probabilities): afterwards requests of every length, alone and two together, of every
+    kind, compile nothing. Without the warm-up a request of a length not seen before compiles a prefill (the
+    control: the count can move)."""
+    tok = model.tokenizer
+    context = 64
+    admit, advance = engine_module._admit, engine_module._advance
+
+    def prompt(n):
+        return [tok.encode("x")[0]] * n
+
+    def run(engine, n, **kw):
+        done = queue.Queue()
+        engine.submit(prompt(n), max_tokens=3, on_event=lambda e: e.finish and done.put(e), **kw)
+        return done
+
+    with Engine(model.params, model.cfg, method="ar", max_batch=2, max_context=context, eos_id=tok.eos_id) as cold:
+        before = admit._cache_size()
+        cold.complete(prompt(40), max_tokens=2)  # padded to 64 rows
+        assert admit._cache_size() > before
+    with Engine(model.params, model.cfg, method="ar", max_batch=2, max_context=context, eos_id=tok.eos_id,
+                warmup="all") as warm:
+        compiled = admit._cache_size(), advance._cache_size()
+        kinds = [dict(), dict(temperature=1.0, seed=1), dict(temperature=1.0, top_k=5, seed=2), dict(logprobs=2),
+                 dict(temperature=0.7, top_p=0.9, logprobs=0, seed=3)]
+        for n, kind in zip((1, 7, 9, 16, 17, 33, 50, context - 4), kinds * 2):
+            assert run(warm, n, **kind).get(timeout=120).error is None
+        together = [run(warm, n, **kind) for n, kind in ((3, kinds[1]), (30, kinds[3]))]  # admitted in one call
+        assert all(done.get(timeout=120).error is None for done in together)
+        assert (admit._cache_size(), advance._cache_size()) == compiled
+    with pytest.raises(ValueError, match="warmup must be prompt lengths or 'all'"):
+        Engine(model.params, model.cfg, method="ar", max_batch=2, max_context=context, warmup="every")

@@ -533,6 +533,12 @@ def _device_name() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
+def all_prompt_lengths(max_context: int) -> tuple[int, ...]:
+    """One prompt length for each length prompts are padded to (powers of two from 8) below max_context + 1: the
+    warm-up that compiles every prefill a request can need."""
+    return tuple(min(1 << k, max_context - 1) for k in range(3, max_context.bit_length()))
+
+
 class Engine:
     """Continuous batching over `max_batch` slots for one model and one method, on a background thread.
 
@@ -546,7 +552,7 @@ class Engine:
     chunk_steps: decoding steps per jitted call (new tokens reach the requests after each). seed: the seeds of the
     requests that give none are drawn from a generator seeded with it. warmup: prompt lengths (in tokens) for which
     the prefill of every admission size is compiled before the engine starts (benchmarks: no request waits for a
-    compilation).
+    compilation), or "all": every length a prompt is padded to, up to max_context (`all_prompt_lengths`).
 
     budget="auto" (ddtree): trees of up to max_budget nodes, each step verifying the part its cost model makes pay
     for the live rows together (`kdtree_jax.budget`; tiers and cost_model as for `generate`). The cost model is the
@@ -564,7 +570,7 @@ class Engine:
     def __init__(self, params, cfg: ModelConfig, *, method: str = "ar", drafter=None, budget: int | str = 64,
                  max_budget: int = 64, tiers=None, cost_model=None, max_batch: int = 8, max_context: int | None = None,
                  max_queue: int = 64, chunk_steps: int = 4, eos_id: int | None = None, seed: int = 0,
-                 warmup: tuple[int, ...] = (), prefix_cache_bytes: int = 0):
+                 warmup: tuple[int, ...] | str = (), prefix_cache_bytes: int = 0):
         max_batch, max_queue, chunk_steps = (validate.integer(name, value, 1) for name, value in (
             ("max_batch", max_batch), ("max_queue", max_queue), ("chunk_steps", chunk_steps)))
         prefix_cache_bytes = validate.integer("prefix_cache_bytes", prefix_cache_bytes, 0)
@@ -575,6 +581,10 @@ class Engine:
         context = int(context)
         if context > cfg.max_position_embeddings:
             raise ValueError(f"max_context {context} exceeds the model's context of {cfg.max_position_embeddings}")
+        if isinstance(warmup, str):
+            if warmup != "all":
+                raise ValueError(f"warmup must be prompt lengths or 'all', got {warmup!r}")
+            warmup = all_prompt_lengths(context)
         check_params(params, cfg)
         eos_id = validate.token_id("eos_id", eos_id, cfg.vocab_size, optional=True)
         seed = validate.seed(seed)
@@ -775,8 +785,11 @@ class Engine:
 
     def _warm_up(self, prompt_lens: tuple[int, ...]) -> None:
         """Compile the prefills of every admission size (1, 2, 4, ... rows, at most max_batch) for prompts of these
-        lengths (padded as requests are), and the decoding chunk in its three sampler forms, by running them on
-        nothing: padding rows, which are dropped, and no live row."""
+        lengths (padded as requests are), and the decoding chunk in its three sampler forms, each with and without
+        log-probabilities, by running them on nothing: padding rows, which are dropped, and no live row. The calls'
+        arguments are laid out as the serving path lays them out (a keyword given or left out, a NumPy or a device
+        array: each difference is another program). A prompt that reuses a cached prefix is another program, not
+        compiled here."""
         for n in prompt_lens:
             if isinstance(n, bool) or not isinstance(n, int) or not 0 < n < self.max_context:
                 raise ValueError(f"warmup prompt lengths must be integers in [1, {self.max_context}), got {n!r}")
@@ -789,12 +802,14 @@ class Engine:
                 self._state, self._keys, *_ = _admit(
                     self._method, self.params, self.cfg, self._state, self._keys, self.max_batch * ones,
                     np.zeros((rows, t_pad), np.int32), ones, options, np.zeros((rows, 2), np.uint32), ones, -ones,
-                    chunk=chunk)
+                    chunk=chunk, prefix=None)  # as `_prefill` passes it: a keyword left out is another program
             sampled = (self._temps.copy(), self._top_k.copy(), self._top_p.copy())
-            for options, filtered in ((None, False), (sampled, False), (sampled, True)):
+            since = np.zeros((self.max_batch,), np.int32)
+            for (options, filtered), lp_since in itertools.product(
+                    ((None, False), (sampled, False), (sampled, True)), (None, since)):
                 self._state, self._keys, *_ = _advance(
                     self._method, self.params, self.cfg, self._state, self._keys, jnp.ones((self.max_batch,), bool),
-                    jnp.zeros((self.max_batch,), jnp.int32), options, None, steps=self.chunk_steps, width=self._width,
+                    jnp.asarray(since), options, lp_since, steps=self.chunk_steps, width=self._width,
                     filtered=filtered)
         jax.block_until_ready(self._state)
 
