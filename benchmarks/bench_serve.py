@@ -11,6 +11,7 @@ for one.
 
 import argparse
 import dataclasses
+import json
 import os
 
 import kdtree_jax as kj
@@ -47,7 +48,14 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_serve"),
                     help="output directory (default: benchmarks/results/bench_serve/)")
     ap.add_argument("--name", default="bench_serve", help="output file name without extension")
+    ap.add_argument("--base", default=None, metavar="JSON",
+                    help="an earlier run's .json (another commit, run just before on the same machine): the report "
+                         "adds each level's aggregate tok/s and TTFT p50 against it")
     args = ap.parse_args()
+    base_runs = None
+    if args.base is not None:  # read before any engine runs, so that a wrong path fails at once
+        with open(args.base) as f:
+            base_runs = json.load(f)
     budgets = [b.strip() if b.strip() == "auto" else int(b) for b in args.budget.split(",")]
     tiers = args.tiers
     if tiers is not None:  # checked before any engine runs, not when the auto one starts
@@ -94,7 +102,32 @@ def main() -> None:
                 server.stop()
         # what has run so far, in case a later engine fails or the call runs out of time
         bench_serve.write(runs, args.out, args.name, title, note(loads), with_plot=False)
-    print("wrote", ", ".join(bench_serve.write(runs, args.out, args.name, title, note(loads))))
+    text = note(loads) + ("" if base_runs is None else "\n\n" + against(runs, base_runs))
+    print("wrote", ", ".join(bench_serve.write(runs, args.out, args.name, title, text)))
+
+
+def against(runs: list[dict], base_runs: list[dict]) -> str:
+    """A table of this run's aggregate tok/s and TTFT p50 over the base run's, per method and concurrency level
+    that both measured."""
+    def key(run: dict) -> tuple:
+        return run["setup"]["server"]["method"], run["setup"]["server"]["budget"]
+
+    base = {key(r): {row["concurrency"]: row for row in r["rows"]} for r in base_runs}
+    commit = base_runs[0]["setup"].get("commit") if base_runs else None
+    lines = [f"Against the base run (commit {commit}, run just before this one on the same machine): this run / "
+             "base.", "", "| method | concurrency | aggregate tok/s | x base | TTFT p50 ms | x base |",
+             "|---|---|---|---|---|---|"]
+    for run in runs:
+        method, budget = key(run)
+        name = f"{method}@{budget}" if budget is not None else method
+        for row in run["rows"]:
+            b = base.get((method, budget), {}).get(row["concurrency"])
+            if b is None:
+                continue
+            lines.append(f"| {name} | {row['concurrency']} | {row['aggregate_tok_s']:.1f} | "
+                         f"{row['aggregate_tok_s'] / b['aggregate_tok_s']:.3f} | {row['ttft_p50_s'] * 1e3:.0f} | "
+                         f"{row['ttft_p50_s'] / b['ttft_p50_s']:.3f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

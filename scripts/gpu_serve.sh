@@ -6,24 +6,46 @@
 # The machine has no network: the wheels of fastapi, uvicorn, httpx, jinja2 and openai come in scratch/wheels.
 # Environment: FFI_OPS (custom calls for the benchmark, default tree_build,tree_accept; empty: pure JAX, no FFI
 # build), BENCH_LIMIT (seconds, default 420), SERVE_TESTS=1 to run tests/test_serve.py on the GPU first (its greedy
-# answers must equal `generate`'s there too; TEST_LIMIT seconds, default 240).
+# answers must equal `generate`'s there too; TEST_LIMIT seconds, default 240), PREFIX=1 to run
+# benchmarks/prefix_cache.py first (cold and warm TTFT of a 1,500-token shared prefix; PREFIX_LIMIT, default 200;
+# PREFIX_ARGS, its arguments),
+# BASE_DIR=<an older commit's tree, its libraries in BASE_DIR/lib> to run that commit's bench_serve.py just before
+# this one with the same arguments, this one's report then giving each level against it (--base).
+# Everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files) and $OUT/*.log.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}
 FFI_OPS=${FFI_OPS-tree_build,tree_accept}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/env.txt"
+R=$OUT/results
+mkdir -p "$R"
+trap 'tar -czf "$OUT/results.tar.gz" -C "$OUT" results' EXIT
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$R/env.txt"
 python3 -m pip install --no-index --find-links scratch/wheels fastapi uvicorn httpx jinja2 openai \
-  > "$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+  > "$R/pip.log" 2>&1 || { tail -20 "$R/pip.log"; exit 1; }
 python3 -c "import matplotlib" 2>/dev/null || echo "no matplotlib: the plot fails; the .json and .md are written first"
 if [ -n "$FFI_OPS" ]; then
   . "$(dirname "$0")/ffi_env.sh"
 fi
 if [ "${SERVE_TESTS:-0}" = 1 ]; then
   JAX_PLATFORMS=cuda timeout -k 5 "${TEST_LIMIT:-240}" python3 -m pytest -q -rA -p no:cacheprovider \
-    tests/test_serve.py > "$OUT/gpu_tests.log" 2>&1
-  echo "tests rc=$?"; grep -E "^(FAILED|ERROR)| passed| failed" "$OUT/gpu_tests.log" | tail -14
+    tests/test_serve.py > "$R/gpu_tests.log" 2>&1
+  echo "tests rc=$?"; grep -E "^(FAILED|ERROR)| passed| failed" "$R/gpu_tests.log" | tail -14
 fi
-timeout -k 5 "${BENCH_LIMIT:-420}" python3 benchmarks/bench_serve.py --name bench_serve_h200 --out "$OUT" \
-  ${FFI_OPS:+--ffi-ops "$FFI_OPS"} "$@" 2>&1 | grep --line-buffered -v -i "warn\|donat" | tee "$OUT/bench_serve.log"
-echo "bench rc=${PIPESTATUS[0]}"
+if [ "${PREFIX:-0}" = 1 ]; then
+  timeout -k 5 "${PREFIX_LIMIT:-200}" python3 benchmarks/prefix_cache.py --name prefix_cache_h200 --out "$R" \
+    ${FFI_OPS:+--ffi-ops "$FFI_OPS"} ${PREFIX_ARGS:-} 2>&1 | grep --line-buffered -v -i "warn\|donat" \
+    > "$R/prefix_cache.log"
+  echo "prefix rc=${PIPESTATUS[0]}"; tail -14 "$R/prefix_cache.log"
+fi
+BASE=()
+if [ -n "${BASE_DIR:-}" ]; then
+  KDTREE_JAX_FFI_DIR=$BASE_DIR/lib PYTHONPATH=$BASE_DIR timeout -k 5 "${BENCH_LIMIT:-420}" python3 \
+    "$BASE_DIR/benchmarks/bench_serve.py" --name bench_serve_h200_base --out "$R" ${FFI_OPS:+--ffi-ops "$FFI_OPS"} \
+    "$@" 2>&1 | grep --line-buffered -v -i "warn\|donat" > "$R/bench_serve_base.log"
+  echo "base rc=${PIPESTATUS[0]}"; tail -4 "$R/bench_serve_base.log"
+  BASE=(--base "$R/bench_serve_h200_base.json")
+fi
+timeout -k 5 "${BENCH_LIMIT:-420}" python3 benchmarks/bench_serve.py --name bench_serve_h200 --out "$R" \
+  ${FFI_OPS:+--ffi-ops "$FFI_OPS"} "${BASE[@]}" "$@" 2>&1 | grep --line-buffered -v -i "warn\|donat" \
+  > "$R/bench_serve.log"
+echo "bench rc=${PIPESTATUS[0]}"; tail -4 "$R/bench_serve.log"
