@@ -164,6 +164,9 @@ def _parser() -> argparse.ArgumentParser:
                         "of these lengths in tokens, comma-separated, or 'all': every length prompts are padded to "
                         "(powers of two up to --max-context), so that no request waits for a compilation; longer "
                         "start (default: none: each first compiles when a request needs it)")
+    s.add_argument("--max-request-mb", type=_amount("MB"), default=16.0, metavar="MB",
+                   help="the largest request body the server reads, in MB (10^6 bytes); a larger one gets a 413 "
+                        "before it is read whole (default: 16)")
     s.add_argument("--max-n", type=int, default=8, metavar="N",
                    help="the most choices (n) one request may ask for, each decoded in its own slot (default: 8)")
     s.add_argument("--cache-sharding", choices=("replicated", "sequence"), default=None,
@@ -413,6 +416,8 @@ def _check_serving(args) -> None:
         raise ValueError("--served-model-name must not be empty (requests name the model they ask for)")
     if args.cache_sharding is not None and args.mesh is None:
         raise ValueError("--cache-sharding lays the cache out over --mesh: give a mesh too")
+    if args.max_request_mb * 1e6 < 1:
+        raise ValueError(f"--max-request-mb must allow at least one byte, got {args.max_request_mb:g}")
     if args.warmup and args.warmup != "all" and args.max_context is not None and max(args.warmup) >= args.max_context:
         raise ValueError(f"--warmup {max(args.warmup)}: a prompt must be shorter than --max-context "
                          f"{args.max_context}")
@@ -775,6 +780,9 @@ def serve_command(args) -> int:
     _use_compilation_cache(args)
     params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
     _need_drafter(args, drafter)
+    if args.max_context is not None and args.max_context > cfg.max_position_embeddings:
+        raise ValueError(f"--max-context {args.max_context} exceeds the model's context of "
+                         f"{cfg.max_position_embeddings} positions")
     if args.cache_sharding is not None:
         import dataclasses
 
@@ -802,7 +810,8 @@ def serve_command(args) -> int:
         for sampling in (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=40)):
             engine.complete(tok.encode("def"), max_tokens=2, **sampling)  # each sampler form's program
         _log(f"compiled in {time.perf_counter() - t0:.1f} s; serving {name!r} on http://{args.host}:{args.port}")
-        app = serve.create_app(engine, tok, name, serve.load_chat_template(checkpoint), max_n=args.max_n)
+        app = serve.create_app(engine, tok, name, serve.load_chat_template(checkpoint), max_n=args.max_n,
+                               max_body_bytes=int(args.max_request_mb * 1e6))
         serve.run(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_line=_log)
     return 0
 

@@ -200,6 +200,8 @@ def test_serve_refuses_bad_n_prefix_cache_cache_sharding_and_warmup_before_loadi
         with pytest.raises(SystemExit) as exit_:
             main(["serve", "--warmup", lengths])
         assert exit_.value.code == 2 and "--warmup" in capsys.readouterr().err
+    assert main(["serve", "--max-request-mb", "0"]) == 2
+    assert "--max-request-mb must allow at least one byte, got 0" in capsys.readouterr().err
     assert main(["serve", "--warmup", "8,128", "--max-context", "128"]) == 2
     assert "--warmup 128: a prompt must be shorter than --max-context 128" in capsys.readouterr().err
     assert main(["bench-serve", "--url", "http://127.0.0.1:1", "--shared-prefix", "-5"]) == 2
@@ -335,3 +337,14 @@ def test_a_closed_output_pipe_ends_quietly():
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) == 141, err
     assert "error" not in err and "Traceback" not in err, err
+
+
+def test_serve_max_context_past_the_model_names_the_flag(capsys):
+    """Checked once the model's config is known (after the load), named as the flag, before the engine starts."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert main(["serve", "--max-context", "4096", "--port", str(port), "--method", "ar"]) == 2
+    assert "--max-context 4096 exceeds the model's context of 2048 positions" in capsys.readouterr().err

@@ -266,6 +266,35 @@ def test_a_client_gone_before_its_body_is_not_a_server_error(served):
     assert after.get(499, 0) == before.get(499, 0) + 1 and after.get(500, 0) == before.get(500, 0), after
 
 
+def test_a_body_past_the_limit_gets_413(model, served):
+    """serve --max-request-mb: a body larger than the limit is refused with a 413 in OpenAI's format, whether it
+    declares its length (refused before it is read) or comes chunked (counted as it comes); one under the limit is
+    served; the server goes on."""
+    limit = 2000
+    server = BackgroundServer(create_app(served["engine"], model.tokenizer, "builtin", max_body_bytes=limit))
+    body = {"model": "builtin", "prompt": "def f(", "max_tokens": 2, "temperature": 0}
+    big = dict(body, prompt="x" * limit)
+
+    def chunked(data: bytes):
+        for i in range(0, len(data), 500):
+            yield data[i:i + 500]
+
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            r = http.post("/v1/completions", json=big)
+            assert r.status_code == 413, r.text
+            assert "larger than the server's limit of 2000 bytes" in r.json()["error"]["message"]
+            r = http.post("/v1/completions", content=chunked(json.dumps(big).encode()),
+                          headers={"Content-Type": "application/json"})
+            assert r.status_code == 413 and "limit of 2000 bytes" in r.json()["error"]["message"], r.text
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        create_app(served["engine"], model.tokenizer, "builtin", max_body_bytes=0)
+
+
 def test_full_queue_gets_429(model, served):
     """Every slot busy with a long request and the queue full: the next request is refused, not queued."""
     engine = served["engine"]

@@ -68,6 +68,7 @@ MAX_STOP_STRINGS = 4
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (and the context has room)
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds the requests in flight get to finish when the server is stopped
 DEFAULT_MAX_N = 8  # choices per request (n), when the server is not told
+DEFAULT_MAX_BODY_BYTES = 16_000_000  # a request body past this gets a 413 (a prompt of 8k tokens: well under 1 MB)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits: `logprobs` of /v1/completions, `top_logprobs` of chat
 MAX_CHAT_TOP_LOGPROBS = 20
 ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
@@ -702,9 +703,10 @@ class Server:
 
 
 def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = EMBEDDED_CHAT_TEMPLATE,
-               max_n: int = DEFAULT_MAX_N) -> FastAPI:
+               max_n: int = DEFAULT_MAX_N, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app over an engine (the engine's lifetime is the caller's); max_n: the most choices a request may
-    ask for."""
+    ask for; max_body_bytes: the largest request body read (a larger one gets a 413 before it is read whole)."""
+    max_body_bytes = validate.integer("max_body_bytes", max_body_bytes, 1)
     server = Server(engine, tokenizer, model_name, chat_template, max_n)
     app = FastAPI(title="kdtree-jax", description="OpenAI-compatible completions with continuous batching")
     app.state.server = server
@@ -717,8 +719,19 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
                                        "code": None}}, status_code=e.status_code, headers=e.headers)
 
     async def body_of(request: Request) -> dict:
+        too_large = (f"the body is larger than the server's limit of {max_body_bytes} bytes (serve "
+                     "--max-request-mb)")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:  # refused before it is read
+            raise BadRequest(too_large, status=413)
         try:
-            body = await request.json()
+            parts, size = [], 0
+            async for part in request.stream():  # counted as it comes: a chunked body declares no length
+                size += len(part)
+                if size > max_body_bytes:
+                    raise BadRequest(too_large, status=413)
+                parts.append(part)
+            body = json.loads(b"".join(parts))
         except ClientDisconnect:  # gone before the whole body came: nginx's 499, not a failure of the server
             raise BadRequest("the client closed the connection before sending the whole body", status=499) from None
         except ValueError:
