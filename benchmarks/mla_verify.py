@@ -6,7 +6,7 @@ bytes = latent + rope cache (576 bf16 per token) + queries + output; FLOPs = 2 B
 Every cache row is full (cache_lens = S - N), each batch row verifies its own random tree. Each timed call runs the
 op on enough distinct input sets (>= 256 MB together) that the caches do not sit in L2; time = median per op.
 
-usage: python benchmarks/mla_verify.py [--quick] [--sweep] [--kernel both] [--out DIR] [--commit SHA] [--budget S]
+usage: python benchmarks/mla_verify.py [--quick] [--sweep] [--profile] [--out DIR] [--commit SHA] [--budget S]
        python benchmarks/mla_verify.py --plot DIR/mla_verify.json      (redraw the table and plot from saved numbers)
 """
 
@@ -50,22 +50,22 @@ def make_sets(b, n, h, s, count, seed):
 
 
 def gpu_time(fn, args, ops: int) -> float | None:
-    """Seconds of GPU time per op: the kernels of the attention call (the wide or narrow kernel and the combine)
-    summed from a profile of 3 calls (None where the profile shows none: a CPU run). The wall time of `timed` can
+    """Seconds of GPU time per op: the kernels of the attention call (the attention kernel and the combine) summed
+    from a profile of 3 calls (None where the profile shows none: a CPU run). The wall time of `timed` can
     be the host's time per custom call rather than the kernels' at the smallest cases (on the H200 it stays at
     17-19 µs from 16 to 64 splits at one token of 8 heads, where the kernel alone took 11.9 µs at 16 splits in
     benchmarks/fixed_cost.py); this cannot."""
     from profile_tools import profile_calls
 
     prof = profile_calls(fn, args, 3)
-    us = sum(t for k, (_, t) in prof["kernels"].items() if any(w in k for w in ("MlaVerify", "Narrow", "Combine")))
+    us = sum(t for k, (_, t) in prof["kernels"].items() if any(w in k for w in ("MlaVerify", "Combine")))
     return us * 1e-6 / ops if us > 0 else None
 
 
-def measure(b, n, h, s, ceil, with_xla=True, splits_list=(None,), narrow=None, profile=False) -> list[dict]:
+def measure(b, n, h, s, ceil, with_xla=True, splits_list=(None,), profile=False) -> list[dict]:
     import jax
 
-    from kdtree_jax.kernels.mla_verify import mla_verify, plan_splits, use_narrow
+    from kdtree_jax.kernels.mla_verify import mla_verify, plan_splits
 
     nbytes, flops = cost(b, n, h, s)
     roof = max(nbytes / ceil["copy_Bps"], flops / ceil["matmul_flops"])
@@ -79,7 +79,7 @@ def measure(b, n, h, s, ceil, with_xla=True, splits_list=(None,), narrow=None, p
         ref = np.asarray(xla_out[0], np.float32)
     rows = []
     for splits in splits_list:
-        ker = jax.jit(lambda st, sp=splits: [mla_verify(*a, SCALE, num_splits=sp, narrow=narrow) for a in st])
+        ker = jax.jit(lambda st, sp=splits: [mla_verify(*a, SCALE, num_splits=sp) for a in st])
         ker_s, ker_out = timed(ker, (sets,), count)
         gpu_s = gpu_time(ker, (sets,), count) if profile else None
         err = None
@@ -89,8 +89,7 @@ def measure(b, n, h, s, ceil, with_xla=True, splits_list=(None,), narrow=None, p
         rows.append(dict(b=b, n=n, h=h, s=s, bytes=nbytes, flops=flops, roofline_s=roof,
                          bound="memory" if nbytes / ceil["copy_Bps"] >= flops / ceil["matmul_flops"] else "compute",
                          kernel_s=ker_s, gpu_s=gpu_s, xla_s=xla_s, rel_err_vs_xla=err,
-                         splits=splits or plan_splits(b, n, h, s, narrow=narrow), sets=count,
-                         kernel="narrow" if use_narrow(b, n, h, narrow) else "wide"))
+                         splits=splits or plan_splits(b, n, h, s), sets=count))
     return rows
 
 
@@ -136,15 +135,19 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], sweep: list[dict]) 
                      f"{us(r['kernel_s'])} | {pct(r['kernel_s'], r['roofline_s'])} | {us(r['xla_s'])} | "
                      f"{pct(r['xla_s'], r['roofline_s'])} | {speed} | {r['splits']} | {err} |")
     if sweep:
+        # a kernel column only for saved numbers that name one (the 2026-12-05 runs of the removed narrow kernel)
+        named = any("kernel" in r for r in sweep)
+        col, rule = (" kernel |", "---|") if named else ("", "")
         lines += ["", "## Key splits (decode regime)", "",
                   "kernel µs: wall time per op of queued calls (at the smallest cases it can be the host's time per "
                   "custom call, not the kernels'); GPU µs: the attention kernels' own time per op from a profile "
                   "(with --profile).", "",
-                  "| B | N | H | S | kernel | splits | kernel µs | GPU µs | % roofline |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  f"| B | N | H | S |{col} splits | kernel µs | GPU µs | % roofline |",
+                  f"|---|---|---|---|{rule}---|---|---|---|"]
         for r in sweep:
-            lines.append(f"| {r['b']} | {r['n']} | {r['h']} | {r['s']:,} | {r.get('kernel', 'wide')} | "
-                         f"{r['splits']} | {us(r['kernel_s'])} | {us(r.get('gpu_s'))} | "
+            lines.append(f"| {r['b']} | {r['n']} | {r['h']} | {r['s']:,} | "
+                         + (f"{r.get('kernel', 'wide')} | " if named else "")
+                         + f"{r['splits']} | {us(r['kernel_s'])} | {us(r.get('gpu_s'))} | "
                          f"{pct(r['kernel_s'], r['roofline_s'])} |")
     with open(os.path.join(out_dir, "mla_verify.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -189,8 +192,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="ten configurations instead of the full grid")
     ap.add_argument("--sweep", action="store_true", help="also time several key-split counts in the decode regime")
-    ap.add_argument("--kernel", choices=("default", "wide", "narrow", "both"), default="default",
-                    help="the fast path's kernel in the sweep (default: the wrapper's rule; both: each in turn)")
     ap.add_argument("--profile", action="store_true",
                     help="in the sweep, also the kernels' GPU time per op from a profile (not bounded by host time)")
     ap.add_argument("--sweep-at", metavar="B:N:H:S,...",
@@ -225,19 +226,17 @@ def main() -> None:
 
         cases = ([tuple(int(v) for v in c.split(":")) for c in args.sweep_at.split(",")] if args.sweep_at
                  else sweep_cases())
-        kernels = {"default": [None], "wide": [False], "narrow": [True], "both": [False, True]}[args.kernel]
-        for (b, n, h, s), narrow in ((c, k) for c in cases for k in kernels):
+        for b, n, h, s in cases:
             if time.perf_counter() - start > args.budget:
                 break
-            base = plan_splits(b, n, h, s, narrow=narrow)
+            base = plan_splits(b, n, h, s)
             options = sorted({max(1, base // 4), max(1, base // 2), base, 2 * base, max(1, s // 64 // 16)})
             if args.sweep_at:
                 options = sorted({base, *(2 ** i for i in range(8) if 2 ** i <= -(-(s + n) // 64))})
-            for r in measure(b, n, h, s, ceil, with_xla=False, splits_list=options, narrow=narrow,
-                             profile=args.profile):
+            for r in measure(b, n, h, s, ceil, with_xla=False, splits_list=options, profile=args.profile):
                 sweep.append(r)
                 gpu = "" if r["gpu_s"] is None else f", GPU {r['gpu_s'] * 1e6:.1f} us"
-                print(f"sweep B={b} N={n} H={h} S={s} {r['kernel']} splits {r['splits']}: "
+                print(f"sweep B={b} N={n} H={h} S={s} splits {r['splits']}: "
                       f"{r['kernel_s'] * 1e6:.1f} us{gpu}", flush=True)
     write_report(args.out, meta, rows, sweep)
 

@@ -14,8 +14,6 @@
 //   * With several splits, each block writes its normalized partial output, its row max and its row sum (fp32),
 //     and a second kernel combines them in a fixed order (deterministic; no atomics, nothing to clear).
 //     The split count is the extent of the partials output's second axis (the Python wrapper plans it).
-//   * With the "narrow" attribute, a second kernel for few query rows (see NarrowKernel: 8 rows a warp on mma.sync,
-//     the keys as the A operand) computes the same partials; the combine is shared.
 // Generic path (any other dtype or head size, R <= 1024, dr <= 256): one warp per query row, online softmax on
 // CUDA cores. Correct but slow: it exists so that every shape the CPU handler takes also runs on the GPU.
 
@@ -529,252 +527,6 @@ __global__ void __launch_bounds__(kThreads, 1) MlaVerifyKernel(const FastParams 
   }
 }
 
-// ------------------------------------------------------------------------------------------------------------------
-// Narrow path: few query rows (decode and small trees on one device), mma.sync with the keys as the A operand
-// ------------------------------------------------------------------------------------------------------------------
-//
-// The wgmma kernel above computes 64 query rows per block whatever M is, in a chain of dependent steps (S over 36
-// k-steps, the softmax, P handed to the second warpgroup): at M = 8 rows (one token, 8 heads) a block that streams a
-// single key tile still takes ~12 µs. Here the roles are swapped, as in the MoE kernel's stream path: the keys are
-// the A operand of mma.m16n8k16 (16 keys per mma) and 8 query rows the B operand (the mma's N = 8), so a warp owns 8
-// query rows and no work is spent on padding rows up to 64. S^T = K Q^T and O^T = V^T P^T:
-//   * a block of 4 warps takes 32 query rows (warp w: rows m0 + 8w ..) and one split of the keys, in tiles of 64 keys
-//     (the wgmma path's tiles and splits: the same partials and the same combine); all 128 threads copy the next tile
-//     (cp.async, two stages, rows padded to 1,168 bytes so that ldmatrix's 8 row reads hit 32 different banks);
-//   * per tile a warp computes S^T [64 keys x 8 rows] (4 key tiles x 36 k-steps, K from ldmatrix, Q^T from shared
-//     memory), the masked online softmax in fp32 (a lane holds rows 2t and 2t + 1: its rescales stay in the lane),
-//     writes P as bf16 [8 rows x 64 keys] to its own shared-memory slot, and adds V^T P^T into O^T [512 x 8] (32
-//     dimension tiles x 4 k-steps, V^T from ldmatrix.trans): 128 fp32 accumulators a lane;
-//   * warps without a real row only copy. The call's "narrow" attribute picks this kernel (the Python wrapper decides:
-//     meant for B * ceil(M / 32) <= 16, decode and trees up to 16 nodes of 8 heads at C = 1, where splits fill the
-//     GPU). Any M, splits and mask of the fast path are valid here; the two kernels write the same partials.
-constexpr int kNarrowWarps = 4;
-constexpr int kNarrowThreads = 32 * kNarrowWarps;
-constexpr int kNarrowRows = 8 * kNarrowWarps;        // query rows per block
-constexpr int kRowBytes = 2 * (kRank + kRope) + 16;  // a key or query row in shared memory, padded: 1,168
-constexpr int kNarrowStage = kKeys * kRowBytes;      // one key tile: 74,752 bytes
-constexpr int kPStride = 2 * kKeys + 16;             // a row of P (64 keys, bf16), padded: 144 bytes
-constexpr int kNarrowSmemQ = 2 * kNarrowStage;
-constexpr int kNarrowSmemP = kNarrowSmemQ + kNarrowRows * kRowBytes;
-constexpr int kNarrowSmem = kNarrowSmemP + kNarrowWarps * 8 * kPStride;
-
-__device__ __forceinline__ void Ldsm4(uint32_t (&a)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void Ldsm4T(uint32_t (&a)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ uint32_t Lds32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
-// d[16 x 8] += A[16 x 16] B[16 x 8] (bf16, fp32 accumulators; the PTX fragment layouts).
-__device__ __forceinline__ void MmaSync(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%0, %1, %2, %3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void NarrowCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void NarrowWait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// Rows 0 .. count-1 of a [count x 576] panel at dst (row stride kRowBytes): row i is latent[src] || rope[src] where
-// ok = row_of(i, src), zero-filled where !ok. Consecutive threads copy consecutive 16-byte chunks of a row.
-template <typename RowOf>
-__device__ __forceinline__ void NarrowCopy(uint32_t dst, int count, const __nv_bfloat16* latent,
-                                           const __nv_bfloat16* rope, RowOf row_of) {
-  for (int c = threadIdx.x; c < count * kChunks; c += kNarrowThreads) {
-    const int row = c / kChunks, ch = c - row * kChunks;
-    int64_t src;
-    const bool ok = row_of(row, src);
-    const __nv_bfloat16* from =
-        ch < kRank / 8 ? latent + src * kRank + ch * 8 : rope + src * kRope + (ch - kRank / 8) * 8;
-    CopyAsync16(dst + row * kRowBytes + ch * 16, from, ok);
-  }
-}
-
-__global__ void __launch_bounds__(kNarrowThreads, 1) NarrowKernel(const FastParams p) {
-  extern __shared__ __align__(128) uint8_t narrow_smem[];
-  const uint32_t base = SmemAddress(narrow_smem);
-  const int m0 = blockIdx.x * kNarrowRows, split = blockIdx.y, b = blockIdx.z;
-  const KeyRange r = BlockKeys(p, b, split);
-  const int64_t q0 = static_cast<int64_t>(b) * p.m, kv0 = static_cast<int64_t>(b) * p.s;
-  const int shift = r.tree0 - r.prefix;  // tree key v >= prefix lives in slot v + shift (0 unless clamped)
-  auto load_tile = [&](int i) {
-    const int k0 = (r.first + i) * kKeys;
-    NarrowCopy(base + (i & 1) * kNarrowStage, kKeys, p.latent, p.pe, [&](int row, int64_t& src) {
-      const int v = k0 + row;
-      const bool ok = v < r.keys;
-      src = ok ? kv0 + (v < r.prefix ? v : v + shift) : 0;
-      return ok;
-    });
-    NarrowCommit();
-  };
-  if (r.count > 0) {
-    NarrowCopy(base + kNarrowSmemQ, kNarrowRows, p.q_lat, p.q_pe, [&](int row, int64_t& src) {
-      const bool ok = m0 + row < p.m;
-      src = ok ? q0 + m0 + row : 0;
-      return ok;
-    });
-    load_tile(0);  // Q lands with the first tile
-  }
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int wrow = m0 + 8 * warp;  // the warp's first query row
-  const bool active = wrow < p.m;  // uniform over the warp
-  int n_of[2];
-  bool real[2];
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {  // this lane's rows in S^T and O^T: wrow + 2t + e
-    const int qm = wrow + 2 * t + e;
-    real[e] = qm < p.m;
-    n_of[e] = real[e] ? qm / p.h : 0;
-  }
-  float o[32][4];  // O^T: dim tile dt, lane (g, t): dims 16 dt + g (c = 0, 1) and + 8 (c = 2, 3), row 2t + (c & 1)
-#pragma unroll
-  for (int dt = 0; dt < 32; ++dt) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) o[dt][c] = 0.0f;
-  }
-  float mrun[2] = {-kInf, -kInf}, lrun[2] = {0.0f, 0.0f};
-  const uint32_t q_row = base + kNarrowSmemQ + (8 * warp + g) * kRowBytes;  // B of S^T: query row g of the warp
-  uint8_t* p_slot = narrow_smem + kNarrowSmemP + warp * 8 * kPStride;      // P [8 rows x 64 keys], bf16
-  const uint32_t p_row = base + kNarrowSmemP + (warp * 8 + g) * kPStride;   // B of O^T: row g of P
-  const int li = lane >> 3, lr = lane & 7;  // ldmatrix: lane l gives row lr of 8 x 8 matrix li
-  const uint32_t k_lane = (lr + 8 * (li & 1)) * kRowBytes + 16 * (li >> 1);  // K [16 keys x 16 dims]
-  const uint32_t v_lane = (lr + 8 * (li >> 1)) * kRowBytes + 16 * (li & 1);  // V^T [16 dims x 16 keys]
-
-  for (int i = 0; i < r.count; ++i) {
-    if (i + 1 < r.count) {
-      load_tile(i + 1);
-      NarrowWait<1>();
-    } else {
-      NarrowWait<0>();
-    }
-    __syncthreads();  // every thread's copies of tile i (and Q) have landed
-    if (active) {
-      const uint32_t tile = base + (i & 1) * kNarrowStage;
-      float s[4][4];  // S^T: key tile mt, lane (g, t): keys 16 mt + g (c = 0, 1) and + 8 (c = 2, 3), row 2t + (c & 1)
-#pragma unroll
-      for (int mt = 0; mt < 4; ++mt) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) s[mt][c] = 0.0f;
-      }
-#pragma unroll 4
-      for (int kk = 0; kk < kChunks / 2; ++kk) {
-        const uint32_t b0 = Lds32(q_row + 32 * kk + 4 * t), b1 = Lds32(q_row + 32 * kk + 16 + 4 * t);
-#pragma unroll
-        for (int mt = 0; mt < 4; ++mt) {
-          uint32_t a[4];
-          Ldsm4(a, tile + mt * 16 * kRowBytes + k_lane + 32 * kk);
-          MmaSync(s[mt], a, b0, b1);
-        }
-      }
-      const int k0 = (r.first + i) * kKeys;
-      float mx[2] = {-kInf, -kInf};
-      const bool all_prefix = k0 + kKeys <= r.prefix;
-#pragma unroll
-      for (int mt = 0; mt < 4; ++mt) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int v = k0 + 16 * mt + g + 8 * (c >> 1), e = c & 1;
-          const bool seen = all_prefix || v < r.prefix ||
-                            (v < r.keys && real[e] &&
-                             p.mask[(static_cast<size_t>(b) * p.n + n_of[e]) * p.n + (v - r.prefix)]);
-          const float x = seen ? s[mt][c] * p.scale_log2 : -kInf;
-          s[mt][c] = x;
-          mx[e] = fmaxf(mx[e], x);
-        }
-      }
-      float alpha[2], base_m[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {  // the row's max over the tile: the 8 lanes of one t hold its 64 keys
-        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 4));
-        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 8));
-        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 16));
-        const float mnew = fmaxf(mrun[e], mx[e]);
-        base_m[e] = mnew == -kInf ? 0.0f : mnew;  // a row with nothing visible yet keeps p = 0, not NaN
-        alpha[e] = exp2f(mrun[e] - base_m[e]);
-        mrun[e] = mnew;
-      }
-      float sum[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int mt = 0; mt < 4; ++mt) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int e = c & 1;
-          const float pv = exp2f(s[mt][c] - base_m[e]);
-          sum[e] += pv;
-          const int key = 16 * mt + g + 8 * (c >> 1);
-          *reinterpret_cast<__nv_bfloat16*>(p_slot + (2 * t + e) * kPStride + 2 * key) = __float2bfloat16_rn(pv);
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < 2; ++e) lrun[e] = lrun[e] * alpha[e] + sum[e];  // lane-local; summed over g at the end
-      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-        for (int dt = 0; dt < 32; ++dt) {
-#pragma unroll
-          for (int c = 0; c < 4; ++c) o[dt][c] *= alpha[c & 1];
-        }
-      }
-      __syncwarp();  // P written before it is read as B fragments
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        const uint32_t b0 = Lds32(p_row + 32 * ks + 4 * t), b1 = Lds32(p_row + 32 * ks + 16 + 4 * t);
-#pragma unroll
-        for (int dt = 0; dt < 32; ++dt) {
-          uint32_t a[4];
-          Ldsm4T(a, tile + ks * 16 * kRowBytes + v_lane + 32 * dt);
-          MmaSync(o[dt], a, b0, b1);
-        }
-      }
-      __syncwarp();  // P read before the next tile overwrites it
-    }
-    __syncthreads();  // the stage is free for tile i + 2
-  }
-  if (!active) return;
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    lrun[e] += __shfl_xor_sync(0xffffffffu, lrun[e], 4);
-    lrun[e] += __shfl_xor_sync(0xffffffffu, lrun[e], 8);
-    lrun[e] += __shfl_xor_sync(0xffffffffu, lrun[e], 16);
-  }
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    if (!real[e]) continue;
-    const int qm = wrow + 2 * t + e;
-    const float inv = lrun[e] > 0.0f ? 1.0f / lrun[e] : 0.0f;
-    if (p.splits == 1) {
-      __nv_bfloat16* dst = p.out + (static_cast<size_t>(b) * p.m + qm) * kRank + g;
-#pragma unroll
-      for (int dt = 0; dt < 32; ++dt) {
-        dst[16 * dt] = __float2bfloat16_rn(o[dt][e] * inv);
-        dst[16 * dt + 8] = __float2bfloat16_rn(o[dt][2 + e] * inv);
-      }
-    } else {
-      const size_t row = (static_cast<size_t>(b) * p.splits + split) * p.m + qm;
-      float* dst = p.part + row * kRank + g;
-#pragma unroll
-      for (int dt = 0; dt < 32; ++dt) {
-        dst[16 * dt] = o[dt][e] * inv;
-        dst[16 * dt + 8] = o[dt][2 + e] * inv;
-      }
-      if (g == 0) p.stats[row] = make_float2(mrun[e], lrun[e]);
-    }
-  }
-}
-
 // out[b, m, :] = sum_i w_i part_i / sum_i w_i with w_i = l_i 2^(m_i - max m), over the splits that saw a key.
 // One block per output row: the weights go through shared memory, each warp sums every 8th split (16 columns per
 // lane, four independent 16-byte loads per split), then the eight warps' sums are added in a fixed order.
@@ -957,8 +709,7 @@ ffi::Error MlaVerifyCudaImpl(cudaStream_t stream,
                              float scale,                          // softmax scale
                              ffi::Result<ffi::AnyBuffer> out,      // [B, N, H, R]
                              ffi::Result<ffi::Buffer<ffi::F32>> part,    // [B, splits, M or 0, R]
-                             ffi::Result<ffi::Buffer<ffi::F32>> stats,   // [B, splits, M or 0, 2]
-                             int32_t narrow) {                           // fast path: the narrow kernel
+                             ffi::Result<ffi::Buffer<ffi::F32>> stats) { // [B, splits, M or 0, 2]
   kdtree::MlaShape shape;
   if (ffi::Error e = kdtree::CheckMlaShape(q_lat.dimensions(), q_pe.dimensions(), latent.dimensions(),
                                            pe.dimensions(), cache_lens.element_count(), tree_mask.element_count(),
@@ -1001,23 +752,13 @@ ffi::Error MlaVerifyCudaImpl(cudaStream_t stream,
     p.m = static_cast<int>(M);
     p.splits = static_cast<int>(splits);
     p.scale_log2 = scale_log2;
-    if (narrow != 0) {  // the Python wrapper chooses (kdtree_jax/kernels/mla_verify.py: use_narrow)
-      if (cudaFuncSetAttribute(NarrowKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kNarrowSmem) !=
-          cudaSuccess) {
-        return LastError("raising the narrow kernel's shared-memory limit");
-      }
-      const dim3 grid(static_cast<unsigned>((M + kNarrowRows - 1) / kNarrowRows), static_cast<unsigned>(splits),
-                      static_cast<unsigned>(B));
-      NarrowKernel<<<grid, kNarrowThreads, kNarrowSmem, stream>>>(p);
-    } else {
-      if (cudaFuncSetAttribute(MlaVerifyKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) !=
-          cudaSuccess) {
-        return LastError("raising the shared-memory limit");
-      }
-      const dim3 grid(static_cast<unsigned>((M + kRows - 1) / kRows), static_cast<unsigned>(splits),
-                      static_cast<unsigned>(B));
-      MlaVerifyKernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
+    if (cudaFuncSetAttribute(MlaVerifyKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) !=
+        cudaSuccess) {
+      return LastError("raising the shared-memory limit");
     }
+    const dim3 grid(static_cast<unsigned>((M + kRows - 1) / kRows), static_cast<unsigned>(splits),
+                    static_cast<unsigned>(B));
+    MlaVerifyKernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
     if (ffi::Error e = LastError("kernel launch"); e.failure()) return e;
     if (splits > 1) {
       CombineKernel<<<dim3(static_cast<unsigned>(M), static_cast<unsigned>(B)), kCombineWarps * 32, 0, stream>>>(
@@ -1072,6 +813,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KdMlaVerifyCuda, MlaVerifyCudaImpl,
                                   .Attr<float>("scale")               // softmax scale
                                   .Ret<ffi::AnyBuffer>()              // out [B, N, H, R]
                                   .Ret<ffi::Buffer<ffi::F32>>()       // partial outputs [B, splits, M, R]
-                                  .Ret<ffi::Buffer<ffi::F32>>()       // partial (max, sum) [B, splits, M, 2]
-                                  .Attr<int32_t>("narrow"),           // 1: the narrow kernel (fast path)
+                                  .Ret<ffi::Buffer<ffi::F32>>(),      // partial (max, sum) [B, splits, M, 2]
                               {xla::ffi::Traits::kCmdBufferCompatible});

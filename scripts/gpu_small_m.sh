@@ -14,16 +14,11 @@
 #                                                    # of the custom calls in a 3-layer step; FIXED=1, before the
 #                                                    # mode's steps: benchmarks/fixed_cost.py)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh tests   # the GPU tests of every custom call (the "done when"):
-#                                                    # marlin_moe, mla_verify (both kernels), moe_route, tree kernels
-#   OUT=/tmp/out bash scripts/gpu_small_m.sh narrow  # tests (both mla_verify kernels); the key-split sweep of both
-#                                                    # kernels at one device's shapes, with GPU times (~6 min)
-#   OUT=/tmp/out SKIP_TESTS=1 bash scripts/gpu_small_m.sh narrow_step
-#                                                    # the full step with the wide kernel (KDTREE_JAX_MLA_NARROW=0)
-#                                                    # and then the narrow one (=1), both with the XLA flags, side by
-#                                                    # side in one report (~7 min; a second call after `narrow`)
+#                                                    # marlin_moe, mla_verify, moe_route, tree kernels
 #
 # Environment: KDTREE_COMMIT stamps the results (default: git rev-parse --short HEAD); KDTREE_JAX_FFI_DIR = prebuilt
-# libraries of this build (else built here); CELLS, PROFILE = full_scale.py's --cells / --profile.
+# libraries of this build (else built here); CELLS, PROFILE = full_scale.py's --cells / --profile; SKIP_TESTS=1
+# leaves out the GPU tests that start the probe and ab modes.
 set -uo pipefail
 MODE=${1:-probe}
 OUT=${OUT:-/tmp/out}
@@ -116,18 +111,5 @@ ab)
       --section InstructionStats python3 benchmarks/full_scale.py --layers 3 --cells 4096:1x1 --repeats 1 \
       --out /tmp/ncu_fs --profile 1:1x1  # a cell not timed: no jax profiler under ncu
   fi
-  ;;
-narrow)
-  # the narrow mla_verify kernel against the wide one: both in the same build, chosen by $KDTREE_JAX_MLA_NARROW
-  step sweep 200 python3 benchmarks/mla_verify.py --kernel both --profile --out "$OUT/results/mla_sweep" \
-    --sweep-at 1:1:8:4096,1:17:8:4096,10:1:8:4096,1:9:8:4096,1:1:8:131072 --commit "$KDTREE_COMMIT"
-  ;;
-narrow_step)
-  CELLS=${CELLS_NARROW:-4096:1x1,4096:1x17,4096:10x1,131072:1x1}
-  step wide 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" KDTREE_JAX_MLA_NARROW=0 python3 benchmarks/full_scale.py \
-    --out "$OUT/results/wide" --cells "$CELLS" --profile 4096:1x1 --repeats 3 --commit "$KDTREE_COMMIT+wide"
-  step narrow 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" KDTREE_JAX_MLA_NARROW=1 python3 benchmarks/full_scale.py \
-    --out "$OUT/results/narrow" --cells "$CELLS" --profile 4096:1x1 --repeats 3 --commit "$KDTREE_COMMIT+narrow" \
-    --base "$OUT/results/wide/full_scale.json"
   ;;
 esac

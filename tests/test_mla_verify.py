@@ -3,7 +3,6 @@ ragged caches; clear errors; the model with kernels="ffi" equals kernels="xla". 
 CUDA kernels against the CPU kernel and float64 on the device machine (JAX_PLATFORMS=cuda,cpu)."""
 
 import dataclasses
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,7 @@ import pytest
 import kdtree_jax as kj
 from kdtree_jax import kernels
 from kdtree_jax.kernels.mla_verify import (combine_lse, mla_prefix, mla_verify, mla_verify_ref, plan_splits,
-                                          prefix_attention_ref, tree_attention_lse, use_narrow)
+                                          prefix_attention_ref, tree_attention_lse)
 from kdtree_jax.kernels.marlin_moe import moe_experts_ref
 from kdtree_jax.model import init_cache, prefill, step
 
@@ -177,7 +176,7 @@ def test_impl_xla_is_the_reference_and_vmap_works():
 
 
 def test_plan_splits_fills_the_gpu_and_keeps_tiles_per_split():
-    # wide kernel (the default): blocks of 64 rows, at least 4 key tiles per split
+    # blocks of 64 rows, at least 4 key tiles per split
     assert plan_splits(1, 1, 8, 32768, sms=132) == 119  # the fewest splits that keep >= 90% of the SMs busy
     assert plan_splits(1, 1, 64, 32768, sms=132) == 64  # 64 rows of partials: at least 8 key tiles per split
     assert plan_splits(1, 1, 64, 1024, sms=132) == 2
@@ -185,27 +184,6 @@ def test_plan_splits_fills_the_gpu_and_keeps_tiles_per_split():
     assert plan_splits(1, 64, 64, 32768, sms=132) == 2  # 64 row tiles x 2 = 128 blocks: one wave
     assert plan_splits(8, 1, 64, 32768, sms=132) == 15
     assert plan_splits(10, 17, 8, 4096, sms=132) == 4  # 30 row tiles x 4 = 120 blocks
-    # narrow kernel: blocks of 32 rows, at least one key tile per split
-    narrow = partial(plan_splits, sms=132, narrow=True)
-    assert narrow(1, 1, 8, 4096) == 64  # one tile a split: 64 blocks, the most 64 tiles allow
-    assert narrow(1, 1, 8, 32768) == 119
-    assert narrow(1, 1, 64, 32768) == 60  # 2 row blocks x 60 = 120 blocks (>= 90% of 132)
-    assert narrow(1, 1, 64, 1024) == 4  # 32 rows of partials: at least 4 tiles a split; 16 tiles
-    assert narrow(8, 1, 64, 32768) == 8  # 16 row blocks x 8 = 128 blocks
-    assert narrow(1, 17, 8, 4096) == 16  # 5 row blocks x 16 (4 tiles a split)
-
-
-def test_narrow_kernel_is_opt_in(monkeypatch):
-    monkeypatch.delenv("KDTREE_JAX_MLA_NARROW", raising=False)
-    assert not use_narrow(1, 1, 8)  # not run on a GPU yet: off by default
-    assert use_narrow(10, 17, 8, narrow=True) and not use_narrow(1, 1, 8, narrow=False)  # forced either way
-    monkeypatch.setenv("KDTREE_JAX_MLA_NARROW", "1")
-    assert use_narrow(1, 1, 8) and use_narrow(1, 17, 8) and use_narrow(16, 4, 8)  # <= 16 blocks of 32 rows
-    assert not use_narrow(10, 17, 8) and not use_narrow(17, 1, 8) and not use_narrow(1, 65, 8)
-    assert plan_splits(1, 1, 8, 4096, sms=132) == 64  # the narrow plan where the rule picks it
-    monkeypatch.setenv("KDTREE_JAX_MLA_NARROW", "yes")
-    with pytest.raises(ValueError, match="KDTREE_JAX_MLA_NARROW"):
-        use_narrow(1, 1, 8)
 
 
 def _bad(**change):
@@ -293,24 +271,21 @@ GPU_CASES = [
     (2, 16, 64, 3000, 1),
     (2, 16, 64, 3000, 7),
     (1, 1, 8, 600, 64),
-    (1, 17, 8, 4096, None),  # one device's verify of 16 nodes (the narrow kernel's regime: 5 row blocks)
+    (1, 17, 8, 4096, None),  # one device's verify of 16 nodes
     (10, 1, 8, 4096, None),  # one device's decode at C = 10
-    (10, 17, 8, 4096, None),  # one device's verify at C = 10 (the wide kernel's regime: 50 row blocks of 32)
-    (16, 4, 8, 2048, None),  # the narrow rule's edge: 16 x 1 blocks of 32 rows
+    (10, 17, 8, 4096, None),  # one device's verify at C = 10
+    (16, 4, 8, 2048, None),  # 16 batch rows of 32 query rows each
 ]
 
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("narrow", [False, True], ids=["wide", "narrow"])
 @pytest.mark.parametrize("b, n, h, s, splits", GPU_CASES)
-def test_gpu_fast_path_matches_float64_and_cpu_kernel(b, n, h, s, splits, narrow):
-    """Both kernels of the fast path (each forced on every shape: either is valid for any M, split count and mask)
-    = float64 and the CPU kernel."""
+def test_gpu_fast_path_matches_float64_and_cpu_kernel(b, n, h, s, splits):
     rng = np.random.default_rng(hash((b, n, h, s, splits or 0)) % 2**32)
     args = make_inputs(rng, b, n, h, s, 512, 64, jnp.bfloat16)
     _poison((b, n * h, 2048))
-    out = run(args, 0.13, device=jax.devices("gpu")[0], num_splits=splits, narrow=narrow)
+    out = run(args, 0.13, device=jax.devices("gpu")[0], num_splits=splits)
     assert out.devices() == {jax.devices("gpu")[0]}
     host = np.asarray(out, np.float32)
     assert np.all(np.isfinite(host))
@@ -336,8 +311,8 @@ def test_gpu_generic_path_matches_float64(b, n, h, s, r, dr, dtype):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("r, dr, narrow", [(512, 64, False), (512, 64, True), (32, 16, None)])
-def test_gpu_fully_masked_rows_and_clamping(r, dr, narrow):
+@pytest.mark.parametrize("r, dr", [(512, 64), (32, 16)])
+def test_gpu_fully_masked_rows_and_clamping(r, dr):
     rng = np.random.default_rng(16)
     b, n, h, s = 4, 8, 8, 300
     args = make_inputs(rng, b, n, h, s, r, dr, jnp.bfloat16, lens=[0, s - n, 17, s + 9])
@@ -345,7 +320,7 @@ def test_gpu_fully_masked_rows_and_clamping(r, dr, narrow):
     mask[0, 3] = False
     args[5] = jnp.asarray(mask)
     _poison((b, n * h, r))
-    out = np.asarray(run(args, 0.2, device=jax.devices("gpu")[0], narrow=narrow), np.float32)
+    out = np.asarray(run(args, 0.2, device=jax.devices("gpu")[0]), np.float32)
     assert np.all(np.isfinite(out)) and np.all(out[0, 3] == 0.0)
     assert rel_err(out, attend64(*args, 0.2)) <= 1e-2
 
@@ -354,8 +329,7 @@ def test_gpu_fully_masked_rows_and_clamping(r, dr, narrow):
 @needs_gpu
 @pytest.mark.parametrize("b, n, h, s, splits", [(1, 1, 64, 16384, None), (8, 1, 64, 4096, None),
                                                 (2, 17, 64, 2048, None), (3, 4, 8, 300, 64)])
-@pytest.mark.parametrize("narrow", [False, True], ids=["wide", "narrow"])
-def test_gpu_prefix_attention_with_lse_matches_float64(b, n, h, s, splits, narrow):
+def test_gpu_prefix_attention_with_lse_matches_float64(b, n, h, s, splits):
     """mla_prefix on the CUDA fast path (the kernel's partials and stats combined in JAX) = float64, output and
     log-sum-exp, with blocks seen whole, in part and not at all (the rows of a sequence-sharded cache)."""
     rng = np.random.default_rng(hash((b, n, h, s)) % 2**32)
@@ -364,7 +338,7 @@ def test_gpu_prefix_attention_with_lse_matches_float64(b, n, h, s, splits, narro
     _poison((b, 16, n * h, 512))
     gpu0 = jax.devices("gpu")[0]
     args = [jax.device_put(x, gpu0) for x in (q, qp, lat, pe, jnp.asarray(visible))]
-    out, lse = jax.jit(lambda *a: mla_prefix(*a, 0.07, num_splits=splits, narrow=narrow))(*args)
+    out, lse = jax.jit(lambda *a: mla_prefix(*a, 0.07, num_splits=splits))(*args)
     want, want_lse = prefix_lse64(q, qp, lat, pe, visible, 0.07)
     out, lse = np.asarray(out), np.asarray(lse)
     assert np.all(np.isfinite(out)) and not np.any(np.isnan(lse))

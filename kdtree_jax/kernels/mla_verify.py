@@ -11,20 +11,17 @@ latents are already written at slots cache_lens[b] + u. Per head h:
 This is `mla_absorbed_attention` below (including its clamping when cache_lens + N > S). Softmax and
 sums are fp32; the output has the queries' dtype.
 
-The CUDA handler's fast path takes bf16 with R = 512 and dr = 64 (Kimi K2): flash decoding on the tensor cores
-that splits the keys over blocks when the batch alone does not fill the GPU; its fp32 partial results are extra
-outputs of the call, sized here (`plan_splits`). Two kernels write the same partials: a wide one (64 query rows a
-block, wgmma) and a narrow one (8 query rows a warp, 32 a block, mma.sync; `use_narrow`) meant for B x ceil(N H /
-32) <= 16, decode and small trees on one device. The narrow kernel is built and compiled but has not run on a GPU
-yet, so it is opt-in: narrow=True, or $KDTREE_JAX_MLA_NARROW=1 for every call that fits. Every other dtype or size
-(R <= 1024, dr <= 256) runs a generic CUDA-core kernel: correct, not fast.
+The CUDA handler's fast path takes bf16 with R = 512 and dr = 64 (Kimi K2): a flash-decoding kernel on the tensor
+cores that splits the keys over blocks when the batch alone does not fill the GPU; its fp32 partial results are
+extra outputs of the call, sized here (`plan_splits`). (A second, "narrow" kernel for few query rows was measured
+on the H200 on 2026-12-05, was no faster than this one's best split, and was removed: docs/kernels.md.) Every
+other dtype or size (R <= 1024, dr <= 256) runs a generic CUDA-core kernel: correct, not fast.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +30,7 @@ import numpy as np
 from . import _registry
 
 FAST_RANK, FAST_ROPE = 512, 64  # the head sizes of the CUDA fast path (bf16 only)
-_ROWS, _KEYS = 64, 64  # the fast path's query rows per block (wide kernel) and keys per tile
-NARROW_ROWS, NARROW_MAX_BLOCKS = 32, 16  # the narrow kernel's rows per block; meant for B x row blocks <= this
+_ROWS, _KEYS = 64, 64  # the fast path's query rows per block and keys per tile
 MAX_SPLITS = 1024
 
 
@@ -87,42 +83,20 @@ def _sm_count() -> int:
     return int(getattr(gpus[0], "core_count", 132) or 132)
 
 
-def narrow_fits(b: int, n: int, h: int) -> bool:
-    """The narrow kernel's regime: B x ceil(N H / 32) <= NARROW_MAX_BLOCKS (blocks of 32 query rows, few enough
-    that the key splits fill the GPU)."""
-    return b * math.ceil(n * h / NARROW_ROWS) <= NARROW_MAX_BLOCKS
+def plan_splits(b: int, n: int, h: int, s: int, sms: int | None = None) -> int:
+    """Key splits per (batch row, 64-row query tile) of the CUDA fast path.
 
-
-def use_narrow(b: int, n: int, h: int, narrow: bool | None = None) -> bool:
-    """Whether the CUDA fast path runs the narrow kernel: `narrow` when given (tests and benchmarks may force either
-    kernel on any shape), else where it fits (`narrow_fits`) if $KDTREE_JAX_MLA_NARROW is 1 (read when traced; the
-    default 0 keeps the wide kernel until the narrow one has passed its GPU tests)."""
-    if narrow is not None:
-        return bool(narrow)
-    flag = os.environ.get("KDTREE_JAX_MLA_NARROW", "0")
-    if flag not in ("0", "1"):
-        raise ValueError(f"KDTREE_JAX_MLA_NARROW must be 0 or 1, got {flag!r}")
-    return flag == "1" and narrow_fits(b, n, h)
-
-
-def plan_splits(b: int, n: int, h: int, s: int, sms: int | None = None, narrow: bool | None = None) -> int:
-    """Key splits per (batch row, query-row block) of the CUDA fast path: blocks of 64 rows (the wide kernel), or
-    of 32 (the narrow one, where `use_narrow(b, n, h, narrow)`).
-
-    One block per multiprocessor (either kernel takes 190-225 KB of shared memory). Each split streams enough key
-    tiles (64 keys, 73.7 KB each) that its fp32 partial output (rows x 2 KB, written and read back) stays under
-    half the bytes it streams, and at least 4 in the wide kernel, whose fixed cost per block is large (one tile in
-    the narrow one). Within that cap: the fewest splits whose blocks keep >= 90% of the multiprocessors busy over
-    their waves, else the busiest choice.
+    One block per multiprocessor (the kernel takes ~225 KB of shared memory). Each split streams at least 4 key
+    tiles (64 keys, 73.7 KB each), and enough of them that its fp32 partial output (rows x 2 KB, written and read
+    back) stays under half the bytes it streams. Within that cap: the fewest splits whose blocks keep >= 90% of
+    the multiprocessors busy over their waves, else the busiest choice.
     """
     sms = _sm_count() if sms is None else sms
-    narrow = use_narrow(b, n, h, narrow)
-    block_rows = NARROW_ROWS if narrow else _ROWS
-    work = b * math.ceil(n * h / block_rows)
+    work = b * math.ceil(n * h / _ROWS)
     if work >= sms:
         return 1
-    rows = min(block_rows, n * h)
-    least = max(1 if narrow else 4, math.ceil(rows * 2 * 2048 / (0.5 * _KEYS * 1152)))
+    rows = min(_ROWS, n * h)
+    least = max(4, math.ceil(rows * 2 * 2048 / (0.5 * _KEYS * 1152)))
     cap = max(1, min(math.ceil(s / _KEYS) // least, MAX_SPLITS))
 
     def busy(splits: int) -> float:
@@ -135,7 +109,7 @@ def plan_splits(b: int, n: int, h: int, s: int, sms: int | None = None, narrow: 
 
 def mla_verify(q_nope_absorbed: jax.Array, q_pe: jax.Array, latent_cache: jax.Array, pe_cache: jax.Array,
                cache_lens: jax.Array, tree_mask: jax.Array, scale: float, *, impl: str = "ffi",
-               num_splits: int | None = None, narrow: bool | None = None) -> jax.Array:
+               num_splits: int | None = None) -> jax.Array:
     """Attention of the absorbed queries over the latent cache; see the module docstring.
 
     q_nope_absorbed [B, N, H, R] and q_pe [B, N, H, dr], latent_cache [B, S, R] and pe_cache [B, S, dr] (one dtype,
@@ -143,8 +117,7 @@ def mla_verify(q_nope_absorbed: jax.Array, q_pe: jax.Array, latent_cache: jax.Ar
     [B, N, N], scale a static float -> [B, N, H, R] in the queries' dtype.
 
     impl="ffi" runs the custom call (C++ on CPU, CUDA on GPU, the reference on other platforms); impl="xla" runs
-    `mla_verify_ref`. num_splits overrides `plan_splits` for the CUDA fast path (benchmarks); narrow picks its
-    kernel (`use_narrow`: None = the default rule). No host sync.
+    `mla_verify_ref`. num_splits overrides `plan_splits` for the CUDA fast path (benchmarks). No host sync.
     """
     b, n, h, r, dr, s = _check(q_nope_absorbed, q_pe, latent_cache, pe_cache, cache_lens, tree_mask, scale)
     if impl == "xla":
@@ -157,8 +130,7 @@ def mla_verify(q_nope_absorbed: jax.Array, q_pe: jax.Array, latent_cache: jax.Ar
     _registry.register()
     out = jax.ShapeDtypeStruct((b, n, h, r), q_nope_absorbed.dtype)
     fast = q_nope_absorbed.dtype == jnp.bfloat16 and r == FAST_RANK and dr == FAST_ROPE
-    thin = use_narrow(b, n, h, narrow)
-    splits = (num_splits or plan_splits(b, n, h, s, narrow=thin)) if fast else 1
+    splits = (num_splits or plan_splits(b, n, h, s)) if fast else 1
     rows = n * h if splits > 1 else 0
     scratch = [jax.ShapeDtypeStruct((b, splits, rows, r), jnp.float32),  # normalized partial outputs
                jax.ShapeDtypeStruct((b, splits, rows, 2), jnp.float32)]  # their (row max, row sum)
@@ -168,8 +140,7 @@ def mla_verify(q_nope_absorbed: jax.Array, q_pe: jax.Array, latent_cache: jax.Ar
         return jax.ffi.ffi_call("kdtree_mla_verify", out, vmap_method="sequential")(*args, **attrs)
 
     def cuda(*args):
-        return jax.ffi.ffi_call("kdtree_mla_verify", [out, *scratch], vmap_method="sequential")(
-            *args, **attrs, narrow=np.int32(thin))[0]
+        return jax.ffi.ffi_call("kdtree_mla_verify", [out, *scratch], vmap_method="sequential")(*args, **attrs)[0]
 
     def other(*args):
         return mla_verify_ref(*args, scale)
@@ -271,13 +242,12 @@ def combine_lse(*parts):
 
 
 def mla_prefix(q_lat: jax.Array, q_pe: jax.Array, latent: jax.Array, pe: jax.Array, visible: jax.Array,
-               scale: float, *, impl: str = "ffi", num_splits: int | None = None, narrow: bool | None = None):
+               scale: float, *, impl: str = "ffi", num_splits: int | None = None):
     """`prefix_attention_ref` on the CUDA fast path of the custom call where it applies (bf16, R = 512, dr = 64,
     S >= T; the tree mask all false, so only slots < visible count): the kernel runs with at least two key splits
     and its fp32 partials and (row max, row sum) stats are combined here into the output and the log-sum-exp.
     Elsewhere (CPU, other shapes, impl="xla") the pure-JAX reference. Used per device on a sequence-sharded
-    cache, where each device attends over its own block of slots. narrow: the fast path's kernel, as in
-    `mla_verify`."""
+    cache, where each device attends over its own block of slots."""
     b, t, h, r = (int(d) for d in q_lat.shape)
     dr, s = int(q_pe.shape[-1]), int(latent.shape[1])
     fast = impl == "ffi" and q_lat.dtype == jnp.bfloat16 and r == FAST_RANK and dr == FAST_ROPE and s >= t
@@ -285,8 +255,7 @@ def mla_prefix(q_lat: jax.Array, q_pe: jax.Array, latent: jax.Array, pe: jax.Arr
         return prefix_attention_ref(q_lat, q_pe, latent, pe, visible, scale)
     _check(q_lat, q_pe, latent, pe, visible, jnp.zeros((b, t, t), bool), scale)
     _registry.register()
-    thin = use_narrow(b, t, h, narrow)
-    splits = max(2, num_splits or plan_splits(b, t, h, s, narrow=thin))
+    splits = max(2, num_splits or plan_splits(b, t, h, s))
     m = t * h
     shapes = [jax.ShapeDtypeStruct((b, t, h, r), q_lat.dtype), jax.ShapeDtypeStruct((b, splits, m, r), jnp.float32),
               jax.ShapeDtypeStruct((b, splits, m, 2), jnp.float32)]
@@ -294,7 +263,7 @@ def mla_prefix(q_lat: jax.Array, q_pe: jax.Array, latent: jax.Array, pe: jax.Arr
     def cuda(q, qp, lat, pe_, vis):
         none = jnp.zeros((b, t, t), bool)
         _, part, stats = jax.ffi.ffi_call("kdtree_mla_verify", shapes, vmap_method="sequential")(
-            q, qp, lat, pe_, vis, none, scale=np.float32(scale), narrow=np.int32(thin))
+            q, qp, lat, pe_, vis, none, scale=np.float32(scale))
         peak2, rowsum = stats[..., 0], stats[..., 1]  # [B, splits, M]: log2-scaled row max, row sum
         top = jnp.max(jnp.where(rowsum > 0, peak2, -jnp.inf), axis=1)  # [B, M]
         top = jnp.where(jnp.isfinite(top), top, 0.0)
