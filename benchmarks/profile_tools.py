@@ -21,10 +21,26 @@ def _kernel_family(name: str) -> str:
     return re.sub(r"[._]\d+$", "", name.strip()) or "?"
 
 
-def parse_trace(path: str) -> dict:
+def chain_spans(events: list[tuple[str, float, float]], first: str, last: str) -> list[float]:
+    """µs from the start of each `first` kernel to the end of the next `last` kernel to start at or after it (events:
+    (family, start µs, duration µs) of every stream); a chain of kernels timed as one span, so that kernels launched
+    early that wait for the one before them (programmatic dependent launch) count once."""
+    events = sorted(events, key=lambda e: e[1])
+    spans = []
+    for i, (family, ts, _) in enumerate(events):
+        if family != first:
+            continue
+        end = next((t + d for f, t, d in events[i:] if f == last), None)
+        if end is not None:
+            spans.append(end - ts)
+    return spans
+
+
+def parse_trace(path: str, chain: tuple[str, str] | None = None) -> dict:
     """{"kernels": {family: [launches, total_us]}, "busy_us": sum of stream events, "span_us": first to last} of
     every event on the GPU streams of a perfetto trace (threads named "Stream ..." of a GPU process), and "host":
-    {name with digits as #: [events, total_us]} of the events of the other processes (XLA's thunks, launches)."""
+    {name with digits as #: [events, total_us]} of the events of the other processes (XLA's thunks, launches).
+    chain (first, last kernel family): "chain_us", the `chain_spans` of the trace."""
     with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -37,7 +53,7 @@ def parse_trace(path: str) -> dict:
     gpu = {pid for pid, n in procs.items() if "GPU" in n or "/device:" in n}
     kernels = collections.defaultdict(lambda: [0, 0.0])
     host = collections.defaultdict(lambda: [0, 0.0])
-    busy, t0, t1 = 0.0, None, None
+    busy, t0, t1, stream_events = 0.0, None, None, []
     for e in events:
         if e.get("ph") == "X" and e.get("pid") not in gpu:  # host threads: what the runtime did (thunks, launches)
             h = host[re.sub(r"\d+", "#", str(e.get("name", "?")))[:80]]
@@ -49,20 +65,25 @@ def parse_trace(path: str) -> dict:
         if not threads.get((e["pid"], e.get("tid")), "").startswith("Stream"):
             continue
         dur = float(e.get("dur", 0.0))
-        k = kernels[_kernel_family(e["name"])]
+        family = _kernel_family(e["name"])
+        stream_events.append((family, float(e["ts"]), dur))
+        k = kernels[family]
         k[0] += 1
         k[1] += dur
         busy += dur
         ts = float(e["ts"])
         t0 = ts if t0 is None else min(t0, ts)
         t1 = ts + dur if t1 is None else max(t1, ts + dur)
-    return {"kernels": dict(kernels), "host": dict(host), "busy_us": busy,
-            "span_us": (t1 - t0) if t0 is not None else 0.0}
+    out = {"kernels": dict(kernels), "host": dict(host), "busy_us": busy,
+           "span_us": (t1 - t0) if t0 is not None else 0.0}
+    if chain is not None:
+        out["chain_us"] = chain_spans(stream_events, *chain)
+    return out
 
 
-def profile_calls(fn, args, calls: int, logdir: str | None = None) -> dict:
+def profile_calls(fn, args, calls: int, logdir: str | None = None, chain: tuple[str, str] | None = None) -> dict:
     """Run fn(*args) `calls` times under the profiler (after one warm call) and parse the GPU streams' kernels.
-    Kernel totals are divided by `calls` (per call)."""
+    Kernel totals are divided by `calls` (per call); chain: as `parse_trace`'s (every span, not divided)."""
     import jax
 
     jax.block_until_ready(fn(*args))
@@ -74,7 +95,7 @@ def profile_calls(fn, args, calls: int, logdir: str | None = None) -> dict:
     paths = sorted(glob.glob(os.path.join(logdir, "**", "perfetto_trace.json*"), recursive=True))
     if not paths:
         raise RuntimeError(f"no perfetto trace under {logdir}")
-    res = parse_trace(paths[-1])
+    res = parse_trace(paths[-1], chain)
     res["kernels"] = {k: [n / calls, us / calls] for k, (n, us) in res["kernels"].items()}
     res["host"] = {k: [n / calls, us / calls] for k, (n, us) in res["host"].items()}
     res["busy_us"] /= calls

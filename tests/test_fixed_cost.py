@@ -13,7 +13,17 @@ def test_smoke_run_writes_every_case(tmp_path):
     fixed_cost.main(["--small", "--calls", "2", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "fixed_cost.json").read_text())
     names = [r["case"] for r in saved["rows"]]
-    assert len(names) == 5 and names[0].startswith("moe_route") and names[-1].startswith("control")
+    assert len(names) == 6 and names[0].startswith("moe_route") and names[-1].startswith("control")
     assert all(r["hot_wall_us"] > 0 and r["cold_wall_us"] > 0 for r in saved["rows"])
     table = (tmp_path / "fixed_cost.md").read_text()
     assert all(f"| {n} |" in table for n in names)
+
+
+def test_chain_spans_count_an_overlapped_chain_once():
+    """A chain whose later kernels start early (PDL) and wait: its span is first start to last end, once per chain;
+    a first kernel with no last one after it gives no span."""
+    from profile_tools import chain_spans
+
+    events = [("A", 0.0, 3.0), ("G", 1.0, 10.0), ("G", 2.0, 15.0), ("C", 4.0, 14.0), ("X", 20.0, 1.0),
+              ("A", 30.0, 3.0), ("G", 31.0, 5.0), ("C", 33.0, 6.0), ("A", 50.0, 2.0)]
+    assert chain_spans(events[::-1], "A", "C") == [18.0, 9.0]
