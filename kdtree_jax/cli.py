@@ -296,17 +296,20 @@ def _budget(text: str):
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
+def _integers(text: str, least: int, what: str, expected: str = "comma-separated integers") -> tuple[int, ...]:
+    """Comma-separated integers >= least (an argparse type's body: errors are ArgumentTypeError)."""
+    try:
+        values = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if any(v < least for v in values):
+        raise argparse.ArgumentTypeError(f"{what} must be >= {least}, got {text!r}")
+    return values
+
+
 def _warmup(text: str) -> tuple[int, ...] | str:
     """--warmup: 'all', or comma-separated prompt lengths >= 1."""
-    if text == "all":
-        return text
-    try:
-        lengths = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'all' or comma-separated integers, got {text!r}") from None
-    if any(n < 1 for n in lengths):
-        raise argparse.ArgumentTypeError(f"prompt lengths must be >= 1, got {text!r}")
-    return lengths
+    return text if text == "all" else _integers(text, 1, "prompt lengths", "'all' or comma-separated integers")
 
 
 def _model_dir(text: str) -> str:
@@ -332,12 +335,7 @@ def _utf8_text(text: str) -> str:
 
 def _tiers(text: str) -> tuple[int, ...]:
     """--tiers: comma-separated integers >= 0."""
-    try:
-        tiers = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if any(t < 0 for t in tiers):
-        raise argparse.ArgumentTypeError(f"tiers must be >= 0, got {text!r}")
+    tiers = _integers(text, 0, "tiers")
     twice = sorted({t for t in tiers if tiers.count(t) > 1})
     if twice:
         raise argparse.ArgumentTypeError(f"each tier once: {', '.join(map(str, twice))} given more than once in "
