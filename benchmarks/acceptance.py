@@ -40,7 +40,7 @@ def commit() -> str:
 
 
 # e.g. KDTREE_FFI_OPS=tree_build,tree_accept: those custom calls, the rest in pure JAX (with --kernels ffi)
-FFI_OPS = tuple(os.environ.get("KDTREE_FFI_OPS", ",".join(kj.config.FFI_OPS)).split(","))
+FFI_OPS = tuple(os.environ.get("KDTREE_FFI_OPS", ",".join(kj.config.DEFAULT_FFI_OPS)).split(","))
 
 
 def run(model, prompts, method, budget, new_tokens, kernels):

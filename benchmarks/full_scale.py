@@ -400,6 +400,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=8, help="GPUs of the mesh whose per-device program runs (default 8)")
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--kernels", default="ffi", choices=("ffi", "xla"))
+    ap.add_argument("--ffi-ops", default=None, metavar="OPS",
+                    help="with --kernels ffi, these custom calls (comma-separated; default: the config's, which "
+                         "leave out small_dot), e.g. all of them: " + ",".join(kj.config.FFI_OPS))
     ap.add_argument("--small", action="store_true", help="a tiny config (CPU smoke run)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget", type=float, default=1e9, help="stop starting new cells after this many seconds")
@@ -429,10 +432,13 @@ def main(argv=None) -> int:
     extra["comm_source"] = comm_source
     t0 = time.perf_counter()
     cfg, params = per_device_model(args.n, args.layers, args.small, args.kernels)
+    if args.ffi_ops:
+        cfg = dataclasses.replace(cfg, ffi_ops=tuple(o.strip() for o in args.ffi_ops.split(",") if o.strip()))
     init_s = time.perf_counter() - t0
     ceil = ceilings() if jax.default_backend() == "gpu" else {"copy_Bps": 50e9}
     meta = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), commit=args.commit,
-                kernels=args.kernels, n=args.n, layers=args.layers, params_gb=nbytes(params) / 1e9, init_s=init_s,
+                kernels=args.kernels, ffi_ops=list(cfg.ffi_ops), n=args.n, layers=args.layers,
+                params_gb=nbytes(params) / 1e9, init_s=init_s,
                 copy_Bps=ceil["copy_Bps"], xla_flags=os.environ.get("XLA_FLAGS", ""))
     print(f"params {meta['params_gb']:.1f} GB made in {init_s:.1f} s; copy {ceil['copy_Bps'] / 1e12:.2f} TB/s",
           flush=True)

@@ -9,7 +9,8 @@ the last one scaled by one column of the product (a dependence, fused into the n
   axis, contiguous per output row); "auto": W logically [K, N] in the device layout XLA picks for the program
   (jit with Format(Layout.AUTO), the weights put in the compiled program's input formats); backend "default"
   (XLA's choice: reduction fusions at M = 1, Triton GEMMs or cuBLAS above) or "cublas" (compiler option
-  xla_gpu_enable_triton_gemm=false).
+  xla_gpu_enable_triton_gemm=false); layout "ffi": the project's custom call `kernels.small_dot` on W [K, N] (M <=
+  64), launched as a programmatic dependent of the kernel before it, and "ffi_plain", the same launched plainly.
 Per dot: the wall time of the chain / L (queued calls, median), the bytes floor (weight + x + y at the copy
 bandwidth measured in the same run) and the ratio.
 
@@ -41,11 +42,21 @@ MS = (1, 10, 17, 65, 170)
 L2_BYTES = 50 * 2**20
 
 
+LAYOUTS = ("kn", "nk", "auto", "ffi", "ffi_plain")
+
+
 def chain(layout: str):
+    from kdtree_jax.kernels.small_dot import FLAG_PLAIN, small_dot
+
+    def dot(x, w):
+        if layout in ("ffi", "ffi_plain"):
+            return small_dot(x, w, flags=FLAG_PLAIN if layout == "ffi_plain" else 0)
+        return x @ w if layout == "kn" else jnp.einsum("mk,nk->mn", x, w)
+
     def f(x, ws):
         y = None
         for w in ws:
-            y = x @ w if layout == "kn" else jnp.einsum("mk,nk->mn", x, w)
+            y = dot(x, w)
             x = x * (1 + 1e-3 * y[:, :1]).astype(x.dtype)
         return y
     return f
@@ -130,6 +141,7 @@ def main(argv=None) -> int:
                     help="commit stamped on the results")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M, comma-separated")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="weights, comma-separated, of: " + ", ".join(SHAPES))
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="variants, comma-separated, of: " + ", ".join(LAYOUTS))
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: two dots a chain, default backend only")
     ap.add_argument("--replot", metavar="JSON", help="rewrite the report from saved numbers")
     args = ap.parse_args(argv)
@@ -142,6 +154,9 @@ def main(argv=None) -> int:
     unknown = [s for s in names if s not in SHAPES]
     if unknown:
         ap.error(f"unknown weights {unknown}; known: {', '.join(SHAPES)}")
+    layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
+    if set(layouts) - set(LAYOUTS):
+        ap.error(f"unknown layouts {sorted(set(layouts) - set(LAYOUTS))}; known: {', '.join(LAYOUTS)}")
     ms = [int(v) for v in args.ms.split(",")]
     gpu = jax.default_backend() == "gpu"
     bw = ceilings()["copy_Bps"] if not args.quick else 1e11
@@ -154,8 +169,10 @@ def main(argv=None) -> int:
     for name in names:
         k, n = SHAPES[name]
         for m in ms:
-            for layout in ("kn", "nk", "auto"):
-                for be in backends:
+            for layout in layouts:
+                if layout.startswith("ffi") and m > 64:  # the custom call's rows
+                    continue
+                for be in backends if not layout.startswith("ffi") else ("default",):
                     r = measure(name, k, n, m, layout, be, bw, args.quick)
                     rows.append(r)
                     print(f"{name:15s} M={m:4d} {layout}/{be:7s} {r['us']:8.2f} us  {r['x_floor']:5.2f}x floor  "

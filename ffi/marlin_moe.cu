@@ -77,6 +77,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda_common.cuh"
 #include "handler_checks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -99,31 +100,12 @@ constexpr int64_t kFlagFine = 64;       // tile path: 17-24 slots run as N = 24 
 constexpr int64_t kFlagPersist = 128;   // stream path: resident blocks loop over the used units (GemmKernel)
 
 // ------------------------------------------------------------------------------------------------------------------
-// Small helpers
+// Small helpers (the ones small_dot.cu uses too are in cuda_common.cuh)
 // ------------------------------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t SmemAddress(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
-// 16 bytes global -> shared, cached in L2 only (streamed weights); l2_256: ask L2 to fetch the whole 256-byte line.
-__device__ __forceinline__ void CopyAsync16Cg(uint32_t dst, const void* src, bool l2_256 = false) {
-  if (l2_256) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-  } else {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-  }
-}
 
 // 16 bytes global -> shared through L1; zero-filled (src not read) when !valid.
 __device__ __forceinline__ void CopyAsync16Ca(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-// 16 bytes global -> shared, L2 only; zero-filled (src not read) when !valid.
-__device__ __forceinline__ void CopyAsync16CgZ(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
 }
 
@@ -133,13 +115,6 @@ __device__ __forceinline__ void CopyAsync8(uint32_t dst, const void* src) {
 }
 __device__ __forceinline__ void CopyAsync4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void CopyCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void CopyWait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 // cp.async.wait_group with a run-time count (0..6; uniform over the block).
@@ -185,13 +160,7 @@ __device__ __forceinline__ void StoreShared16(uint32_t addr, uint4 v) {
                : "memory");
 }
 
-// Four (two) 8x8 b16 matrices from shared memory: lane i gives the address of row i % 8 of matrix i / 8.
-__device__ __forceinline__ void Ldsm4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
+// Two 8x8 b16 matrices (Ldsm4's first two), the other two registers 0.
 __device__ __forceinline__ void Ldsm2(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr)
                : "memory");
@@ -228,14 +197,6 @@ __device__ __forceinline__ void Mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// The same on 4 accumulators d[0..3] of a larger array.
-__device__ __forceinline__ void MmaAt(float* d, const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // D = A B (zero accumulators), the same tile shape.
 __device__ __forceinline__ void MmaZero(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                         uint32_t b0, uint32_t b1) {
@@ -264,11 +225,6 @@ __device__ __forceinline__ uint4 LoadGlobal16Cg(const void* ptr) {
                : "l"(ptr) : "memory");
   return v;
 }
-
-// Programmatic dependent launch (sm_90): wait until the kernel before this one on the stream has ended and its
-// writes are visible; let the kernel after this one start launching. Both do nothing without a PDL launch.
-__device__ __forceinline__ void GridDependencyWait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void LaunchDependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 __device__ __forceinline__ float Silu(float v) { return v / (1.0f + __expf(-v)); }
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from typing import Any
 
@@ -18,7 +17,10 @@ import jax
 DTYPES = ("float32", "bfloat16")
 EXPERT_FORMATS = ("bf16", "int4")
 KERNELS = ("xla", "ffi", "dense")
-FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route")
+FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "small_dot")
+# The custom calls kernels="ffi" runs unless ffi_ops names others: small_dot (the dense matmuls of a decode or verify
+# step) is opt-in until it has been measured on a GPU against XLA's dots.
+DEFAULT_FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route")
 CACHE_SHARDINGS = ("replicated", "sequence")
 
 
@@ -84,7 +86,7 @@ class ModelConfig:
     dtype: str = "bfloat16"
     expert_format: str = "int4"
     kernels: str = "xla"
-    ffi_ops: tuple[str, ...] = FFI_OPS  # with kernels="ffi": which custom calls to use (the rest: pure JAX)
+    ffi_ops: tuple[str, ...] = DEFAULT_FFI_OPS  # with kernels="ffi": which custom calls to use (the rest: pure JAX)
     group_size: int = 32  # INT4 quantization group along the input dimension
     # Under a mesh that splits the model: "replicated" (every device holds every row's whole latent cache; heads
     # split) or "sequence" (each device holds 1/N of every row's slots; attention partial per device, combined)

@@ -29,6 +29,7 @@ from .quant import Int4Array, quantize_int4
 from .kernels.marlin_moe import marlin_moe
 from .kernels.mla_verify import combine_lse, mask_softmax, mla_prefix, mla_verify, tree_attention_lse
 from .kernels.moe_route import moe_route
+from .kernels.small_dot import small_dot
 from .sharding import (ShardingError, checked_sharding, current_mesh, logical_to_spec, mla_head_parallel,
                        mla_sequence_parallel, moe_expert_parallel, replicated_call, sequence_sharded,
                        take_rows_sequence, trace_context, vocab_parallel_lookup, write_rows_sequence)
@@ -493,6 +494,21 @@ def chunk_attention(p: Attention, q_nope, q_pe, c_kv, k_pe, latent, pe, starts, 
     return combine_lse(prefix, own)[0]
 
 
+def dense_impl(cfg: ModelConfig) -> str:
+    """How the dense matmuls of the layers run: "ffi" (`kernels.small_dot`, where the config picks it and no mesh
+    splits the model: the custom call is not partitioned) or "xla" (XLA's dot)."""
+    return "ffi" if cfg.impl("small_dot") == "ffi" and current_mesh() is None else "xla"
+
+
+def _dot(x: jax.Array, w: jax.Array, impl: str, out_dtype=None) -> jax.Array:
+    """x [..., K] . w [K, ...] -> [..., *w.shape[1:]]: XLA's dot (impl "xla"; fp32 accumulation when out_dtype is
+    float32) or `kernels.small_dot` (impl "ffi", which takes the rows of a decode or verify step and runs XLA's
+    reference dot for the others)."""
+    if impl == "ffi":
+        return small_dot(x, w, out_dtype=out_dtype, impl="ffi")
+    return jnp.tensordot(x, w, axes=1, preferred_element_type=out_dtype)
+
+
 def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None, lengths=None, tree_mask=None):
     """Multi-head latent attention of x [B, T, D]. Returns (out [B, T, D], (latent, k_pe) for the cache).
 
@@ -505,11 +521,12 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
     dt, f32 = x.dtype, jnp.float32
     dn, scale = cfg.qk_nope_head_dim, softmax_scale(cfg)
     rq = cfg.q_lora_rank or 0
+    impl = dense_impl(cfg)
     with jax.named_scope("qkv_a"):
-        a = x @ p.qkv_a  # [B, T, Rq + R + dr]
+        a = _dot(x, p.qkv_a, impl)  # [B, T, Rq + R + dr]
     with jax.named_scope("q"):
         cq = rms_norm(a[..., :rq], p.q_a_norm, cfg.rms_norm_eps) if rq else x  # [B, T, Rq]
-        q = jnp.einsum("btq,qhk->bthk", cq, p.q_b)  # [B, T, H, dn + dr]
+        q = _dot(cq, p.q_b, impl)  # [B, T, H, dn + dr]
         q_nope, q_pe = q[..., :dn], apply_rope(q[..., dn:], cos, sin)
     with jax.named_scope("kv"):
         c_kv = rms_norm(a[..., rq:rq + cfg.kv_lora_rank], p.kv_a_norm, cfg.rms_norm_eps)  # [B, T, R]
@@ -550,13 +567,18 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
             o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(dt), p.v_b)  # [B, T, H, dv]
             new_cache = (latent, pe)
     with jax.named_scope("o"):
-        out = jnp.einsum("bthv,hvd->btd", o.astype(dt), p.o)
+        if impl == "ffi":  # heads and their values as one K
+            hv = p.o.shape[0] * p.o.shape[1]
+            out = _dot(o.astype(dt).reshape(*o.shape[:-2], hv), p.o.reshape(hv, -1), impl)
+        else:
+            out = jnp.einsum("bthv,hvd->btd", o.astype(dt), p.o)
     return out, new_cache
 
 
-def swiglu(p: MLP, x: jax.Array) -> jax.Array:
-    gu = jnp.einsum("...d,dgf->...gf", x, p.gate_up)  # [..., 2, F]
-    return (jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]) @ p.down
+def swiglu(p: MLP, x: jax.Array, impl: str = "xla") -> jax.Array:
+    """The gated MLP of x [..., D]; impl: how its two matmuls run (`dense_impl`)."""
+    gu = _dot(x, p.gate_up, impl)  # [..., 2, F]
+    return _dot(jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], p.down, impl)
 
 
 def route(p: MoE, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -567,7 +589,7 @@ def route(p: MoE, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]
     routed_scaling_factor; with n_group > 1, only the topk_group groups with the largest sum of their two best biased
     scores compete.
     """
-    logits = jnp.einsum("md,de->me", x, p.router, preferred_element_type=jnp.float32)  # [M, E]
+    logits = _dot(x, p.router, dense_impl(cfg), out_dtype=jnp.float32)  # [M, E]
     choose = partial(moe_route, k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
                      renormalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor, impl=cfg.impl("moe_route"))
     return replicated_call(choose, logits, p.router_bias.astype(jnp.float32))  # as the experts take the routing
@@ -595,7 +617,7 @@ def moe(p: MoE, x: jax.Array, cfg: ModelConfig, active: jax.Array | None = None)
                                        lambda gud, v: swiglu(MLP(*gud), v)).reshape(b, t, d)
         y = experts(flat, ids, w, p.we_gate, p.we_up, p.we_down)
     with jax.named_scope("shared_expert"):
-        y = y + swiglu(p.shared, flat)
+        y = y + swiglu(p.shared, flat, dense_impl(cfg))
     return y.reshape(b, t, d)
 
 
@@ -606,7 +628,7 @@ def _layer(h, lp: Layer, cos, sin, cfg: ModelConfig, mode: str, cache_layer, len
         h = h + a
     with jax.named_scope("ffn"):
         x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
-        h = h + (moe(lp.mlp, x, cfg, active) if isinstance(lp.mlp, MoE) else swiglu(lp.mlp, x))
+        h = h + (moe(lp.mlp, x, cfg, active) if isinstance(lp.mlp, MoE) else swiglu(lp.mlp, x, dense_impl(cfg)))
     return h, new_cache
 
 

@@ -14,7 +14,11 @@
 #                                                    # of the custom calls in a 3-layer step; FIXED=1, before the
 #                                                    # mode's steps: benchmarks/fixed_cost.py)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh tests   # the GPU tests of every custom call (the "done when"):
-#                                                    # marlin_moe, mla_verify, moe_route, tree kernels
+#                                                    # marlin_moe, mla_verify, moe_route, small_dot, tree kernels
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh small_dot  # small_dot's GPU tests; one device's dense dots alone,
+#                                                    # XLA's against the custom call (with and without PDL); then
+#                                                    # the full step of this build without and with small_dot
+#                                                    # (SD_CELLS), side by side, the XLA flags on both
 #
 # Environment: KDTREE_COMMIT stamps the results (default: git rev-parse --short HEAD); KDTREE_JAX_FFI_DIR = prebuilt
 # libraries of this build (else built here); CELLS, PROFILE = full_scale.py's --cells / --profile; SKIP_TESTS=1
@@ -47,10 +51,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | 
 . scripts/ffi_env.sh
 if [ "$MODE" = tests ]; then
   step all_tests 540 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_marlin_moe.py \
-    tests/test_mla_verify.py tests/test_moe_route.py tests/test_tree_kernels.py
+    tests/test_mla_verify.py tests/test_moe_route.py tests/test_small_dot.py tests/test_tree_kernels.py
   exit 0
 fi
-if [ -z "${SKIP_TESTS:-}" ]; then
+if [ -z "${SKIP_TESTS:-}" ] && [ "$MODE" = small_dot ]; then
+  step tests 120 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_small_dot.py
+elif [ -z "${SKIP_TESTS:-}" ]; then
   step tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_moe_route.py \
     tests/test_mla_verify.py
 fi
@@ -60,6 +66,17 @@ if [ -n "${FIXED:-}" ]; then  # each custom call's kernels hot and after an L2 f
 fi
 
 case $MODE in
+small_dot)
+  SD_CELLS=${SD_CELLS:-4096:1x1,4096:1x9,4096:1x17,4096:10x1}
+  step dots 150 env XLA_FLAGS="$FLAGS" python3 benchmarks/small_m_dots.py --out "$OUT/results/small_m_dots" \
+    --commit "$KDTREE_COMMIT" --layouts kn,nk,ffi,ffi_plain --ms 1,9,17,64 \
+    --shapes qkv_a,q_b,o,shared_gate_up,shared_down,router,dense_down
+  step base 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/base" \
+    --cells "$SD_CELLS" --profile 4096:1x1,4096:1x9 --repeats 3 --commit "$KDTREE_COMMIT"
+  step new 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/new" \
+    --cells "$SD_CELLS" --profile 4096:1x1,4096:1x9 --repeats 3 --commit "$KDTREE_COMMIT+small_dot" \
+    --ffi-ops tree_build,tree_accept,mla_verify,marlin_moe,moe_route,small_dot --base "$OUT/results/base/full_scale.json"
+  ;;
 probe)
   step new 230 "${BIG[@]}" python3 benchmarks/full_scale.py --out "$OUT/results/new" --cells "$CELLS" \
     --profile "$PROFILE" --repeats 3 --commit "$KDTREE_COMMIT"

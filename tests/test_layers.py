@@ -11,8 +11,8 @@ PACKAGE = ROOT / "kdtree_jax"
 # lowest first; a module may import from its own layer and every layer below
 LAYERS = [
     {"config", "configs", "corpus", "quant", "tokenizer", "validate", "xla_flags"},
-    {"kernels", "kernels._registry", "kernels.marlin_moe", "kernels.mla_verify", "kernels.moe_route", "kernels.tree_accept",
-     "kernels.tree_build", "distributed"},
+    {"kernels", "kernels._registry", "kernels.marlin_moe", "kernels.mla_verify", "kernels.moe_route",
+     "kernels.small_dot", "kernels.tree_accept", "kernels.tree_build", "distributed"},
     {"sharding"},
     {"model"},
     {"drafter"},

@@ -29,6 +29,7 @@ CPU_TARGETS = {
     "kdtree_mla_verify": "KdMlaVerifyCpu",
     "kdtree_marlin_moe": "KdMarlinMoeCpu",
     "kdtree_moe_route": "KdMoeRouteCpu",
+    "kdtree_small_dot": "KdSmallDotCpu",
 }
 CUDA_TARGETS = {
     "kdtree_tree_build": "KdTreeBuildCuda",
@@ -36,6 +37,7 @@ CUDA_TARGETS = {
     "kdtree_mla_verify": "KdMlaVerifyCuda",
     "kdtree_marlin_moe": "KdMarlinMoeCuda",
     "kdtree_moe_route": "KdMoeRouteCuda",
+    "kdtree_small_dot": "KdSmallDotCuda",
 }
 
 _cuda_error: str | None = None
