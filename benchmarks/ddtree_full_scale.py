@@ -573,6 +573,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=8, help="GPUs of the mesh whose per-device program runs (default 8)")
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--kernels", choices=("ffi", "xla"), help="default: ffi (xla with --small)")
+    ap.add_argument("--ffi-ops", default=None, metavar="OPS",
+                    help="with ffi kernels, these custom calls (comma-separated; default: the config's, which leave "
+                         "out small_dot), e.g. " + ",".join(kj.config.FFI_OPS))
     ap.add_argument("--small", action="store_true", help="a tiny config (CPU smoke run)")
     ap.add_argument("--cells", type=parse_cells, help="C or CxBUDGET, comma-separated (default: C = 1, 10 with every "
                     "budget of --budgets; --small: 1, 2); run budget by budget, each at every C given alone")
@@ -615,6 +618,8 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     cfg, params = per_device_model(args.n, args.layers, args.small, kernels)
+    if args.ffi_ops:
+        cfg = dataclasses.replace(cfg, ffi_ops=tuple(o.strip() for o in args.ffi_ops.split(",") if o.strip()))
     init_s = time.perf_counter() - t0
     sharded = make_drafter(cfg, args.small, args.n)
     copy_Bps = ceilings()["copy_Bps"] if jax.default_backend() == "gpu" else 50e9
@@ -622,7 +627,8 @@ def main(argv=None) -> int:
     meta = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind),
                 commit=args.commit or git_commit(), command=shlex.join(["python", "benchmarks/ddtree_full_scale.py",
                                                                         *(sys.argv[1:] if argv is None else argv)]),
-                kernels=kernels, n=args.n, layers=args.layers, small=args.small, params_gb=nbytes(params) / 1e9,
+                kernels=kernels, ffi_ops=list(cfg.ffi_ops), n=args.n, layers=args.layers, small=args.small,
+                params_gb=nbytes(params) / 1e9,
                 init_s=init_s, copy_Bps=copy_Bps, copy_measured=jax.default_backend() == "gpu",
                 xla_flags=os.environ.get("XLA_FLAGS", ""), context=context,
                 steps=args.steps, warmup=args.warmup, loop_repeats=args.loop_repeats, repeats=args.repeats,

@@ -26,6 +26,7 @@ import functools
 import json
 import logging
 import os
+import re
 import stat
 import sys
 import zipfile
@@ -54,6 +55,8 @@ CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 PARAMS_DIR = "params"
 DRAFTER_DIR = "drafter"
+DRAFTER_CONFIG_FILE = "drafter_config.json"  # in DRAFTER_DIR, with the weights in DRAFTER_PARAMS_FILE
+DRAFTER_PARAMS_FILE = "params.npz"
 TOP_ITEM = "top"
 TOP_FIELDS = ("embed", "final_norm", "lm_head")
 
@@ -79,6 +82,27 @@ def layer_item(i: int) -> str:
 def item_names(cfg: ModelConfig) -> list[str]:
     """Every item of a checkpoint of cfg, in the order the converter writes them."""
     return [TOP_ITEM] + [layer_item(i) for i in range(cfg.num_hidden_layers)]
+
+
+LAYER_ITEM_RE = re.compile(r"layer_\d{3,}")
+
+
+def check_layer_count(path: str, cfg: ModelConfig, manifest: dict) -> None:
+    """Raise CheckpointError when config.json's num_hidden_layers is not the number of decoder layers the checkpoint
+    at (absolute) path holds: the layer items its manifest lists (`converted.items`), or without that list the layer
+    items under params/. Checked before anything is built per layer: a config.json edited to say 10**9 layers would
+    otherwise have `load` and `kdtree-convert --verify` build 10**9 layer structures (unbounded time and memory)
+    before finding the first item missing."""
+    converted = manifest.get("converted")
+    items = converted.get("items") if isinstance(converted, dict) else None
+    where = "its manifest lists"
+    if not isinstance(items, list):
+        params = os.path.join(path, PARAMS_DIR)
+        items, where = (os.listdir(params) if os.path.isdir(params) else []), f"{params} has"
+    held = sum(1 for k in items if isinstance(k, str) and LAYER_ITEM_RE.fullmatch(k))
+    if cfg.num_hidden_layers != held:
+        raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)} says {cfg.num_hidden_layers} layers "
+                              f"(num_hidden_layers) but the checkpoint holds {held} ({where} {held} layer items)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -294,15 +318,18 @@ def _part_dirs(directory: str) -> list[str]:
 
 def save_drafter(directory: str, dcfg, params) -> None:
     """A drafter as directory/drafter_config.json + directory/params.npz (small enough to write in one go)."""
-    save_npz(os.path.join(directory, "params.npz"), params, compress=False)
-    with open(os.path.join(directory, "drafter_config.json"), "w") as f:
+    save_npz(os.path.join(directory, DRAFTER_PARAMS_FILE), params, compress=False)
+    with open(os.path.join(directory, DRAFTER_CONFIG_FILE), "w") as f:
         json.dump(dataclasses.asdict(dcfg), f, indent=1)
 
 
 def load_drafter(directory: str, mesh: jax.sharding.Mesh | None = None):
     """The Drafter saved by save_drafter (split over the mesh like the target when one is given: `drafter_shardings`),
-    every shape checked."""
-    config = os.path.join(directory, "drafter_config.json")
+    every shape checked. A CheckpointError names the drafter's directory when it or one of its two files is missing."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"the checkpoint's drafter {directory} is missing or not a directory")
+    config, weights = (os.path.join(directory, name) for name in (DRAFTER_CONFIG_FILE, DRAFTER_PARAMS_FILE))
+    _drafter_file(directory, config)
     raw = read_json(config)
     try:
         dcfg = DrafterConfig(**{**raw, "target_layer_ids": tuple(raw["target_layer_ids"])})
@@ -310,12 +337,22 @@ def load_drafter(directory: str, mesh: jax.sharding.Mesh | None = None):
                             is_leaf=lambda x: hasattr(x, "fan_in_axes"))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{config}: not a drafter config ({_one_line(e)})") from None
+    _drafter_file(directory, weights)
     try:
-        params = load_npz(os.path.join(directory, "params.npz"), like)
+        params = load_npz(weights, like)
     except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
         raise CheckpointError(f"drafter: {_one_line(e)}") from None
     drafter = Drafter(params=params, cfg=dcfg)
     return drafter if mesh is None else shard_drafter(drafter, mesh)
+
+
+def _drafter_file(directory: str, path: str) -> None:
+    """A CheckpointError naming the drafter when one of its files is missing (an empty drafter/ directory too)."""
+    if not os.path.lexists(path):
+        why = (f" (the directory is empty; a checkpoint without a drafter has no {DRAFTER_DIR}/ directory)"
+               if not os.listdir(directory) else "")
+        raise CheckpointError(f"the checkpoint's drafter {directory} is incomplete: {os.path.basename(path)} is "
+                              f"missing{why}")
 
 
 def sibling(path: str, suffix: str) -> str:
@@ -325,8 +362,12 @@ def sibling(path: str, suffix: str) -> str:
 
 
 def open_regular(path: str | os.PathLike, mode: str = "r"):
-    """open(path, mode) for reading, with a CheckpointError when path is not a regular file (a FIFO would block)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    """open(path, mode) for reading, with a CheckpointError when path is missing or is not a regular file (a FIFO
+    would block)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CheckpointError(f"{path} is not a regular file")
@@ -416,10 +457,12 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
         if not sums:
             raise CheckpointError(f"{path}: the manifest records no checksums (converted by an older kdtree-convert); "
                                   "convert it again, or load it with verify=False")
+    raw = read_json(os.path.join(path, CONFIG_FILE))  # a CheckpointError naming the file when missing or malformed
     try:
-        cfg = ModelConfig.from_dict(read_json(os.path.join(path, CONFIG_FILE)))
+        cfg = ModelConfig.from_dict(raw)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)}: {e}") from None
+    check_layer_count(path, cfg, manifest)  # before anything per layer is built
     check_same(f"the checkpoint {path} (its config and manifest) or the mesh",
                [cfg.to_dict(), manifest, None if mesh is None else dict(mesh.shape)])
     abstract = abstract_params(cfg)

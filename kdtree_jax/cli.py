@@ -18,8 +18,15 @@ from .xla_flags import apply_gpu_flags
 DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return'
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block): what every other error of the CLI looks like."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="kdtree-jax",
         description="Kimi K2.x inference with DDTree speculative decoding, in JAX.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -453,8 +460,10 @@ def _common(g: argparse.ArgumentParser, hosts: bool = True) -> None:
                    help="custom calls (ffi) or their pure-JAX references (xla). Default: the model's setting")
     g.add_argument("--ffi-ops", default=None, metavar="OPS",
                    help="with custom calls, only these (comma-separated, from tree_build, tree_accept, mla_verify, "
-                        "marlin_moe; the rest in pure JAX), e.g. 'tree_build,tree_accept' for a small fp32 model "
-                        "whose attention and experts are off the CUDA fast paths. Implies --kernels ffi")
+                        "marlin_moe, moe_route, small_dot; the rest in pure JAX), e.g. 'tree_build,tree_accept' for "
+                        "a small fp32 model whose attention and experts are off the CUDA fast paths. Default: all "
+                        "but small_dot (the dense matmuls at few rows: opt-in, not yet measured on a GPU). Implies "
+                        "--kernels ffi")
     if not hosts:
         return
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
@@ -659,6 +668,8 @@ def bench_command(args) -> int:
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in ("ar", "chain", "ddtree")]
+    if not methods:
+        raise ValueError("--methods: give at least one of ar, chain, ddtree")
     if bad:
         raise ValueError(f"--methods: unknown method(s) {bad}; choose from ar, chain, ddtree")
     if args.budgets is not None and "ddtree" not in methods:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -151,6 +152,13 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim must be even (rope rotates pairs), got {self.qk_rope_head_dim}")
+        # numbers the model divides by, takes logs or powers of: finite and > 0 (the mscales finite and >= 0)
+        for name in ("rope_theta", "rms_norm_eps", "routed_scaling_factor", "rope_factor", "rope_beta_fast",
+                     "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim"):
+            value, low = getattr(self, name), ">= 0" if "mscale" in name else "> 0"
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or (
+                    value < 0 if "mscale" in name else value <= 0):
+                raise ConfigError(f"{name} must be a finite number {low}, got {value!r}")
         if self.num_moe_layers:
             if self.n_routed_experts < 1 or not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
                 raise ConfigError(

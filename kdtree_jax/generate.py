@@ -133,13 +133,18 @@ def seed_key(seed: int) -> jax.Array:
     return jax.random.fold_in(key, seed >> 32) if seed >> 32 else key
 
 
-def forward(params: Params, cfg: ModelConfig, tokens, return_hidden: bool = False):
-    """Teacher-forced logits: tokens [B, T] (token ids in [0, vocab_size), at least one row of at least one token)
-    -> logits [B, T, V] float32 (`kdtree_jax.model.forward`), after the checks `generate` makes: cfg a ModelConfig,
-    params of its layout, the ids in the vocabulary. With `return_hidden`, returns (logits, hidden [L, B, T, D]) with
-    every decoder layer's output. Traced tokens (inside jit) are checked for shape only."""
+def forward(params: Params | Any, cfg: ModelConfig | None = None, tokens=None, return_hidden: bool = False):
+    """Teacher-forced logits: tokens [B, T] (token ids in [0, vocab_size), at least one row of at least one token,
+    T within the model's context) -> logits [B, T, V] float32 (`kdtree_jax.model.forward`), after the checks
+    `generate` makes: cfg a ModelConfig, params of its layout, the ids in the vocabulary. `forward(params, cfg,
+    tokens)` or `forward(model, tokens)` with a loaded model. With `return_hidden`, returns (logits, hidden [L, B, T,
+    D]) with every decoder layer's output. Traced tokens (inside jit) are checked for shape only."""
+    if hasattr(params, "params") and hasattr(params, "cfg"):
+        params, cfg, tokens, _ = _unpack(params, cfg, tokens, None)
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"forward(params, cfg, tokens) needs a ModelConfig as cfg, got {type(cfg).__name__}")
+    if tokens is None:
+        raise TypeError("forward needs tokens: forward(params, cfg, tokens) or forward(model, tokens)")
     check_params(params, cfg)
     validate.flag("return_hidden", return_hidden)
     if isinstance(tokens, jax.core.Tracer) or (isinstance(tokens, jax.Array) and not tokens.is_fully_addressable):
@@ -150,6 +155,9 @@ def forward(params: Params, cfg: ModelConfig, tokens, return_hidden: bool = Fals
         if len({len(r) for r in rows}) > 1:
             raise ValueError(f"tokens must be [B, T]: rows of one length, got lengths {[len(r) for r in rows]}")
         tokens = jnp.asarray(np.stack(rows)) if not isinstance(tokens, jax.Array) else tokens
+    if tokens.shape[1] > cfg.max_position_embeddings:
+        raise ValueError(f"tokens: {tokens.shape[1]} positions exceed the model's context of "
+                         f"{cfg.max_position_embeddings} (max_position_embeddings)")
     return model_forward(params, cfg, tokens, return_hidden=return_hidden)
 
 

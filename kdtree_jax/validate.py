@@ -39,6 +39,12 @@ def is_integer(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def shown(value, limit: int = 60) -> str:
+    """repr(value) for a message, cut to `limit` characters (a request's 5 MB field is not sent back whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _is_real(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
@@ -55,14 +61,14 @@ def integer(name: str, value, low: int | None = None, high: int | None = None, *
             need = f"an integer >= {_bound(low)}"
         else:
             need = "an integer" + (f" < {_bound(high)}" if high is not None else "")
-        raise ArgumentError(name, f"{name} must be {'None or ' if optional else ''}{need}, got {value!r}")
+        raise ArgumentError(name, f"{name} must be {'None or ' if optional else ''}{need}, got {shown(value)}")
     return int(value)
 
 
 def flag(name: str, value) -> bool:
     """value as a bool: True or False only (not 0, 1 or "yes")."""
     if not isinstance(value, (bool, np.bool_)):
-        raise ArgumentError(name, f"{name} must be true or false, got {value!r}")
+        raise ArgumentError(name, f"{name} must be true or false, got {shown(value)}")
     return bool(value)
 
 
@@ -70,9 +76,9 @@ def temperature(value, name: str = "temperature") -> float:
     """A sampling temperature: a finite number >= 0 (0: greedy), inside float32's normal range when it is not 0
     (sampling divides float32 logits by it)."""
     if not _is_real(value) or not math.isfinite(value) or value < 0:
-        raise ArgumentError(name, f"{name} must be a finite number >= 0, got {value!r}")
+        raise ArgumentError(name, f"{name} must be a finite number >= 0, got {shown(value)}")
     if 0 < value < FLOAT32_TINY or value > FLOAT32_MAX:
-        raise ArgumentError(name, f"{name} {value!r} is outside float32's normal range [{FLOAT32_TINY:.4g}, "
+        raise ArgumentError(name, f"{name} {shown(value)} is outside float32's normal range [{FLOAT32_TINY:.4g}, "
                                   f"{FLOAT32_MAX:.4g}] (it would round to 0 or inf); use 0 for greedy decoding")
     return float(value)
 
@@ -88,9 +94,9 @@ def top_p(value, name: str = "top_p") -> float | None:
     if value is None:
         return None
     if not _is_real(value) or not 0 < value <= 1:
-        raise ArgumentError(name, f"{name} must be None or a number in (0, 1], got {value!r}")
+        raise ArgumentError(name, f"{name} must be None or a number in (0, 1], got {shown(value)}")
     if value < FLOAT32_TINY:
-        raise ArgumentError(name, f"{name} {value!r} is below float32's normal range (>= {FLOAT32_TINY:.4g}): it "
+        raise ArgumentError(name, f"{name} {shown(value)} is below float32's normal range (>= {FLOAT32_TINY:.4g}): it "
                                   "would round to 0")
     return None if value == 1 else float(value)
 
@@ -105,7 +111,8 @@ def token_id(name: str, value, vocab_size: int, *, optional: bool = False) -> in
     if value is None and optional:
         return None
     if not is_integer(value):
-        raise ArgumentError(name, f"{name} must be {'None or ' if optional else ''}an integer token id, got {value!r}")
+        raise ArgumentError(name, f"{name} must be {'None or ' if optional else ''}an integer token id, got "
+                                  f"{shown(value)}")
     if not 0 <= value < vocab_size:
         raise ArgumentError(name, f"{name} {value} is outside the vocabulary [0, {vocab_size})")
     return int(value)
@@ -116,8 +123,11 @@ ENCODE_HINT = "encode text with the model's tokenizer first (model.tokenizer.enc
 
 def _ids(what: str, name: str, r, vocab_size: int) -> np.ndarray:
     """One token-id sequence `r` as int32, `what` naming it in messages ("prompt", "prompts: prompt 2")."""
-    if isinstance(r, (str, bytes)):
-        raise ArgumentError(name, f"{what} is text, not token ids: {ENCODE_HINT}")
+    if isinstance(r, (str, bytes, bytearray, memoryview)):
+        raise ArgumentError(name, f"{what} is {'text' if isinstance(r, (str, bytes)) else 'bytes'}, not token ids: "
+                                  f"{ENCODE_HINT}")
+    if isinstance(r, Sequence) and any(isinstance(x, (bool, np.bool_)) for x in r):
+        raise TypeError(f"{what} holds booleans, not token ids")
     try:
         a = np.asarray(r)
     except ValueError:  # ragged nesting

@@ -35,6 +35,10 @@ def tiny():
     ([[1, 2**64 - 1]], ValueError, "token id 18446744073709551615 outside the vocabulary"),  # "got dtype float64"
     ([1, 2, 3], ValueError, "wrap a single row in"),
     (np.zeros((2, 3, 4), np.int32), ValueError, r"\[B, T\]"),
+    ([[1, True, 3]], TypeError, "row 0 holds booleans"),  # numpy made the bool an id 1
+    ([bytearray(b"abc")], ValueError, "row 0 is bytes, not token ids"),  # bytearray and memoryview were taken as ids
+    ([memoryview(b"abc")], ValueError, "row 0 is bytes, not token ids"),
+    ([[1] * 2049], ValueError, "2049 positions exceed the model's context of 2048"),  # logits past the context
 ])
 def test_forward_checks_its_ids_as_generate_does(tiny, tokens, error, match):
     cfg, params, _ = tiny
@@ -209,3 +213,32 @@ def test_numpy_integers_are_integers_for_budget_max_budget_and_the_engine(tiny):
     with Engine(params, cfg, max_batch=np.int64(1), max_context=np.int64(64), chunk_steps=np.int32(2)) as engine:
         assert (engine.max_batch, engine.max_context, engine.chunk_steps) == (1, 64, 2)
         assert type(engine.max_context) is int
+
+
+def test_forward_takes_a_loaded_model_and_generate_refuses_booleans_in_a_row():
+    model = kj.load("builtin")
+    ids = model.tokenizer.encode("def f(")
+    np.testing.assert_array_equal(kj.forward(model, [ids]), kj.forward(model.params, model.cfg, [ids]))
+    with pytest.raises(TypeError, match="forward needs tokens"):
+        kj.forward(model.params, model.cfg)
+    with pytest.raises(TypeError, match="prompt 0 holds booleans"):
+        kj.generate(model, [[ids[0], True] + ids[2:]], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("field, value", [("rope_theta", float("nan")), ("rope_theta", -1.0), ("rope_factor", 0.0),
+                                          ("rms_norm_eps", -1.0), ("routed_scaling_factor", float("nan")),
+                                          ("rope_beta_fast", float("inf")), ("rope_mscale", -0.5)])
+def test_config_numbers_the_model_divides_by_or_takes_logs_of_are_checked(field, value):
+    """They passed every check and failed later, inside JAX (NaN to integer, a math domain error) or as NaN logits."""
+    with pytest.raises(kj.config.ConfigError, match=f"{field} must be a finite number"):
+        kj.configs.tiny(**{field: value})
+
+
+def test_argparse_errors_are_one_line_and_an_empty_method_list_is_refused():
+    for argv, match in [(["generate", "--max-new-tokens", "abc"], "kdtree-jax generate: error: argument "
+                         "--max-new-tokens: invalid int value: 'abc' (see kdtree-jax generate --help)"),
+                        (["bench", "--methods", ""], "kdtree-jax: error: --methods: give at least one of")]:
+        r = subprocess.run([sys.executable, "-m", "kdtree_jax.cli", *argv], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [match] if "abc" in argv else \
+            r.returncode != 0 and r.stderr.strip().startswith(match), r.stderr

@@ -464,7 +464,7 @@ def write_config(src: str, text: str) -> None:
 @pytest.mark.parametrize("case, message", [
     ("malformed_config", "not valid JSON"),
     ("list_config", "expected a JSON object, found a JSON list"),
-    ("config_value_types", "unexpected content"),
+    ("config_value_types", "config field 'quantization_config' must be an object, got 'fp8'"),
     ("out_parent_is_a_file", "file is not a directory"),
     ("read_only", "Read-only file system"),
 ])
@@ -502,6 +502,187 @@ def test_verify_takes_no_other_arguments(capsys):
     with pytest.raises(SystemExit):
         conv.main(["a", "b", "--verify", "c"])
     assert "--verify CKPT takes no SRC_DIR" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hostile files: counts, types and paths that the files themselves set
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def edit_json(path, **changes) -> None:
+    path = pathlib.Path(path)
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+# Caps the address space at 4 GiB, then runs argv[1:] (in the child itself: a preexec_fn would fork the threaded
+# test process)
+CAPPED = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_AS, (4 << 30,) * 2); os.execv(sys.argv[1], " \
+         "sys.argv[1:])"
+
+
+def limited(cmd: list[str], timeout: float = 60):
+    """cmd in a subprocess on CPU JAX, its address space capped at 4 GiB (a runaway allocation fails instead of
+    taking the machine's memory) and its time at `timeout` (a hang fails the test instead of stalling it)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    try:
+        return subprocess.run([sys.executable, "-c", CAPPED, *cmd], capture_output=True, text=True, timeout=timeout,
+                              env=env, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{cmd[1:4]} still ran after {timeout} s (a hang)")
+
+
+def one_error_line(proc, prog: str, status: int) -> str:
+    """The single `prog: error: ...` line a failing command prints (and nothing else, no traceback)."""
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == status and len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert err[0].startswith(f"{prog}: error: "), err
+    return err[0]
+
+
+CONVERT = [sys.executable, "-m", "kdtree_converters.convert"]
+GENERATE = [sys.executable, "-m", "kdtree_jax.cli", "generate", "--prompt", "x", "--max-new-tokens", "2", "--model"]
+# kj.load, kdtree-convert --verify and a conversion's dry run, timed inside one process (imports excluded)
+TIMED = """
+import sys, time
+import kdtree_jax as kj
+from kdtree_converters import convert as conv
+from kdtree_jax.checkpoint import CheckpointError
+from kdtree_jax.config import ConfigError
+for name, call in (("load", lambda: kj.load(sys.argv[1])), ("verify", lambda: conv.verify(sys.argv[1])),
+                   ("convert", lambda: conv.convert(sys.argv[2], sys.argv[3], dry_run=True, progress=False))):
+    t0 = time.perf_counter()
+    try:
+        call()
+        print(name, "returned")
+    except (CheckpointError, ConfigError) as e:
+        print(name, f"{time.perf_counter() - t0:.3f}", e)
+"""
+
+
+@pytest.mark.parametrize("command", ["verify", "generate", "convert"])
+def test_a_config_of_a_billion_layers_fails_at_once(source, tmp_path, command):
+    """num_hidden_layers edited to 10**9 in a checkpoint's (or a source's) config.json: one line naming the file
+    and both counts, found by comparing with the manifest's items (the source's tensor names) before anything is
+    built per layer. Before, each command built 10**9 layer structures: no end, memory without bound."""
+    if command == "convert":
+        src = copy_source(source[0], tmp_path / "hf")
+        edit_json(os.path.join(src, "config.json"), num_hidden_layers=10**9)
+        out = str(tmp_path / "out")
+        line = one_error_line(limited([*CONVERT, src, out]), "kdtree-convert", 1)
+        assert "config.json says num_hidden_layers=1000000000, but the safetensors hold weights of 3 layer(s) " \
+               "(0..2)" in line, line
+        assert sorted(os.listdir(tmp_path)) == ["hf"]
+        return
+    bad = str(tmp_path / "bad")
+    shutil.copytree(source[1], bad)
+    edit_json(os.path.join(bad, "config.json"), num_hidden_layers=10**9)
+    cmd, prog, status = ([*CONVERT, "--verify", bad], "kdtree-convert", 1) if command == "verify" else \
+        ([*GENERATE, bad], "kdtree-jax", 2)
+    line = one_error_line(limited(cmd), prog, status)
+    assert f"{bad}/config.json says 1000000000 layers (num_hidden_layers) but the checkpoint holds 3 " in line, line
+
+
+def test_a_billion_layers_is_refused_in_well_under_a_second(source, tmp_path):
+    """The API: kj.load, verify and convert raise at once (timed in the process, without its imports), and a
+    num_nextn_predict_layers of 10**9 (multi-token-prediction layers, looked up from the tensor names) costs
+    nothing: that dry run succeeds."""
+    bad, src = str(tmp_path / "bad"), copy_source(source[0], tmp_path / "hf")
+    shutil.copytree(source[1], bad)
+    edit_json(os.path.join(bad, "config.json"), num_hidden_layers=10**9)
+    edit_json(os.path.join(src, "config.json"), num_hidden_layers=10**9)
+    proc = limited([sys.executable, "-c", TIMED, bad, src, str(tmp_path / "out")])
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and len(lines) == 3, proc.stdout + proc.stderr[-3000:]
+    for line, name in zip(lines, ("load", "verify", "convert")):
+        what, seconds, message = line.split(" ", 2)
+        assert what == name and float(seconds) < 1.0 and "1000000000" in message, line
+    edit_json(os.path.join(src, "config.json"), num_hidden_layers=3, num_nextn_predict_layers=10**9)
+    proc = limited([*CONVERT, src, str(tmp_path / "out"), "--dry-run"], timeout=30)
+    assert proc.returncode == 0 and "nothing was written" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_source_config_of_a_billion_experts_fails_at_once(source, tmp_path):
+    """n_routed_experts of 10**9 in a source's config.json: each layer's experts are compared with the count without
+    building the list 0..10**9-1 (which took 8 GB and minutes)."""
+    src = copy_source(source[0], tmp_path / "hf")
+    edit_json(os.path.join(src, "config.json"), n_routed_experts=10**9)
+    line = one_error_line(limited([*CONVERT, src, str(tmp_path / "out")], timeout=30), "kdtree-convert", 1)
+    assert "config.json says n_routed_experts=1000000000 and first_k_dense_replace=1, but layer 1 has routed " \
+           "experts 0..15" in line, line
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("vocab_size", "264", "config field 'vocab_size' must be int, got '264'"),
+    ("num_hidden_layers", "3", "config field 'num_hidden_layers' must be int, got '3'"),
+    ("rope_parameters", [1], "config field 'rope_parameters' must be an object, got [1]"),
+    ("rope_parameters", {"rope_type": "yarn", "factor": "32", "original_max_position_embeddings": 32},
+     "config field 'rope_parameters.factor' must be float, got '32'"),
+    ("q_lora_rank", 4.5, "config field 'q_lora_rank' must be int | None, got 4.5"),
+    ("text_config", {"vocab_size": True}, "config field 'text_config.vocab_size' must be int, got True"),
+    ("text_config", [], "config field 'text_config' must be an object, got []"),
+])
+def test_a_source_config_value_of_the_wrong_type_is_named(source, tmp_path, key, value, message):
+    """A Hugging Face config.json with a value of the wrong JSON type: kdtree-convert names the file and the field,
+    as kj.load does for a converted checkpoint's config (`config field 'vocab_size' must be int, got '264'`), not the
+    comparison that failed inside ModelConfig."""
+    src = copy_source(source[0], tmp_path / "hf")
+    config = pathlib.Path(src, "config.json")
+    if isinstance(value, dict) and key == "text_config":  # the K2.5 / K2.6 wrapper, one value of the wrong type
+        value = {**json.loads(config.read_text()), **value}
+    if key == "text_config":
+        config.write_text(json.dumps({"model_type": "kimi_k25", "text_config": value}))
+    else:
+        edit_json(config, **{key: value})
+    line = one_error_line(limited([*CONVERT, src, str(tmp_path / "out")]), "kdtree-convert", 1)
+    assert line == f"kdtree-convert: error: {src}/config.json: {message}", line
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+@pytest.mark.parametrize("contents", ["empty", "config_only"])
+def test_an_incomplete_drafter_directory_is_named(source, tmp_path, contents):
+    """drafter/ in a checkpoint without its files: kdtree-convert --verify, kdtree-jax generate and kj.load name the
+    checkpoint's drafter and the file it lacks (not a bare '[Errno 2] No such file or directory')."""
+    bad = tmp_path / "bad"
+    shutil.copytree(source[1], bad)
+    drafter = bad / "drafter"
+    drafter.mkdir()
+    if contents == "empty":
+        missing = "drafter_config.json is missing (the directory is empty; a checkpoint without a drafter has no " \
+                  "drafter/ directory)"
+    else:  # a valid config of a drafter for this target, without its weights
+        (drafter / "drafter_config.json").write_text(json.dumps(
+            {"num_layers": 1, "block_size": 4, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 4, "head_dim": 16,
+             "intermediate_size": 128, "target_layer_ids": [1], "mask_token_id": 3, "vocab_size": 264,
+             "target_num_layers": 3, "dtype": "float32"}))
+        missing = "params.npz is missing"
+    want = f"the checkpoint's drafter {drafter} is incomplete: {missing}"
+    with pytest.raises(CheckpointError) as e:
+        kj.load(str(bad))
+    assert str(e.value) == want
+    for cmd, prog, status in (([*CONVERT, "--verify", str(bad)], "kdtree-convert", 1),
+                              ([*GENERATE, str(bad)], "kdtree-jax", 2)):
+        assert one_error_line(limited(cmd), prog, status) == f"{prog}: error: {want}"
+
+
+@pytest.mark.parametrize("entry", ["../outside/model.safetensors", "absolute", "outside/../../outside/x", ".."])
+def test_index_entries_outside_the_source_are_refused(source, tmp_path, entry):
+    """model.safetensors.index.json's weight_map names shard files of the source directory: a path that leaves it
+    (or an absolute one) is refused, naming the index and the entry, before that file is opened. Before, any file
+    it named was opened and parsed as a safetensors file (here a valid one, whose tensors were read from its
+    header; /etc/passwd gave 'corrupt safetensors header')."""
+    src = copy_source(source[0], tmp_path / "hf")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.rename(os.path.join(src, "model.safetensors"), outside / "model.safetensors")
+    target = str(outside / "model.safetensors") if entry == "absolute" else entry
+    names = sorted(conv.read_header(str(outside / "model.safetensors")))
+    with open(os.path.join(src, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": dict.fromkeys(names, target)}, f)
+    line = one_error_line(limited([*CONVERT, src, str(tmp_path / "out"), "--dry-run"]), "kdtree-convert", 1)
+    assert line == (f"kdtree-convert: error: {src}/model.safetensors.index.json: weight_map entry {names[0]!r} "
+                    f"names {target!r}, which is not a file name in {src} (shards are read from the source "
+                    "directory only)"), line
+    assert sorted(os.listdir(tmp_path)) == ["hf", "outside"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

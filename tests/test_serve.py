@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -26,7 +27,7 @@ httpx = pytest.importorskip("httpx")
 
 import kdtree_jax as kj  # noqa: E402
 from kdtree_jax.serving.engine import Engine, Event  # noqa: E402
-from kdtree_jax.serving.serve import BackgroundServer, TextStream, create_app  # noqa: E402
+from kdtree_jax.serving.serve import BackgroundServer, StopPrefix, TextStream, create_app  # noqa: E402
 
 ROOT = pathlib.Path(__file__).parent.parent
 BUDGET, SLOTS, CONTEXT, QUEUE = 8, 4, 256, 10  # the queue holds the concurrent test's 13 requests less the slots
@@ -197,6 +198,10 @@ BAD = [
     (dict(model="builtin", prompt="x" * CONTEXT), "prompt"),  # no room and no max_tokens given: was max_tokens
     # echo's prompt log-probabilities past the server's context: was a 200 (a forward the server was not sized for)
     (dict(model="builtin", prompt="x" * (CONTEXT + 1), echo=True, logprobs=0, max_tokens=0), "prompt"),
+    # echo with max_tokens 0 and no logprobs: the prompt was not checked at all (a 200 with any ids, any length)
+    (dict(model="builtin", prompt=[1, 2, 100000], echo=True, max_tokens=0), "prompt"),
+    (dict(model="builtin", prompt="x" * (CONTEXT + 1), echo=True, max_tokens=0), "prompt"),
+    (dict(model="builtin", prompt="x" * (CONTEXT + 8), max_tokens=4), "prompt"),  # the prompt alone: was max_tokens
 ]
 
 
@@ -224,6 +229,7 @@ def test_chat_conflicts_unknown_routes_and_fields_that_ask_for_nothing(served):
     with httpx.Client(base_url=served["url"], timeout=300) as http:
         for body, param in [(dict(chat, messages=[{"role": "user", "content": "a\ud800"}]), "messages"),
                             (dict(chat, max_tokens=4, max_completion_tokens=8), "max_tokens"),
+                            (dict(chat, max_tokens=4.0, max_completion_tokens=4), "max_tokens"),  # was a 200
                             (dict(chat, messages=[{"role": "user", "content": "x" * CONTEXT}]), "messages")]:
             r = http.post("/v1/chat/completions", content=json.dumps(body),
                           headers={"Content-Type": "application/json"})
@@ -509,6 +515,97 @@ def test_cli_keeps_compiled_programs_across_runs(tmp_path):
     argv = [sys.executable, "-m", "kdtree_jax.cli", "generate", "--max-new-tokens", "4", "--prompt", "x"]
     subprocess.run(argv, env=env, check=True, capture_output=True, timeout=300)
     assert any((tmp_path / "cache").iterdir())
+
+
+def test_stop_prefix_is_the_longest_held_end_and_grows_lazily():
+    """StopPrefix.held(text) = the largest k < len(s) with text ending in s[:k] (against the definition, on random
+    strings over two letters, where borders abound); a 10**6-character stop string costs nothing up front and its
+    failure table grows only as far as a text matched it."""
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        s = "".join(rng.choice(list("ab"), int(rng.integers(1, 9))))
+        text = "".join(rng.choice(list("ab"), int(rng.integers(0, 12))))
+        want = max((k for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        assert StopPrefix(s).held(text) == want, (s, text)
+    long = StopPrefix("Z" * 10**6)
+    assert long.held("abc" * 1000) == 0 and len(long.fail) == 1
+    assert long.held("xZZZ") == 3 and len(long.fail) <= 4
+
+
+def test_a_long_stop_string_does_not_stall_the_server_and_usage_counts_to_the_stop(served, solo, model):
+    """A 1 MB stop string took ~12 s of the event loop per streamed chunk (the held prefix was found in quadratic
+    time); completion_tokens counted the tokens generated after a stop string."""
+    prompt = PROMPTS[0]
+    body = dict(model="builtin", prompt=prompt, max_tokens=8, temperature=0, stop=["Z" * 10**6])
+    with httpx.Client(base_url=served["url"], timeout=120) as http:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.elapsed.total_seconds() < 30, r.elapsed
+        tokens = solo(prompt, 30)
+        text = model.tokenizer.decode(tokens)
+        stop = text[3:5]  # a stop string a few tokens in
+        first = next(k for k in range(1, len(tokens) + 1) if stop in model.tokenizer.decode(tokens[:k]))
+        r = http.post("/v1/completions", json=dict(body, max_tokens=30, stop=[stop])).json()
+        assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["text"] == text[:text.find(stop)]
+        assert r["usage"]["completion_tokens"] == first < 30
+
+
+def test_a_whole_answer_whose_client_left_frees_its_slot(served):
+    """A non-streamed request went on decoding to max_tokens after its client hung up (only streams were
+    cancelled)."""
+    engine = served["engine"]
+    assert engine.wait_idle(timeout=120)
+    before = engine.snapshot()
+    body = json.dumps(dict(model="builtin", prompt=PROMPTS[3], max_tokens=200, temperature=0, ignore_eos=True))
+    host, port = served["url"].removeprefix("http://").split(":")
+    import socket
+    import time
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.monotonic() + 60
+        while engine.snapshot()["generated_tokens"] == before["generated_tokens"] and time.monotonic() < deadline:
+            time.sleep(0.02)  # decoding: hang up
+    assert engine.wait_idle(timeout=120)
+    after = engine.snapshot()
+    assert after["finished_cancelled"] == before["finished_cancelled"] + 1
+    assert after["generated_tokens"] - before["generated_tokens"] < 200
+    assert (after["active_slots"], after["queue_depth"]) == (0, 0)
+
+
+def test_only_the_documented_routes_and_short_errors(served):
+    """FastAPI's /docs, /redoc and /openapi.json are not served, a trailing slash is an unknown path (was a bare 307),
+    HEAD /health answers, and a 400 does not send back a huge field whole."""
+    with httpx.Client(base_url=served["url"], timeout=60) as http:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            r = http.get(path)
+            assert r.status_code == 404 and "the routes:" in r.json()["error"]["message"], path
+        r = http.post("/v1/completions/", json=dict(model="builtin", prompt="x", max_tokens=2))
+        assert r.status_code == 404 and "the routes:" in r.json()["error"]["message"]
+        assert http.head("/health").status_code == 200 and http.head("/v1/models").status_code == 200
+        r = http.post("/v1/completions", json=dict(model="A" * 100_000, prompt="x"))
+        assert r.status_code == 400 and len(r.content) < 1000 and "100002 characters" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json=dict(model="builtin", prompt="x", max_tokens="9" * 100_000))
+        assert r.status_code == 400 and len(r.content) < 1000
+
+
+def test_a_body_that_does_not_arrive_gets_408(model, served):
+    """A client that declares a body and sends part of it held its connection and a task forever (slowloris)."""
+    import socket
+    server = BackgroundServer(create_app(served["engine"], model.tokenizer, "builtin", body_timeout=0.5))
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\": ")
+            reply = b""
+            while b"within" not in reply and (part := sock.recv(4096)):  # the headers and the body may come apart
+                reply += part
+            reply = reply.decode()
+        assert reply.startswith("HTTP/1.1 408") and "did not arrive within 0.5 s" in reply, reply
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="body_timeout"):
+        create_app(served["engine"], model.tokenizer, "builtin", body_timeout=float("nan"))
 
 
 def test_load_then_shutdown_leaves_nothing_behind(served):

@@ -48,7 +48,7 @@ from kdtree_jax.config import ConfigError, ModelConfig
 from kdtree_jax.model import abstract_params
 from kdtree_jax.tokenizer import TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE, load_tokenizer
 
-from .hf import drafter_config_from_hf, drafter_from_hf, layer_from_hf, top_from_hf
+from .hf import check_hf_config, drafter_config_from_hf, drafter_from_hf, layer_from_hf, top_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = (TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "chat_template.jinja")
@@ -205,17 +205,23 @@ class Source:
         if not os.path.exists(config_path):
             raise ConfigError(f"no config.json in {self.dir}")
         self.config = ckpt.read_json(config_path)
+        try:
+            check_hf_config(self.config)  # before anything reads a value: one of the wrong type is named
+        except ConfigError as e:
+            raise ConfigError(f"{config_path}: {e}") from None
         with config_errors(config_path):
             text = self.config.get("text_config", self.config)
             self.quant = parse_quantization(text.get("quantization_config") or self.config.get("quantization_config"))
-            n, n_mtp = int(text.get("num_hidden_layers") or 0), int(text.get("num_nextn_predict_layers") or 0)
+            n, n_mtp = text.get("num_hidden_layers") or 0, text.get("num_nextn_predict_layers") or 0
         self.files = self._find_files()
         everything = self._read_headers()
         self.num_tensors = len(everything)
         self.prefix = LM_PREFIX if any(n.startswith(LM_PREFIX) for n in everything) else ""
-        # DeepSeek-V3's multi-token-prediction modules are extra layers after the last one, with an eh_proj
-        mtp = {f"model.layers.{i}." for i in range(n, n + n_mtp) if f"{self.prefix}model.layers.{i}.eh_proj.weight"
-               in everything}
+        # DeepSeek-V3's multi-token-prediction modules are extra layers after the last one, with an eh_proj (found
+        # from the tensor names: nothing here is sized by the config's counts)
+        mtp = {f"model.layers.{m[1]}." for name in everything if name.startswith(self.prefix)
+               and (m := LAYER_RE.fullmatch(name[len(self.prefix):])) and m[2] == "eh_proj.weight"
+               and n <= int(m[1]) < n + n_mtp}
         self.tensors: dict[str, Tensor] = {}
         self.skipped: dict[str, str] = {}
         for name, t in everything.items():
@@ -239,6 +245,10 @@ class Source:
                     raise ValueError("weight_map is not an object of file names")
             except (ValueError, KeyError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            for name, f in weight_map.items():  # a shard is a file of the source directory, named without a path
+                if os.path.isabs(f) or f in ("", ".", "..") or os.path.basename(f) != f:
+                    raise CheckpointError(f"{index}: weight_map entry {name!r} names {f!r}, which is not a file name "
+                                          f"in {self.dir} (shards are read from the source directory only)")
             self._weight_map = weight_map
             files = sorted(set(weight_map.values()))
             for f in files:
@@ -322,6 +332,9 @@ def check_structure(src: Source, cfg: ModelConfig) -> None:
         if m:
             layers.setdefault(int(m[1]), {})[m[2]] = t
     n = cfg.num_hidden_layers
+    if n > len(layers):  # before anything sized by n: a config.json of 10**9 layers is refused at once
+        raise ConfigError(f"config.json says num_hidden_layers={n}, but the safetensors hold weights of {len(layers)} "
+                          f"layer(s) ({_ids(sorted(layers))})")
     if missing := [i for i in range(n) if i not in layers]:
         raise ConfigError(f"config.json says num_hidden_layers={n}, but the checkpoint has no tensors for layer(s) "
                           f"{_ids(missing)}")
@@ -333,7 +346,8 @@ def check_structure(src: Source, cfg: ModelConfig) -> None:
         if i < cfg.num_dense_layers and experts:
             raise ConfigError(f"config.json says first_k_dense_replace={cfg.first_k_dense_replace}, but layer {i} "
                               f"has routed experts")
-        if i >= cfg.num_dense_layers and experts != list(range(cfg.n_routed_experts)):
+        if i >= cfg.num_dense_layers and (len(experts) != cfg.n_routed_experts  # = 0..E-1, without building that
+                                          or (experts and experts[-1] != len(experts) - 1)):
             raise ConfigError(f"config.json says n_routed_experts={cfg.n_routed_experts} and first_k_dense_replace="
                               f"{cfg.first_k_dense_replace}, but layer {i} has routed experts {_ids(experts)}")
     bias = "mlp.gate.e_score_correction_bias"
@@ -851,6 +865,7 @@ def verify(path: str) -> str:
         raise
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{config}: {e}") from None
+    ckpt.check_layer_count(path, cfg, manifest)  # before anything per layer is built
     structs = [ckpt.top_struct(cfg), *(ckpt.layer_struct(cfg, i) for i in range(cfg.num_hidden_layers))]
     for item, expected in zip(ckpt.item_names(cfg), structs):
         ckpt.check_arrays(f"{item} (against {config})", ckpt.stored_arrays(path, item), ckpt.flatten(expected))

@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -68,6 +69,8 @@ MAX_STOP_STRINGS = 4
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (and the context has room)
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds the requests in flight get to finish when the server is stopped
 DEFAULT_MAX_N = 8  # choices per request (n), when the server is not told
+BODY_TIMEOUT_S = 60.0  # a request body must arrive within this (nginx's client_body_timeout)
+DISCONNECT_POLL_S = 0.25  # how often a whole (not streamed) answer looks whether its client has gone
 DEFAULT_MAX_BODY_BYTES = 16_000_000  # a request body past this gets a 413 (a prompt of 8k tokens: well under 1 MB)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits: `logprobs` of /v1/completions, `top_logprobs` of chat
 MAX_CHAT_TOP_LOGPROBS = 20
@@ -107,6 +110,37 @@ def _error_response(e: BadRequest) -> JSONResponse:
                         status_code=e.status)
 
 
+class StopPrefix:
+    """For one stop string s: the longest end of a text that begins s, in time linear in the text looked at (the
+    Knuth-Morris-Pratt automaton of s). Its failure table grows only as far as a text has matched s, so a long stop
+    string costs nothing up front."""
+
+    def __init__(self, s: str):
+        self.s, self.fail = s, [0]  # fail[i]: the longest proper prefix of s[:i + 1] that also ends it
+
+    def _table(self, n: int) -> None:
+        s, fail = self.s, self.fail
+        while len(fail) < n:
+            i, k = len(fail), fail[-1]
+            while k and s[i] != s[k]:
+                k = fail[k - 1]
+            fail.append(k + 1 if s[i] == s[k] else 0)
+
+    def held(self, text: str) -> int:
+        """The largest k < len(s) such that text ends with s[:k]."""
+        s, q = self.s, 0
+        for c in text:
+            while q and (q == len(s) or s[q] != c):
+                self._table(q)
+                q = self.fail[q - 1]
+            if s[q] == c:
+                q += 1
+        if q == len(s):
+            self._table(q)
+            q = self.fail[q - 1]
+        return q
+
+
 class TextStream:
     """Token ids -> text deltas for one request: holds back a trailing partial UTF-8 character (decoded as U+FFFD)
     and the longest end of the text that begins a stop string, and cuts the text before the first stop string (which
@@ -114,24 +148,38 @@ class TextStream:
 
     def __init__(self, tokenizer, stop: list[str], eos_id: int):
         self.tokenizer, self.stop, self.eos_id = tokenizer, stop, eos_id
+        self.prefixes = [StopPrefix(s) for s in stop]
         self.ids: list[int] = []
         self.sent = 0  # characters handed out
         self.stopped = False  # a stop string was found
+        self.count = 0  # tokens fed, up to the one whose text completes a stop string (OpenAI's completion_tokens)
 
     def feed(self, ids: list[int], final: bool = False) -> str:
         """The text that the new ids make safe to send (with `final`, all the rest)."""
+        if self.stopped:
+            return ""
+        before = len(self.ids)
         self.ids += [i for i in ids if i != self.eos_id]
         text = self.tokenizer.decode(self.ids)
         cut = min((i for s in self.stop if (i := text.find(s, self.sent)) >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
             end = cut
+            # the tokens up to the one whose text completes the earliest stop string (those after it are dropped)
+            reach = cut + min(len(s) for s in self.stop if text.find(s, self.sent) == cut)
+            n = before
+            while n < len(self.ids) and len(self.tokenizer.decode(self.ids[:n])) < reach:
+                n += 1
+            self.count += n - before
         elif final:
             end = len(text)
+            self.count += len(ids)
         else:
             ready = text.rstrip("\ufffd")
-            held = max((k for s in self.stop for k in range(1, len(s)) if ready.endswith(s[:k])), default=0)
+            tail = ready[self.sent:]  # what was sent never began a stop string
+            held = max((p.held(tail) for p in self.prefixes), default=0)
             end = max(self.sent, len(ready) - held)
+            self.count += len(ids)
         delta, self.sent = text[self.sent:end], end
         return delta
 
@@ -216,8 +264,9 @@ class _Options:
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
         given = [n for n in names if body.get(n) is not None]
         low = 0 if self.echo else 1  # max_tokens 0 with echo: the prompt alone (with its log-probabilities)
-        self.max_tokens = (_field(validate.integer, given[0], body[given[0]], low, validate.INT32_LIMIT) if given
-                           else None)
+        for name in given:  # each one checked, whichever is used
+            _field(validate.integer, name, body[name], low, validate.INT32_LIMIT)
+        self.max_tokens = int(body[given[0]]) if given else None
         temperature = body.get("temperature")
         self.temperature = 1.0 if temperature is None else _field(validate.temperature, temperature)
         if self.temperature > 2:
@@ -237,8 +286,8 @@ class _Options:
         if chat and body.get("echo") not in (None, False):
             raise BadRequest("echo is not supported", param="echo")
         if len(given) == 2 and not _same(body[given[0]], body[given[1]]):
-            raise BadRequest(f"max_completion_tokens {body[given[0]]!r} and max_tokens {body[given[1]]!r} differ: give "
-                             "one of them", param="max_tokens")
+            raise BadRequest(f"max_completion_tokens {body[given[0]]} and max_tokens {body[given[1]]} differ: give one "
+                             "of them", param="max_tokens")
         stop = body.get("stop")
         stop = [] if stop is None else [stop] if isinstance(stop, str) else stop  # (0, false, {}: refused below)
         if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
@@ -364,7 +413,8 @@ class Server:
 
     def check_model(self, body: dict) -> None:
         if body.get("model") != self.model_name:
-            raise BadRequest(f"unknown model {body.get('model')!r}; this server serves {self.model_name!r}",
+            raise BadRequest(f"unknown model {validate.shown(body.get('model'))}; this server serves "
+                             f"{self.model_name!r}",
                              param="model", code="model_not_found")
 
     def prompt_ids(self, prompt) -> list[int]:
@@ -414,15 +464,25 @@ class Server:
                                     if self.engine.extra_slots else ""), param=opts.prompt_field,
                                  code="context_length_exceeded")
             opts.max_tokens = min(DEFAULT_MAX_TOKENS, room)
-        if opts.max_tokens == 0:
+        if opts.max_tokens == 0:  # nothing to generate, but the prompt is checked as the engine would
+            try:
+                validate.token_row(ids, self.engine.cfg.vocab_size, opts.prompt_field)
+            except (ValueError, TypeError) as e:
+                raise BadRequest(str(e), param=opts.prompt_field) from None
+            if len(ids) > self.engine.max_context:
+                raise BadRequest(f"{opts.prompt_field}: a prompt of {len(ids)} tokens exceeds the server's context of "
+                                 f"{self.engine.max_context} tokens", param=opts.prompt_field,
+                                 code="context_length_exceeded")
             return []
         subs: list[_Submitted] = []
         try:
             for i in range(opts.n):
                 seed = None if opts.seed is None else (opts.seed + i) % validate.SEED_LIMIT
                 subs.append(_Submitted(self.engine, ids, opts, self.open, seed))
-        except ContextOverflow as e:
-            raise BadRequest(str(e), param="max_tokens", code="context_length_exceeded") from None
+        except ContextOverflow as e:  # the prompt's fault when it alone leaves no room for a token
+            alone = len(ids) + self.engine.extra_slots + 1 > self.engine.max_context
+            raise BadRequest(str(e), param=opts.prompt_field if alone else "max_tokens",
+                             code="context_length_exceeded") from None
         except validate.ArgumentError as e:
             raise BadRequest(str(e), param=e.name) from None
         except (ValueError, TypeError) as e:
@@ -445,11 +505,9 @@ class Server:
         cancels it. A request that fails raises BadRequest(status 500)."""
         text = TextStream(self.tokenizer, opts.stop, self.engine.eos_id)
         lp = None if opts.logprobs is None else LogprobText(self.tokenizer, self.engine.eos_id, offset)
-        n = 0
         async for ev in sub.events():
             if sub.failure is not None:
                 raise sub.failure
-            n += len(ev.tokens)
             if ev.finish == "error":
                 raise BadRequest(f"generation failed: {ev.error}", status=500, kind="server_error")
             final = ev.finish is not None
@@ -457,9 +515,9 @@ class Server:
             items = None if lp is None else lp.feed(text, ev.tokens, ev.logprobs, final)
             if text.stopped:
                 sub.cancel()
-                yield delta, "stop", n, items
+                yield delta, "stop", text.count, items
                 return
-            yield delta, ev.finish, n, items
+            yield delta, ev.finish, text.count, items
 
     # --------------------------------------------------------------------------------------------------------------
 
@@ -514,8 +572,10 @@ class Server:
             raise BadRequest(str(e)) from None
         return text, list(zip(ids, text_offsets(self.tokenizer, ids), entries))
 
-    async def completion(self, body: dict, chat: bool):
-        """The answer to /v1/completions (chat False) or /v1/chat/completions (chat True)."""
+    async def completion(self, body: dict, chat: bool, disconnected=None):
+        """The answer to /v1/completions (chat False) or /v1/chat/completions (chat True). disconnected: an async
+        callable that says whether the client has gone (a whole answer's requests are then cancelled, as a stream's
+        are when its client hangs up)."""
         if self.stopping:
             raise BadRequest("the server is shutting down; retry on another", status=503, kind="server_error",
                              code="shutting_down")
@@ -529,10 +589,13 @@ class Server:
                     model=self.model_name)
         if opts.stream:
             return _EventStream(self._events(subs, opts, head, chat, len(ids), echo), subs)
+        watch = asyncio.create_task(self._watch(disconnected, subs)) if disconnected and subs else None
         try:
             choices = await asyncio.gather(*(self._choice(sub, opts, echo) for sub in subs)) if subs else \
                 [(echo[0], "length", 0, echo[1] or [])] * opts.n
         finally:
+            if watch is not None:
+                watch.cancel()
             for sub in subs:
                 sub.close()
         out = []
@@ -544,6 +607,16 @@ class Server:
         n = sum(c[2] for c in choices)
         usage = dict(prompt_tokens=len(ids), completion_tokens=n, total_tokens=len(ids) + n)
         return JSONResponse(dict(head, choices=out, usage=usage))
+
+    @staticmethod
+    async def _watch(disconnected, subs: list[_Submitted]) -> None:
+        """Cancel `subs` once `disconnected()` says the client has gone (looked at every DISCONNECT_POLL_S)."""
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await disconnected():
+                for sub in subs:
+                    sub.cancel()
+                return
 
     async def _choice(self, sub: _Submitted, opts: _Options, echo: tuple[str, list | None]):
         """One choice whole: (text, finish reason, tokens, log-probability items)."""
@@ -703,12 +776,18 @@ class Server:
 
 
 def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = EMBEDDED_CHAT_TEMPLATE,
-               max_n: int = DEFAULT_MAX_N, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_n: int = DEFAULT_MAX_N, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """The FastAPI app over an engine (the engine's lifetime is the caller's); max_n: the most choices a request may
-    ask for; max_body_bytes: the largest request body read (a larger one gets a 413 before it is read whole)."""
+    ask for; max_body_bytes: the largest request body read (a larger one gets a 413 before it is read whole);
+    body_timeout: the seconds a request's body may take to arrive (then a 408)."""
     max_body_bytes = validate.integer("max_body_bytes", max_body_bytes, 1)
+    if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not 0 < body_timeout < math.inf:
+        raise ValueError(f"body_timeout must be a finite number of seconds > 0, got {validate.shown(body_timeout)}")
     server = Server(engine, tokenizer, model_name, chat_template, max_n)
-    app = FastAPI(title="kdtree-jax", description="OpenAI-compatible completions with continuous batching")
+    # only the routes below (no /docs, /redoc, /openapi.json; "/v1/completions/" is an unknown path, not a redirect)
+    app = FastAPI(title="kdtree-jax", description="OpenAI-compatible completions with continuous batching",
+                  docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.state.server = server
 
     @app.exception_handler(StarletteHTTPException)
@@ -726,12 +805,15 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
             raise BadRequest(too_large, status=413)
         try:
             parts, size = [], 0
-            async for part in request.stream():  # counted as it comes: a chunked body declares no length
-                size += len(part)
-                if size > max_body_bytes:
-                    raise BadRequest(too_large, status=413)
-                parts.append(part)
+            async with asyncio.timeout(body_timeout):  # a client that sends its body slowly or never holds no task
+                async for part in request.stream():  # counted as it comes: a chunked body declares no length
+                    size += len(part)
+                    if size > max_body_bytes:
+                        raise BadRequest(too_large, status=413)
+                    parts.append(part)
             body = json.loads(b"".join(parts))
+        except TimeoutError:
+            raise BadRequest(f"the body did not arrive within {body_timeout:g} s", status=408) from None
         except ClientDisconnect:  # gone before the whole body came: nginx's 499, not a failure of the server
             raise BadRequest("the client closed the connection before sending the whole body", status=499) from None
         except ValueError:
@@ -744,7 +826,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
 
     async def answer(request: Request, chat: bool):
         try:
-            response = await server.completion(await body_of(request), chat)
+            response = await server.completion(await body_of(request), chat, request.is_disconnected)
         except BadRequest as e:
             server.count(e.status)
             return _error_response(e)
@@ -763,12 +845,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
     async def chat_completions(request: Request):
         return await answer(request, chat=True)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
                                             "owned_by": "kdtree-jax"}]}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not engine.alive or server.stopping:
             return JSONResponse({"status": "shutting down" if engine.alive else "engine stopped"}, status_code=503)
