@@ -89,10 +89,10 @@ LAYER_ITEM_RE = re.compile(r"layer_\d{3,}")
 
 def check_layer_count(path: str, cfg: ModelConfig, manifest: dict) -> None:
     """Raise CheckpointError when config.json's num_hidden_layers is not the number of decoder layers the checkpoint
-    at (absolute) path holds: the layer items its manifest lists (`converted.items`), or without that list the layer
-    items under params/. Checked before anything is built per layer: a config.json edited to say 10**9 layers would
-    otherwise have `load` and `kdtree-convert --verify` build 10**9 layer structures (unbounded time and memory)
-    before finding the first item missing."""
+    at (absolute) path holds (the layer items its manifest lists, `converted.items`, or without that list the layer
+    items under params/), or its bos or eos id is outside the vocabulary. Checked before anything is built per layer:
+    a config.json edited to say 10**9 layers would otherwise have `load` and `kdtree-convert --verify` build 10**9
+    layer structures (unbounded time and memory) before finding the first item missing."""
     converted = manifest.get("converted")
     items = converted.get("items") if isinstance(converted, dict) else None
     where = "its manifest lists"
@@ -103,6 +103,11 @@ def check_layer_count(path: str, cfg: ModelConfig, manifest: dict) -> None:
     if cfg.num_hidden_layers != held:
         raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)} says {cfg.num_hidden_layers} layers "
                               f"(num_hidden_layers) but the checkpoint holds {held} ({where} {held} layer items)")
+    for name in ("bos_token_id", "eos_token_id"):  # a special id outside the vocabulary would never match
+        value = getattr(cfg, name)
+        if value is not None and not 0 <= value < cfg.vocab_size:
+            raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)}: {name} {value} is outside the vocabulary "
+                                  f"[0, {cfg.vocab_size})")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -242,3 +242,16 @@ def test_argparse_errors_are_one_line_and_an_empty_method_list_is_refused():
                            timeout=300)
         assert r.returncode == 2 and r.stderr.strip().splitlines() == [match] if "abc" in argv else \
             r.returncode != 0 and r.stderr.strip().startswith(match), r.stderr
+
+
+@pytest.mark.parametrize("raw, match", [({"vocab_size": "264"}, "config field 'vocab_size' must be int, got '264'"),
+                                        ({"rope_parameters": [1]}, "config field 'rope_parameters' must be an object"),
+                                        ({"text_config": 3}, "config field 'text_config' must be an object")])
+def test_from_hf_names_a_value_of_the_wrong_type(raw, match):
+    """ModelConfig.from_hf (and so `kdtree-jax plan --model HF_DIR`) failed inside the mapping with Python's text
+    ("'<' not supported between instances of 'str' and 'int'")."""
+    base = dict(vocab_size=264, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=32,
+                qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=16)
+    assert kj.ModelConfig.from_hf(base).vocab_size == 264
+    with pytest.raises(kj.config.ConfigError, match=match):
+        kj.ModelConfig.from_hf({**base, **raw})

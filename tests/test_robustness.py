@@ -727,3 +727,16 @@ def test_a_config_field_of_the_wrong_type_is_named(key, value, kind):
     with pytest.raises(ConfigError, match=rf"config field '{key}' must be {kind}"):
         ModelConfig.from_dict({**d, key: value})
     assert ModelConfig.from_dict({**d, "rms_norm_eps": 1, "q_lora_rank": None}).rms_norm_eps == 1
+
+
+@pytest.mark.parametrize("field, value", [("eos_token_id", -5), ("bos_token_id", 999)])
+def test_special_ids_outside_the_vocabulary_are_refused(source, tmp_path, field, value):
+    """An eos id outside the vocabulary was accepted by --verify and generate and then never matched: the end token
+    silently never ends a row."""
+    bad = str(tmp_path / "bad")
+    shutil.copytree(source[1], bad)
+    edit_json(os.path.join(bad, "config.json"), **{field: value})
+    line = one_error_line(limited([*CONVERT, "--verify", bad]), "kdtree-convert", 1)
+    assert f"{field} {value} is outside the vocabulary [0, 264)" in line, line
+    with pytest.raises(kj.checkpoint.CheckpointError, match=f"{field} {value} is outside the vocabulary"):
+        kj.load(bad)

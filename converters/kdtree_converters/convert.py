@@ -44,11 +44,11 @@ from tqdm import tqdm
 from kdtree_jax import checkpoint as ckpt
 from kdtree_jax.checkpoint import CheckpointError
 from kdtree_jax.cli import report_errors
-from kdtree_jax.config import ConfigError, ModelConfig
+from kdtree_jax.config import ConfigError, ModelConfig, check_hf_config
 from kdtree_jax.model import abstract_params
 from kdtree_jax.tokenizer import TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE, load_tokenizer
 
-from .hf import check_hf_config, drafter_config_from_hf, drafter_from_hf, layer_from_hf, top_from_hf
+from .hf import drafter_config_from_hf, drafter_from_hf, layer_from_hf, top_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = (TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "chat_template.jinja")

@@ -8,8 +8,7 @@ routed experts, which keep [out, in] so that INT4 values are repacked bit-exactl
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,79 +26,6 @@ Getter = Callable[[str], np.ndarray]
 
 def _np_dtype(cfg: ModelConfig):
     return np.float32 if cfg.dtype == "float32" else ml_dtypes.bfloat16
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# config.json: the JSON types of what ModelConfig.from_hf reads
-# ----------------------------------------------------------------------------------------------------------------
-
-# The keys ModelConfig.from_hf copies into the ModelConfig fields of the same name; the first eight are required.
-HF_CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size",
-                    "q_lora_rank", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group",
-                    "topk_group", "first_k_dense_replace", "norm_topk_prob", "routed_scaling_factor", "rms_norm_eps",
-                    "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id", "rope_theta")
-HF_REQUIRED = HF_CONFIG_FIELDS[:8]
-# Other keys it reads: their kinds. The rope settings' keys are read from rope_scaling or rope_parameters.
-HF_OTHER_KEYS = {"num_key_value_heads": "int", "num_nextn_predict_layers": "int"}
-HF_ROPE_KEYS = {"rope_theta": "float", "factor": "float", "beta_fast": "float", "beta_slow": "float",
-                "mscale": "float", "mscale_all_dim": "float", "original_max_position_embeddings": "int",
-                "rope_type": "str", "type": "str"}
-_KINDS = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-          "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-          "bool": lambda v: isinstance(v, bool),
-          "str": lambda v: isinstance(v, str)}
-
-
-def check_hf_config(raw: dict[str, Any]) -> None:
-    """Raise ConfigError naming the field when a value of a Hugging Face config.json that the conversion reads has
-    the wrong JSON type: a string where a number belongs (`"vocab_size": "264"`), a list where an object does
-    (`"rope_parameters": [1]`). ModelConfig.from_hf would fail deep inside instead ("'<' not supported between
-    instances of 'str' and 'int'"), or take some silently (`int("3")`). The message has the form of
-    ModelConfig.from_dict's: `config field 'vocab_size' must be int, got '264'`. A missing required key is left to
-    from_hf, which names it; null is refused for a required key and passes for the others, as from_hf reads it."""
-    kinds = {f.name: str(f.type) for f in dataclasses.fields(ModelConfig)}
-    top, prefix = raw, ""
-    if "text_config" in raw:  # the K2.5 / K2.6 wrapper
-        if not isinstance(raw["text_config"], dict):
-            raise ConfigError(f"config field 'text_config' must be an object, got {_short(raw['text_config'])}")
-        raw, prefix = raw["text_config"], "text_config."
-
-    def refuse(key: str, what: str, value) -> None:
-        raise ConfigError(f"config field {prefix + key!r} must be {what}, got {_short(value)}")
-
-    for key in HF_CONFIG_FIELDS:
-        if key not in raw or (raw[key] is None and key not in HF_REQUIRED):
-            continue
-        value, kind = raw[key], kinds[key]
-        if key in ("bos_token_id", "eos_token_id") and isinstance(value, list):  # from_hf takes the first
-            if not value or not all(_KINDS["int"](v) for v in value):
-                refuse(key, "int, or a list of ints", value)
-        elif not _KINDS[kind.split(" ")[0]](value) and not (value is None and "None" in kind):
-            refuse(key, kind, value)
-    for key, kind in HF_OTHER_KEYS.items():
-        if raw.get(key) is not None and not _KINDS[kind](raw[key]):
-            refuse(key, kind, raw[key])
-    for rope_key in ("rope_scaling", "rope_parameters"):
-        rope = raw.get(rope_key)
-        if rope is None:
-            continue
-        if not isinstance(rope, dict):
-            refuse(rope_key, "an object", rope)
-        for key, kind in HF_ROPE_KEYS.items():
-            if rope.get(key) is not None and not _KINDS[kind](rope[key]):
-                refuse(f"{rope_key}.{key}", kind, rope[key])
-    quantization = {prefix + "quantization_config": raw.get("quantization_config"),
-                    "quantization_config": top.get("quantization_config")}  # the wrapper's is at the top
-    for key, q in quantization.items():
-        if q is not None and not isinstance(q, dict):
-            raise ConfigError(f"config field {key!r} must be an object, got {_short(q)}")
-
-
-def _short(value, limit: int = 80) -> str:
-    """repr(value), cut to `limit` characters (a config value may be a large object)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def checked(get: Getter, name: str, shape: tuple[int, ...]) -> np.ndarray:
