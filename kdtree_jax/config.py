@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 
+from .validate import shown
+
 DTYPES = ("float32", "bfloat16")
 EXPERT_FORMATS = ("bf16", "int4")
 KERNELS = ("xla", "ffi", "dense")
@@ -261,11 +263,11 @@ def check_hf_config(raw: dict[str, Any]) -> None:
     top, prefix = raw, ""
     if "text_config" in raw:  # the K2.5 / K2.6 wrapper
         if not isinstance(raw["text_config"], dict):
-            raise ConfigError(f"config field 'text_config' must be an object, got {_short(raw['text_config'])}")
+            raise ConfigError(f"config field 'text_config' must be an object, got {shown(raw['text_config'])}")
         raw, prefix = raw["text_config"], "text_config."
 
     def refuse(key: str, what: str, value) -> None:
-        raise ConfigError(f"config field {prefix + key!r} must be {what}, got {_short(value)}")
+        raise ConfigError(f"config field {prefix + key!r} must be {what}, got {shown(value)}")
 
     for key in HF_CONFIG_FIELDS:
         if key not in raw or (raw[key] is None and key not in HF_REQUIRED):
@@ -292,13 +294,7 @@ def check_hf_config(raw: dict[str, Any]) -> None:
                     "quantization_config": top.get("quantization_config")}  # the wrapper's is at the top
     for key, q in quantization.items():
         if q is not None and not isinstance(q, dict):
-            raise ConfigError(f"config field {key!r} must be an object, got {_short(q)}")
-
-
-def _short(value, limit: int = 80) -> str:
-    """repr(value), cut to `limit` characters (a config value may be a large object)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+            raise ConfigError(f"config field {key!r} must be an object, got {shown(q)}")
 
 
 def _fields_from_hf(raw: dict) -> dict:

@@ -161,12 +161,12 @@ class TextStream:
         before = len(self.ids)
         self.ids += [i for i in ids if i != self.eos_id]
         text = self.tokenizer.decode(self.ids)
-        cut = min((i for s in self.stop if (i := text.find(s, self.sent)) >= 0), default=-1)
-        if cut >= 0:
+        found = min(((i, len(s)) for s in self.stop if (i := text.find(s, self.sent)) >= 0), default=None)
+        if found is not None:
             self.stopped = True
-            end = cut
+            end = found[0]
             # the tokens up to the one whose text completes the earliest stop string (those after it are dropped)
-            reach = cut + min(len(s) for s in self.stop if text.find(s, self.sent) == cut)
+            reach = found[0] + found[1]
             n = before
             while n < len(self.ids) and len(self.tokenizer.decode(self.ids[:n])) < reach:
                 n += 1
