@@ -25,6 +25,7 @@ from flax import struct
 from .config import ConfigError, ModelConfig
 from .model import ArrayInfo, KVCache, Params, embed, init_from_info, rms_norm, stack_info, step
 from .sharding import current_mesh, fitting_sharding, logical_to_spec
+from .validate import is_integer, is_real, shown
 
 
 @runtime_checkable
@@ -78,6 +79,31 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     dtype: str = "float32"
+
+    def __post_init__(self):
+        """Refuse a config no drafter can have, naming the field (a drafter_config.json or DFlash config.json of
+        wrong content fails here, not as a shape error deep in a jitted step)."""
+        def refuse(name: str, need: str) -> None:
+            raise ConfigError(f"drafter config field {name!r} must be {need}, got {shown(getattr(self, name))}")
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (not is_integer(value) or value < (0 if f.name == "mask_token_id" else 1)):
+                refuse(f.name, "an integer >= 0" if f.name == "mask_token_id" else "an integer >= 1")
+            if f.type == "float" and not (is_real(value) and math.isfinite(value) and value > 0):
+                refuse(f.name, "a finite number > 0")
+        if self.block_size < 2:
+            refuse("block_size", "at least 2 (the bonus token and one draft position)")
+        if self.num_heads % self.num_kv_heads:
+            refuse("num_heads", f"a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.mask_token_id >= self.vocab_size:
+            refuse("mask_token_id", f"an id in [0, {self.vocab_size}) (the vocabulary)")
+        ids = self.target_layer_ids
+        if not (isinstance(ids, tuple) and ids and all(is_integer(i) and 0 <= i < self.target_num_layers
+                                                       for i in ids)):
+            refuse("target_layer_ids", f"a non-empty list of layer ids in [0, {self.target_num_layers})")
+        if self.dtype not in ("float32", "bfloat16"):
+            refuse("dtype", "'float32' or 'bfloat16'")
 
     @property
     def depth(self) -> int:

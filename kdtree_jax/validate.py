@@ -45,7 +45,8 @@ def shown(value, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def _is_real(value) -> bool:
+def is_real(value) -> bool:
+    """Whether value is a Python or numpy real number (not a bool)."""
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
@@ -75,7 +76,7 @@ def flag(name: str, value) -> bool:
 def temperature(value, name: str = "temperature") -> float:
     """A sampling temperature: a finite number >= 0 (0: greedy), inside float32's normal range when it is not 0
     (sampling divides float32 logits by it)."""
-    if not _is_real(value) or not math.isfinite(value) or value < 0:
+    if not is_real(value) or not math.isfinite(value) or value < 0:
         raise ArgumentError(name, f"{name} must be a finite number >= 0, got {shown(value)}")
     if 0 < value < FLOAT32_TINY or value > FLOAT32_MAX:
         raise ArgumentError(name, f"{name} {shown(value)} is outside float32's normal range [{FLOAT32_TINY:.4g}, "
@@ -93,7 +94,7 @@ def top_p(value, name: str = "top_p") -> float | None:
     None (no nucleus)."""
     if value is None:
         return None
-    if not _is_real(value) or not 0 < value <= 1:
+    if not is_real(value) or not 0 < value <= 1:
         raise ArgumentError(name, f"{name} must be None or a number in (0, 1], got {shown(value)}")
     if value < FLOAT32_TINY:
         raise ArgumentError(name, f"{name} {shown(value)} is below float32's normal range (>= {FLOAT32_TINY:.4g}): it "

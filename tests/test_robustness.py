@@ -312,7 +312,14 @@ def test_corrupt_orbax_files_are_clear_errors(source, tmp_path, damage, capsys):
 
 
 @pytest.mark.parametrize("text, message", [("[]", "expected a JSON object"),
-                                           ('{"num_layers": 1}', "not a drafter config")])
+                                           ('{"num_layers": 1}', "not a drafter config"),
+                                           (json.dumps({"num_layers": 1, "block_size": "8", "hidden_size": 32,
+                                                        "num_heads": 4, "num_kv_heads": 1, "head_dim": 8,
+                                                        "intermediate_size": 64, "target_layer_ids": [0],
+                                                        "mask_token_id": 1, "vocab_size": 264,
+                                                        "target_num_layers": 2}),
+                                            "not a drafter config \\(drafter config field 'block_size' must be an "
+                                            "integer >= 1, got '8'\\)")])
 def test_bogus_drafter_in_a_checkpoint_is_a_clear_error(source, tmp_path, text, message):
     bad = tmp_path / "bad"
     shutil.copytree(source[1], bad)

@@ -20,6 +20,7 @@ from kdtree_jax.config import ConfigError, ModelConfig
 from kdtree_jax.drafter import DrafterConfig, DraftLayer, DrafterParams
 from kdtree_jax.model import MLP, Attention, Layer, MoE, Params
 from kdtree_jax.quant import Int4Array, quantize_int4
+from kdtree_jax.validate import is_integer, is_real, shown
 
 Getter = Callable[[str], np.ndarray]
 
@@ -167,9 +168,40 @@ def params_from_hf(get: Getter, has: Callable[[str], bool], cfg: ModelConfig) ->
 _DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
+# The keys drafter_config_from_hf reads and their JSON kinds; the _DFLASH_KEYS sit in dflash_config or at the top.
+_DRAFTER_KEYS = {"hidden_size": "int", "num_hidden_layers": "int", "num_attention_heads": "int",
+                 "intermediate_size": "int", "num_key_value_heads": "int", "head_dim": "int", "vocab_size": "int",
+                 "num_target_layers": "int", "rms_norm_eps": "float", "rope_theta": "float"}
+_DFLASH_KEYS = {"block_size": "int", "mask_token_id": "int", "target_layer_ids": "a list of ints"}
+
+
+def _check_drafter_types(raw: dict) -> None:
+    """Raise ConfigError naming the key when a value drafter_config_from_hf reads has the wrong JSON type (a string
+    where a number belongs, a number where a list does); null passes for the optional keys, as they are read."""
+    def refuse(key: str, kind: str, value) -> None:
+        raise ConfigError(f"drafter config field {key!r} must be {kind}, got {shown(value)}")
+
+    ok = {"int": lambda v: is_integer(v), "float": lambda v: is_real(v),
+          "a list of ints": lambda v: isinstance(v, list) and all(is_integer(x) for x in v)}
+    for name, value in (("dflash_config", raw.get("dflash_config")), ("rope_parameters", raw.get("rope_parameters")),
+                        ("rope_scaling", raw.get("rope_scaling"))):
+        if value is not None and not isinstance(value, dict):
+            refuse(name, "an object", value)
+    dflash = raw.get("dflash_config") or {}
+    top = {**_DRAFTER_KEYS, **_DFLASH_KEYS}
+    for where, table, prefix in ((raw, top, ""), (dflash, _DFLASH_KEYS, "dflash_config.")):
+        for key, kind in table.items():
+            if where.get(key) is not None and not ok[kind](where[key]):
+                refuse(prefix + key, kind, where[key])
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if rope.get("rope_theta") is not None and not is_real(rope["rope_theta"]):
+        refuse("rope_parameters.rope_theta", "float", rope["rope_theta"])
+
+
 def drafter_config_from_hf(raw: dict, target: ModelConfig):
     """The DrafterConfig of a DFlash config.json, checked against the target it drafts for."""
-    dflash = raw.get("dflash_config", {})
+    _check_drafter_types(raw)
+    dflash = raw.get("dflash_config") or {}
     if any(k in dflash for k in _DFLASH2_KEYS):
         raise ConfigError("this is a DFlash2 drafter (convolutions / candidate selector): only DFlash is supported")
     pick = lambda key: dflash.get(key, raw.get(key))
@@ -191,13 +223,13 @@ def drafter_config_from_hf(raw: dict, target: ModelConfig):
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ConfigError(f"drafter rope type {rope.get('rope_type')!r} is not supported (default)")
     heads = raw["num_attention_heads"]
-    return DrafterConfig(num_layers=raw["num_hidden_layers"], block_size=int(pick("block_size")),
+    return DrafterConfig(num_layers=raw["num_hidden_layers"], block_size=pick("block_size"),
                          hidden_size=raw["hidden_size"], num_heads=heads,
                          num_kv_heads=raw.get("num_key_value_heads", heads),
-                         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+                         head_dim=raw.get("head_dim") or (raw["hidden_size"] // heads if heads > 0 else 0),
                          intermediate_size=raw["intermediate_size"],
-                         target_layer_ids=tuple(int(i) for i in pick("target_layer_ids")),
-                         mask_token_id=int(pick("mask_token_id")), vocab_size=target.vocab_size,
+                         target_layer_ids=tuple(pick("target_layer_ids")),
+                         mask_token_id=pick("mask_token_id"), vocab_size=target.vocab_size,
                          target_num_layers=target.num_hidden_layers, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
                          rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1e6))), dtype=target.dtype)
 
