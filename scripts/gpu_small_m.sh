@@ -15,6 +15,11 @@
 #                                                    # mode's steps: benchmarks/fixed_cost.py)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh tests   # the GPU tests of every custom call (the issue's "done when"):
 #                                                    # marlin_moe, mla_verify, moe_route, small_dot, tree kernels
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh moe_m1  # why one expert at M = 1 takes ~30 µs for a ~5 µs floor:
+#                                                    # benchmarks/fixed_cost.py (the MoE's span, with and without
+#                                                    # PDL), then ncu of each kernel of marlin_moe at M = 1 (one
+#                                                    # local expert; ncu runs them one at a time, so no PDL overlap)
+#                                                    # and of small_dot at M = 1 (qkv_a, gate_up shapes)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh small_dot  # small_dot's GPU tests; one device's dense dots alone,
 #                                                    # XLA's against the custom call (with and without PDL); then
 #                                                    # the full step of this build without and with small_dot
@@ -76,6 +81,33 @@ small_dot)
   step new 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/new" \
     --cells "$SD_CELLS" --profile 4096:1x1,4096:1x9 --repeats 3 --commit "$KDTREE_COMMIT+small_dot" \
     --ffi-ops tree_build,tree_accept,mla_verify,marlin_moe,moe_route,small_dot --base "$OUT/results/base/full_scale.json"
+  ;;
+moe_m1)
+  step fixed 200 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
+  step ncu_m1 200 ncu --clock-control none --kernel-name "regex:AlignKernel|GemmKernel|CombineKernel|SmallDot" \
+    --launch-skip 10 --launch-count 20 --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
+    --section Occupancy --section WarpStateStats --section SchedulerStats python3 -c "
+import jax, jax.numpy as jnp
+from kdtree_jax.kernels.marlin_moe import FLAG_SERIAL, marlin_moe
+from kdtree_jax.kernels.small_dot import small_dot
+from kdtree_jax.quant import Int4Array
+key = iter(jax.random.split(jax.random.key(0), 16))
+local, d, f, bf = 48, 7168, 2048, jnp.bfloat16
+def int4(rows, cols):
+    packed = jax.lax.bitcast_convert_type(jax.random.bits(next(key), (local, rows, cols // 8), jnp.uint32), jnp.int32)
+    return Int4Array(packed, (0.01 * jnp.ones((local, rows, cols // 32))).astype(bf))
+x = jax.random.normal(next(key), (1, d), bf)
+ids, wts = jnp.asarray([[3] + [local] * 7], jnp.int32), jnp.asarray([[0.3] + [0.0] * 7], jnp.float32)
+ex = (int4(f, d), int4(f, d), int4(d, f))
+moe = jax.jit(lambda x: marlin_moe(x, ids, wts, *ex, experts_total=384))
+serial = jax.jit(lambda x: marlin_moe(x, ids, wts, *ex, experts_total=384, flags=FLAG_SERIAL))
+wq, wg = (jax.random.normal(next(key), s, bf) for s in ((d, 2112), (d, 2 * 2048)))
+dots = jax.jit(lambda x: (small_dot(x, wq), small_dot(x, wg)))
+for _ in range(3):  # 10 matching launches an iteration: ncu skips the first, profiles the next two
+    jax.block_until_ready((moe(x), serial(x), dots(x)))
+"
+  grep -E "^  [A-Za-z].*(Kernel|SmallDot)|Duration|DRAM Throughput|Achieved Occupancy|No Eligible|Registers Per|Grid Size|Block Size" \
+    "$OUT/results/ncu_m1.log" | tee -a "$LOG" | head -200
   ;;
 probe)
   step new 230 "${BIG[@]}" python3 benchmarks/full_scale.py --out "$OUT/results/new" --cells "$CELLS" \
