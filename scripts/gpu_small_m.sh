@@ -23,7 +23,8 @@
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh small_dot  # small_dot's GPU tests; one device's dense dots alone,
 #                                                    # XLA's against the custom call (with and without PDL); then
 #                                                    # the full step of this build without and with small_dot
-#                                                    # (SD_CELLS), side by side, the XLA flags on both
+#                                                    # (SD_CELLS; none: skipped), side by side, the XLA flags on
+#                                                    # both
 #
 # Environment: KDTREE_COMMIT stamps the results (default: git rev-parse --short HEAD); KDTREE_JAX_FFI_DIR = prebuilt
 # libraries of this build (else built here); CELLS, PROFILE = full_scale.py's --cells / --profile; SKIP_TESTS=1
@@ -76,6 +77,7 @@ small_dot)
   step dots 150 env XLA_FLAGS="$FLAGS" python3 benchmarks/small_m_dots.py --out "$OUT/results/small_m_dots" \
     --commit "$KDTREE_COMMIT" --layouts kn,nk,ffi,ffi_plain --ms 1,9,17,64 \
     --shapes qkv_a,q_b,o,shared_gate_up,shared_down,router,dense_down
+  [ "$SD_CELLS" = none ] && exit 0  # (a GPU of ~80 GB: the full step does not fit)
   step base 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/base" \
     --cells "$SD_CELLS" --profile 4096:1x1,4096:1x9 --repeats 3 --commit "$KDTREE_COMMIT"
   step new 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/new" \
