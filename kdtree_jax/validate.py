@@ -66,6 +66,13 @@ def integer(name: str, value, low: int | None = None, high: int | None = None, *
     return int(value)
 
 
+def seconds(name: str, value) -> float:
+    """value as a float: a finite number of seconds > 0 (a timeout)."""
+    if not is_real(value) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {shown(value)}")
+    return float(value)
+
+
 def flag(name: str, value) -> bool:
     """value as a bool: True or False only (not 0, 1 or "yes")."""
     if not isinstance(value, (bool, np.bool_)):

@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -606,6 +607,51 @@ def test_a_body_that_does_not_arrive_gets_408(model, served):
         server.stop()
     with pytest.raises(ValueError, match="body_timeout"):
         create_app(served["engine"], model.tokenizer, "builtin", body_timeout=float("nan"))
+
+
+def _read_to_close(sock) -> bytes:
+    reply = b""
+    while part := sock.recv(4096):
+        reply += part
+    return reply
+
+
+def test_a_head_that_does_not_arrive_closes_the_connection(model, served):
+    """uvicorn times a connection out only after a response: one that sent nothing, or part of its request line and
+    headers (slowloris: a byte at a time), held a socket forever. The head has a deadline from the connection's start
+    (or the last response's end) that trickled bytes do not move."""
+    import socket
+    server = BackgroundServer(create_app(served["engine"], model.tokenizer, "builtin"), head_timeout=1.0)
+    try:
+        address = server.url.removeprefix("http://").split(":")
+        address = (address[0], int(address[1]))
+        with socket.create_connection(address, timeout=30) as sock:  # nothing sent: closed, nothing said
+            t0 = time.monotonic()
+            assert _read_to_close(sock) == b"" and time.monotonic() - t0 < 20
+        with socket.create_connection(address, timeout=30) as sock:  # a head a byte every 0.1 s: 408 at ~1 s
+            head, reply, t0 = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100, b"", time.monotonic()
+            sock.settimeout(0.1)
+            for byte in head:
+                try:
+                    sock.sendall(bytes([byte]))
+                    if part := sock.recv(4096):
+                        reply += part
+                    else:
+                        break
+                except TimeoutError:
+                    continue
+                except OSError:  # reset by the close
+                    break
+            assert reply.startswith(b"HTTP/1.1 408"), reply
+            assert time.monotonic() - t0 < 8  # the 100-byte trickle alone takes >= 10 s
+        with socket.create_connection(address, timeout=30) as sock:  # one request answered, the next cut short
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /hea")
+            reply = _read_to_close(sock)
+            assert reply.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in reply, reply
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="head_timeout"):
+        BackgroundServer(create_app(served["engine"], model.tokenizer, "builtin"), head_timeout=0)
 
 
 def test_load_then_shutdown_leaves_nothing_behind(served):

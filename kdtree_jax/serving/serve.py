@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -47,8 +46,10 @@ import time
 import uuid
 from typing import AsyncIterator, Callable
 
+import h11
 import jinja2.sandbox
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -70,6 +71,7 @@ DEFAULT_MAX_TOKENS = 256  # when a request gives none (and the context has room)
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds the requests in flight get to finish when the server is stopped
 DEFAULT_MAX_N = 8  # choices per request (n), when the server is not told
 BODY_TIMEOUT_S = 60.0  # a request body must arrive within this (nginx's client_body_timeout)
+HEAD_TIMEOUT_S = 60.0  # a request line and headers must arrive within this (nginx's client_header_timeout)
 DISCONNECT_POLL_S = 0.25  # how often a whole (not streamed) answer looks whether its client has gone
 DEFAULT_MAX_BODY_BYTES = 16_000_000  # a request body past this gets a 413 (a prompt of 8k tokens: well under 1 MB)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits: `logprobs` of /v1/completions, `top_logprobs` of chat
@@ -782,8 +784,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
     ask for; max_body_bytes: the largest request body read (a larger one gets a 413 before it is read whole);
     body_timeout: the seconds a request's body may take to arrive (then a 408)."""
     max_body_bytes = validate.integer("max_body_bytes", max_body_bytes, 1)
-    if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not 0 < body_timeout < math.inf:
-        raise ValueError(f"body_timeout must be a finite number of seconds > 0, got {validate.shown(body_timeout)}")
+    validate.seconds("body_timeout", body_timeout)
     server = Server(engine, tokenizer, model_name, chat_template, max_n)
     # only the routes below (no /docs, /redoc, /openapi.json; "/v1/completions/" is an unknown path, not a redirect)
     app = FastAPI(title="kdtree-jax", description="OpenAI-compatible completions with continuous batching",
@@ -863,15 +864,68 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
     return app
 
 
+class _HeadTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's head. uvicorn times out an idle connection only
+    after a response, and no byte of a new request resets that: a connection that never sends a request, or sends
+    its request line and headers a byte at a time (slowloris), held a socket and its buffers forever. Here the head
+    must be whole within `head_timeout` seconds of the connection's start, or of the previous response's end;
+    else the connection is closed (with a 408 when part of a head came). The body has its own deadline
+    (`create_app(body_timeout=)`)."""
+
+    head_timeout = HEAD_TIMEOUT_S
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def _arm_head(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout, self._head_expired)
+
+    def _disarm_head(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self.conn.trailing_data[0]:  # part of a head came
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            self.transport.close()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        (self._arm_head if self.conn.their_state is h11.IDLE else self._disarm_head)()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.IDLE:  # waiting for the next request's head
+            self._arm_head()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_head()
+        super().connection_lost(exc)
+
+
+def uvicorn_config(app, head_timeout: float = HEAD_TIMEOUT_S, **kwargs) -> uvicorn.Config:
+    """uvicorn's Config for the app with h11 and a deadline for each request's head (`_HeadTimeoutProtocol`)."""
+    protocol = type("HeadTimeoutProtocol", (_HeadTimeoutProtocol,),
+                    {"head_timeout": validate.seconds("head_timeout", head_timeout)})
+    return uvicorn.Config(app, http=protocol, lifespan="off", **kwargs)
+
+
 class BackgroundServer:
     """An app served by uvicorn on a thread, from a socket that listens before the thread starts (requests may be
     sent as soon as the constructor returns). port 0 picks a free port; `url` says which. For tests and benchmarks;
     `stop()` shuts the server down and joins its thread."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, head_timeout: float = HEAD_TIMEOUT_S):
+        config = uvicorn_config(app, head_timeout, log_level="warning")
         self._sock = socket.create_server((host, port))
         self.url = f"http://{host}:{self._sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self._server = uvicorn.Server(config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name="kdtree-jax-http")
         self._thread.start()
@@ -917,7 +971,7 @@ def run(app, host: str, port: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TI
     [DONE]); returns once the server has closed. A second SIGTERM or Ctrl-C ends the process at once with status 130
     and one line, after the open streams are told (at most ABORT_GRACE_S seconds). While it serves, the C heap's free
     memory is handed back to the system every few seconds (`heap.HeapTrimmer`), so that its resident set stays flat."""
-    server = _Uvicorn(uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off",
+    server = _Uvicorn(uvicorn_config(app, host=host, port=port, log_level="info",
                                      timeout_graceful_shutdown=ABORT_GRACE_S))
     state: Server = app.state.server
 
