@@ -20,9 +20,12 @@
 // columns 8 (j % 2) .. + 7 of the warp's 16); 8 token rows are the B operand (ldmatrix of token rows: matrix j =
 // inputs 8 j .. + 7, two k-steps per x4). The warp's accumulators hold y^T[16 columns, 8 NT tokens].
 //
-// Launch. As a programmatic dependent (PDL) of the kernel before it: a block issues its first kStages - 1 stages of
-// w before griddepcontrol.wait (w does not depend on earlier kernels), the token rows after it, and lets the next
-// kernel start launching once its stream is set up. Flag bit 0: a plain launch (for comparison).
+// Launch. As a programmatic dependent (PDL) of the kernel before it: a block waits (griddepcontrol.wait) before it
+// reads anything an earlier kernel may write, and lets the next kernel start launching once its stream is set up.
+// Flag bit 1 says that w is a parameter no kernel of the program writes (the model's weights): then the block issues
+// its first kStages - 1 stages of w before the wait, so they load while the kernel ahead finishes. Without it (a w
+// computed in the same program, e.g. a cast or a transpose) w is read only after the wait. Flag bit 0: a plain
+// launch (for comparison).
 // No workspace, no host sync (kCmdBufferCompatible).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -51,6 +54,7 @@ constexpr int kRow = 128;         // bytes of one stage row (64 bf16)
 constexpr int kStages = 8;
 constexpr int kMaxSplit = 8;      // the portable cluster size
 constexpr int64_t kFlagPlain = 1;
+constexpr int64_t kFlagEarlyW = 2;
 
 template <int NT>
 struct Layout {
@@ -71,7 +75,7 @@ __device__ __forceinline__ void StoreOut(float v, __nv_bfloat16* p) { *p = __flo
 template <int NT, typename Out>
 __global__ void __launch_bounds__(kThreads) SmallDotKernel(const __nv_bfloat16* __restrict__ x,
                                                            const __nv_bfloat16* __restrict__ w, Out* __restrict__ y,
-                                                           int m, int k, int n, int split) {
+                                                           int m, int k, int n, int split, bool early_w) {
   using L = Layout<NT>;
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -98,13 +102,18 @@ __global__ void __launch_bounds__(kThreads) SmallDotKernel(const __nv_bfloat16* 
     }
   };
 
-  // Prologue: the weights of the first stages before the wait for the kernel ahead, then the token rows.
+  // Prologue: the weights of the first stages (before the wait for the kernel ahead when w is a parameter), then the
+  // token rows. The commit groups are the same either way.
+  auto copy_first_w = [&]() {
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < stages) copy_w(s);
-    CopyCommit();
-  }
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < stages) copy_w(s);
+      CopyCommit();
+    }
+  };
+  if (early_w) copy_first_w();
   GridDependencyWait();
+  if (!early_w) copy_first_w();
   for (int s = 0; s < kStages - 1 && s < stages; ++s) copy_x(s);
   CopyCommit();
   LaunchDependents();
@@ -192,7 +201,7 @@ ffi::Error Sms(int* sms) {
 
 template <int NT, typename Out>
 ffi::Error Launch(cudaStream_t stream, const __nv_bfloat16* x, const __nv_bfloat16* w, Out* y, int m, int k, int n,
-                  int split, bool pdl) {
+                  int split, bool pdl, bool early_w) {
   auto kernel = SmallDotKernel<NT, Out>;
   const int smem = Layout<NT>::kSmem;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
@@ -217,7 +226,7 @@ ffi::Error Launch(cudaStream_t stream, const __nv_bfloat16* x, const __nv_bfloat
   config.stream = stream;
   config.attrs = attrs;
   config.numAttrs = count;
-  return kdtree::CudaStatus(cudaLaunchKernelEx(&config, kernel, x, w, y, m, k, n, split), "small_dot",
+  return kdtree::CudaStatus(cudaLaunchKernelEx(&config, kernel, x, w, y, m, k, n, split, early_w), "small_dot",
                             "kernel launch");
 }
 
@@ -251,6 +260,13 @@ ffi::Error SmallDotCuda(cudaStream_t stream, Bf16Mat x, Bf16Mat w, int64_t split
     return ffi::Error::InvalidArgument("small_dot: split must be 0 (chosen) or a power of two up to 8 dividing K / "
                                        "64, got " + std::to_string(split));
   }
+  if (d.n / kBN > 65535) {
+    return ffi::Error::InvalidArgument("small_dot: the CUDA kernel takes N <= 65535 * 64, got " +
+                                       std::to_string(d.n));
+  }
+  if (reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 || reinterpret_cast<uintptr_t>(w.untyped_data()) % 16) {
+    return ffi::Error::InvalidArgument("small_dot: x and w must be 16-byte aligned");
+  }
   if (d.m == 0 || d.n == 0) return ffi::Error::Success();
   int s = static_cast<int>(split);
   if (s == 0) {
@@ -258,22 +274,22 @@ ffi::Error SmallDotCuda(cudaStream_t stream, Bf16Mat x, Bf16Mat w, int64_t split
     if (ffi::Error err = Sms(&sms); err.failure()) return err;
     s = ChooseSplit(d.k, d.n, sms);
   }
-  const bool pdl = !(flags & kFlagPlain);
+  const bool pdl = !(flags & kFlagPlain), early_w = pdl && (flags & kFlagEarlyW);
   const auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.typed_data());
   const auto* wp = reinterpret_cast<const __nv_bfloat16*>(w.typed_data());
   const int m = static_cast<int>(d.m), k = static_cast<int>(d.k), n = static_cast<int>(d.n);
   if (y->element_type() == ffi::DataType::F32) {
     float* yp = reinterpret_cast<float*>(y->untyped_data());
-    return m <= 8    ? Launch<1>(stream, xp, wp, yp, m, k, n, s, pdl)
-           : m <= 16 ? Launch<2>(stream, xp, wp, yp, m, k, n, s, pdl)
-           : m <= 32 ? Launch<4>(stream, xp, wp, yp, m, k, n, s, pdl)
-                     : Launch<8>(stream, xp, wp, yp, m, k, n, s, pdl);
+    return m <= 8    ? Launch<1>(stream, xp, wp, yp, m, k, n, s, pdl, early_w)
+           : m <= 16 ? Launch<2>(stream, xp, wp, yp, m, k, n, s, pdl, early_w)
+           : m <= 32 ? Launch<4>(stream, xp, wp, yp, m, k, n, s, pdl, early_w)
+                     : Launch<8>(stream, xp, wp, yp, m, k, n, s, pdl, early_w);
   }
   auto* yp = reinterpret_cast<__nv_bfloat16*>(y->untyped_data());
-  return m <= 8    ? Launch<1>(stream, xp, wp, yp, m, k, n, s, pdl)
-         : m <= 16 ? Launch<2>(stream, xp, wp, yp, m, k, n, s, pdl)
-         : m <= 32 ? Launch<4>(stream, xp, wp, yp, m, k, n, s, pdl)
-                   : Launch<8>(stream, xp, wp, yp, m, k, n, s, pdl);
+  return m <= 8    ? Launch<1>(stream, xp, wp, yp, m, k, n, s, pdl, early_w)
+         : m <= 16 ? Launch<2>(stream, xp, wp, yp, m, k, n, s, pdl, early_w)
+         : m <= 32 ? Launch<4>(stream, xp, wp, yp, m, k, n, s, pdl, early_w)
+                   : Launch<8>(stream, xp, wp, yp, m, k, n, s, pdl, early_w);
 }
 
 }  // namespace
@@ -284,6 +300,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KdSmallDotCuda, SmallDotCuda,
                                   .Arg<Bf16Mat>()  // x [M, K]
                                   .Arg<Bf16Mat>()  // w [K, N]
                                   .Attr<int64_t>("split")            // blocks per K (0: chosen)
-                                  .Attr<int64_t>("flags")            // bit 0: a plain launch (no PDL)
+                                  .Attr<int64_t>("flags")            // bit 0: plain launch; 1: w a parameter
                                   .Ret<ffi::AnyBuffer>(),            // y [M, N], bf16 or f32
                               {xla::ffi::Traits::kCmdBufferCompatible});

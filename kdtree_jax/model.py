@@ -29,7 +29,7 @@ from .quant import Int4Array, quantize_int4
 from .kernels.marlin_moe import marlin_moe
 from .kernels.mla_verify import combine_lse, mask_softmax, mla_prefix, mla_verify, tree_attention_lse
 from .kernels.moe_route import moe_route
-from .kernels.small_dot import small_dot
+from .kernels.small_dot import FLAG_WEIGHT_PARAM, small_dot
 from .sharding import (ShardingError, checked_sharding, current_mesh, logical_to_spec, mla_head_parallel,
                        mla_sequence_parallel, moe_expert_parallel, replicated_call, sequence_sharded,
                        take_rows_sequence, trace_context, vocab_parallel_lookup, write_rows_sequence)
@@ -504,8 +504,8 @@ def _dot(x: jax.Array, w: jax.Array, impl: str, out_dtype=None) -> jax.Array:
     """x [..., K] . w [K, ...] -> [..., *w.shape[1:]]: XLA's dot (impl "xla"; fp32 accumulation when out_dtype is
     float32) or `kernels.small_dot` (impl "ffi", which takes the rows of a decode or verify step and runs XLA's
     reference dot for the others)."""
-    if impl == "ffi":
-        return small_dot(x, w, out_dtype=out_dtype, impl="ffi")
+    if impl == "ffi":  # the layers' weights are the program's inputs (a reshape of one is a bitcast)
+        return small_dot(x, w, out_dtype=out_dtype, impl="ffi", flags=FLAG_WEIGHT_PARAM)
     return jnp.tensordot(x, w, axes=1, preferred_element_type=out_dtype)
 
 

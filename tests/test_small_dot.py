@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kdtree_jax as kj
-from kdtree_jax.kernels.small_dot import FLAG_PLAIN, on_fast_path, small_dot, small_dot_ref
+from kdtree_jax.kernels.small_dot import FLAG_PLAIN, FLAG_WEIGHT_PARAM, on_fast_path, small_dot, small_dot_ref
 
 from conftest import needs_gpu
 
@@ -129,12 +129,24 @@ def test_gpu_kernel_is_the_product_at_every_split(lead, k, tail, out_dtype):
                                                                        jax.device_put(w, cpu_dev))
     xg, wg = jax.device_put(x, gpu_dev), jax.device_put(w, gpu_dev)
     for split in [s for s in (0, 1, 2, 4, 8) if (k // 64) % max(s, 1) == 0]:
-        for flags in (0, FLAG_PLAIN):
+        for flags in (0, FLAG_PLAIN, FLAG_WEIGHT_PARAM):
             _poison(2 * int(np.prod(lead)) * int(np.prod(tail)) + 4096)
             f = jax.jit(lambda a, b: small_dot(a, b, out_dtype=out_dtype, split=split, flags=flags))
             y = f(xg, wg)
             check_product(y, x, w, out_dtype)
     check_product(cpu, x, w, out_dtype)  # the CPU handler, which sums in another order, within the same bound
+
+
+@gpu
+@needs_gpu
+def test_gpu_kernel_reads_a_weight_computed_just_before_it():
+    """Without FLAG_WEIGHT_PARAM, w is read only after the wait for the kernel ahead: a w that kernel writes (here a
+    scale of the weight, fused into the kernel right before the custom call) is the new one, every time."""
+    rng = np.random.default_rng(12)
+    x, w = (jax.device_put(a, jax.devices("gpu")[0]) for a in inputs(rng, (1,), 7168, (2112,)))
+    f = jax.jit(lambda a, b, c: small_dot(a, b * c))
+    for scale in (1.0, -2.0, 0.5, 4.0):  # powers of two: w * scale is exact in bf16
+        check_product(f(x, w, jnp.bfloat16(scale)), x, w * jnp.bfloat16(scale), jnp.bfloat16)
 
 
 @gpu

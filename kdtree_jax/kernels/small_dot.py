@@ -7,8 +7,9 @@ by a cast.
 
 At one device's share of K2.6 a dense weight is 1.5-30 MB, and XLA's dot kernel takes 4-8 us whatever it reads.
 The CUDA kernel streams the weight once with the whole GPU (blocks of 64 columns, K split over a thread-block
-cluster when the columns alone do not cover the SMs) and starts loading it before the kernel ahead of it ends
-(programmatic dependent launch). It takes M <= 64 rows and K, N multiples of 64; other shapes, other dtypes and
+cluster when the columns alone do not cover the SMs), launched as a programmatic dependent of the kernel ahead; when
+w is a parameter that no kernel of the program writes (`FLAG_WEIGHT_PARAM`: the model's weights), it starts loading
+w before that kernel ends. It takes M <= 64 rows and K, N multiples of 64; other shapes, other dtypes and
 other platforms run the reference.
 """
 
@@ -25,6 +26,8 @@ from . import _registry
 MAX_ROWS = 64  # the CUDA kernel's rows (4 token tiles of 8 ... 8 tiles)
 TILE = 64  # K and N must be multiples of it
 FLAG_PLAIN = 1  # a plain launch instead of a programmatic dependent one (benchmarks)
+FLAG_WEIGHT_PARAM = 2  # w is a parameter no kernel of the program writes: its first stages load before the wait for
+#                        the kernel ahead (a w computed in the program, e.g. cast or transposed, must not set it)
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
 
 
@@ -55,7 +58,8 @@ def small_dot(x: jax.Array, w: jax.Array, *, out_dtype=None, impl: str = "ffi", 
 
     impl="ffi" runs the custom call where `on_fast_path` holds (C++ on CPU, CUDA on GPU), else the reference;
     impl="xla" runs `small_dot_ref`. split: the CUDA kernel's blocks per 64 columns that share K (0: chosen from
-    the SM count; else 1, 2, 4 or 8 dividing K / 64); flags: FLAG_PLAIN. No host sync.
+    the SM count; else 1, 2, 4 or 8 dividing K / 64); flags: FLAG_PLAIN, FLAG_WEIGHT_PARAM (only for a w that is an
+    input of the program, never written in it). No host sync.
     """
     out_dtype = getattr(x, "dtype", jnp.float32) if out_dtype is None else out_dtype
     m, k, n, lead, tail = _shapes(x, w, out_dtype)
