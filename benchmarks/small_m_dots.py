@@ -10,7 +10,8 @@ the last one scaled by one column of the product (a dependence, fused into the n
   (jit with Format(Layout.AUTO), the weights put in the compiled program's input formats); backend "default"
   (XLA's choice: reduction fusions at M = 1, Triton GEMMs or cuBLAS above) or "cublas" (compiler option
   xla_gpu_enable_triton_gemm=false); layout "ffi": the project's custom call `kernels.small_dot` on W [K, N] (M <=
-  64), launched as a programmatic dependent of the kernel before it, and "ffi_plain", the same launched plainly.
+  64), launched as a programmatic dependent of the kernel before it with W's first stages loaded before the wait (as
+  the model's dots, whose weights are parameters), and "ffi_plain", the same launched plainly.
 Per dot: the wall time of the chain / L (queued calls, median), the bytes floor (weight + x + y at the copy
 bandwidth measured in the same run) and the ratio.
 
@@ -46,11 +47,11 @@ LAYOUTS = ("kn", "nk", "auto", "ffi", "ffi_plain")
 
 
 def chain(layout: str):
-    from kdtree_jax.kernels.small_dot import FLAG_PLAIN, small_dot
+    from kdtree_jax.kernels.small_dot import FLAG_PLAIN, FLAG_WEIGHT_PARAM, small_dot
 
     def dot(x, w):
         if layout in ("ffi", "ffi_plain"):
-            return small_dot(x, w, flags=FLAG_PLAIN if layout == "ffi_plain" else 0)
+            return small_dot(x, w, flags=FLAG_PLAIN if layout == "ffi_plain" else FLAG_WEIGHT_PARAM)
         return x @ w if layout == "kn" else jnp.einsum("mk,nk->mn", x, w)
 
     def f(x, ws):
