@@ -84,8 +84,8 @@ small_dot)
     --cells "$SD_CELLS" --profile 4096:1x1,4096:1x9 --repeats 3 --commit "$KDTREE_COMMIT+small_dot" \
     --ffi-ops tree_build,tree_accept,mla_verify,marlin_moe,moe_route,small_dot --base "$OUT/results/base/full_scale.json"
   ;;
-moe_m1)
-  step fixed 200 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
+moe_m1)  # SKIP_FIXED=1: the ncu part alone
+  [ -z "${SKIP_FIXED:-}" ] && step fixed 200 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
   step ncu_m1 200 ncu --clock-control none --kernel-name "regex:AlignKernel|GemmKernel|CombineKernel|SmallDot" \
     --launch-skip 10 --launch-count 20 --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
     --section Occupancy --section WarpStateStats --section SchedulerStats python3 -c "
