@@ -462,8 +462,8 @@ def _common(g: argparse.ArgumentParser, hosts: bool = True) -> None:
                    help="with custom calls, only these (comma-separated, from tree_build, tree_accept, mla_verify, "
                         "marlin_moe, moe_route, small_dot; the rest in pure JAX), e.g. 'tree_build,tree_accept' for "
                         "a small fp32 model whose attention and experts are off the CUDA fast paths. Default: all "
-                        "but small_dot (the dense matmuls at few rows: opt-in, not yet measured on a GPU). Implies "
-                        "--kernels ffi")
+                        "but small_dot (the dense matmuls at few rows: opt-in, slower than XLA's dots on the H200 so "
+                        "far). Implies --kernels ffi")
     if not hosts:
         return
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",

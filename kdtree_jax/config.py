@@ -22,7 +22,7 @@ EXPERT_FORMATS = ("bf16", "int4")
 KERNELS = ("xla", "ffi", "dense")
 FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "small_dot")
 # The custom calls kernels="ffi" runs unless ffi_ops names others: small_dot (the dense matmuls of a decode or verify
-# step) is opt-in until it has been measured on a GPU against XLA's dots.
+# step) is opt-in: on the H200 it was slower than XLA's dots (docs/full_scale.md, 2026-12-05).
 DEFAULT_FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route")
 CACHE_SHARDINGS = ("replicated", "sequence")
 
