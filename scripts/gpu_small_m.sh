@@ -19,7 +19,8 @@
 #                                                    # benchmarks/fixed_cost.py (the MoE's span, with and without
 #                                                    # PDL), then ncu of each kernel of marlin_moe at M = 1 (one
 #                                                    # local expert; ncu runs them one at a time, so no PDL overlap)
-#                                                    # and of small_dot at M = 1 (qkv_a, gate_up shapes)
+#                                                    # and of small_dot at M = 1 (qkv_a, gate_up shapes), and
+#                                                    # their sampled stalls per SASS instruction
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh small_dot  # small_dot's GPU tests; one device's dense dots alone,
 #                                                    # XLA's against the custom call (with and without PDL); then
 #                                                    # the full step of this build without and with small_dot
@@ -86,9 +87,7 @@ small_dot)
   ;;
 moe_m1)  # SKIP_FIXED=1: the ncu part alone
   [ -z "${SKIP_FIXED:-}" ] && step fixed 200 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
-  step ncu_m1 200 ncu --clock-control none --kernel-name "regex:AlignKernel|GemmKernel|CombineKernel|SmallDot" \
-    --launch-skip 10 --launch-count 20 --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
-    --section Occupancy --section WarpStateStats --section SchedulerStats python3 -c "
+  cat > "$OUT/results/m1.py" <<'PY'
 import jax, jax.numpy as jnp
 from kdtree_jax.kernels.marlin_moe import FLAG_SERIAL, marlin_moe
 from kdtree_jax.kernels.small_dot import small_dot
@@ -107,9 +106,18 @@ wq, wg = (jax.random.normal(next(key), s, bf) for s in ((d, 2112), (d, 2 * 2048)
 dots = jax.jit(lambda x: (small_dot(x, wq), small_dot(x, wg)))
 for _ in range(3):  # 10 matching launches an iteration: ncu skips the first, profiles the next two
     jax.block_until_ready((moe(x), serial(x), dots(x)))
-"
+PY
+  step ncu_m1 200 ncu --clock-control none --kernel-name "regex:AlignKernel|GemmKernel|CombineKernel|SmallDot" \
+    --launch-skip 10 --launch-count 20 --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
+    --section Occupancy --section WarpStateStats --section SchedulerStats python3 "$OUT/results/m1.py"
   grep -E "^  [A-Za-z].*(Kernel|SmallDot)|Duration|DRAM Throughput|Achieved Occupancy|No Eligible|Registers Per|Grid Size|Block Size" \
     "$OUT/results/ncu_m1.log" | tee -a "$LOG" | head -200
+  # where the warps wait, per SASS instruction (sampled): the second iteration's gemm1, gemm2 (PDL and plain launches)
+  # and both small_dot shapes; summed by benchmarks/ncu_source_top.py
+  step ncu_src 200 ncu --clock-control none --kernel-name "regex:GemmKernel|SmallDot" --launch-skip 6 \
+    --launch-count 6 --section WarpStateStats --section SourceCounters -f -o /tmp/ncu_src python3 "$OUT/results/m1.py"
+  ncu --import /tmp/ncu_src.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/results/src_m1.csv.gz"
+  TAIL=150 step src_top 60 python3 benchmarks/ncu_source_top.py "$OUT/results/src_m1.csv.gz" --top 20
   ;;
 probe)
   step new 230 "${BIG[@]}" python3 benchmarks/full_scale.py --out "$OUT/results/new" --cells "$CELLS" \
