@@ -24,7 +24,10 @@ LIMIT=${LIMIT:-290}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false
-export KDTREE_COMMIT=${KDTREE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# (the device machine's .git may be older than the tree it was sent: a tree that differs from HEAD is marked, so pass
+# KDTREE_COMMIT=<hash> written out in the command)
+export KDTREE_COMMIT=${KDTREE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD \
+  -- kdtree_jax ffi benchmarks 2>/dev/null || echo +modified)}
 START=$(date +%s)
 left() { echo $((LIMIT - ($(date +%s) - START))); }
 

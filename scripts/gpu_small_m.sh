@@ -36,7 +36,10 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/results"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false
-export KDTREE_COMMIT=${KDTREE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# (the device machine's .git may be older than the tree it was sent: a tree that differs from HEAD is marked, so pass
+# KDTREE_COMMIT=<hash> written out in the command)
+export KDTREE_COMMIT=${KDTREE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD \
+  -- kdtree_jax ffi benchmarks 2>/dev/null || echo +modified)}
 LOG=$OUT/all.log
 CELLS=${CELLS:-4096:1x1,4096:1x17,4096:1x65,4096:10x17,4096:10x65,131072:1x1}
 PROFILE=${PROFILE:-4096:1x1,4096:1x17}
