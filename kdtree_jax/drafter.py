@@ -239,9 +239,7 @@ def init_drafter(cfg: ModelConfig, key: jax.Array, num_layers: int = 1, block_si
     if not isinstance(block_size, int) or not 2 <= block_size <= 17:
         raise ValueError(f"block_size must be an integer in 2..17 (tree depth 1..16), got {block_size!r}")
     hq = num_heads or cfg.num_attention_heads
-    hk = num_kv_heads or max(1, hq // 8)
-    if hq % hk:
-        raise ConfigError(f"num_heads ({hq}) must be a multiple of num_kv_heads ({hk})")
+    hk = num_kv_heads or max(1, hq // 8)  # DrafterConfig refuses heads that are not a multiple of hk
     hd = head_dim or cfg.hidden_size // hq
     d = DrafterConfig(num_layers=num_layers, block_size=block_size, hidden_size=cfg.hidden_size, num_heads=hq,
                       num_kv_heads=hk, head_dim=hd, intermediate_size=intermediate_size or cfg.intermediate_size,

@@ -181,7 +181,7 @@ def _check_drafter_types(raw: dict) -> None:
     def refuse(key: str, kind: str, value) -> None:
         raise ConfigError(f"drafter config field {key!r} must be {kind}, got {shown(value)}")
 
-    ok = {"int": lambda v: is_integer(v), "float": lambda v: is_real(v),
+    ok = {"int": is_integer, "float": is_real,
           "a list of ints": lambda v: isinstance(v, list) and all(is_integer(x) for x in v)}
     for name, value in (("dflash_config", raw.get("dflash_config")), ("rope_parameters", raw.get("rope_parameters")),
                         ("rope_scaling", raw.get("rope_scaling"))):
