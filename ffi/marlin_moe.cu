@@ -98,6 +98,7 @@ constexpr int64_t kFlagSerial = 16;     // stream path: plain launches instead o
 constexpr int64_t kFlagTile = 32;       // BM = 16 or 32: the tile path's narrow tiles instead of the stream path
 constexpr int64_t kFlagFine = 64;       // tile path: 17-24 slots run as N = 24 (not 32)
 constexpr int64_t kFlagPersist = 128;   // stream path: resident blocks loop over the used units (GemmKernel)
+constexpr int64_t kFlagXL1 = 256;       // stream path, gate/up: x prefetched into L1 as far ahead as the weights
 
 // ------------------------------------------------------------------------------------------------------------------
 // Small helpers (the ones small_dot.cu uses too are in cuda_common.cuh)
@@ -224,6 +225,11 @@ __device__ __forceinline__ uint4 LoadGlobal16Cg(const void* ptr) {
   asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(ptr) : "memory");
   return v;
+}
+
+// Ask L1 for the line holding ptr (no value; the load that needs it comes later).
+__device__ __forceinline__ void PrefetchL1(const void* ptr) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(ptr));
 }
 
 __device__ __forceinline__ float Silu(float v) { return v / (1.0f + __expf(-v)); }
@@ -576,6 +582,7 @@ struct GemmParams {
   int src_div;                 // slot -> B row divisor (top-k for gemm1, 1 for gemm2)
   int slots;                   // M k
   int max_blocks;              // token blocks (entries of block_expert)
+  int x_ahead;                 // chunks ahead x is prefetched into L1 (gate/up; 0: none, x read one chunk ahead)
 };
 
 // The ring of the stream path, per stage: weights (4 rows x 16 B per thread), then scales (8 B per thread); 4 blocks
@@ -660,6 +667,17 @@ __device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set
   auto load_x = [&](int j, int grp) {
     return kGated ? LoadGlobal16Nc(x_ptr[j] + 32 * grp) : LoadGlobal16Cg(x_ptr[j] + 32 * grp);
   };
+  // FLAG_X_L1: the two 128-byte lines of each token row of chunk `ahead` chunks past x_ptr's asked into L1 (lane t
+  // at element 8 t + 32 t: lines 0, 0, 1, 1), so that the one-chunk-ahead loads below find them there.
+  auto prefetch_x = [&](int ahead) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      if (x_ok[j]) PrefetchL1(x_ptr[j] + static_cast<int64_t>(ahead) * kWarps * kChunk + 32 * t);
+    }
+  };
+  if (kGated && p.x_ahead > 0) {
+    for (int c = 1; c <= p.x_ahead && c < mine; ++c) prefetch_x(c);
+  }
   if (!kGated) GridDependencyWait();  // h is gemm1's output
   uint4 xv[NT][4];  // this chunk's token values: [token tile][group]
 #pragma unroll
@@ -684,6 +702,7 @@ __device__ __forceinline__ void GemmUnit(const GemmParams& p, int block, int set
   for (int i = 0; i < mine; ++i) {
     if (i + kStreamStages - 1 < mine) issue();
     CopyCommit();
+    if (kGated && p.x_ahead > 0 && i + p.x_ahead < mine) prefetch_x(p.x_ahead - 1);  // chunk i + ahead (x_ptr: i + 1)
     CopyWait<kStreamStages - 1>();  // this thread's copies of chunk i have landed
     __syncwarp();                   // and the other lanes'
 
@@ -1473,10 +1492,10 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
       const int nb = static_cast<int>(max_blocks), bmi = static_cast<int>(bm);
       GemmParams g1{xq, uqp, gsp, usp, xp, hp, sorted->typed_data(), block_expert->typed_data(),
                     static_cast<int>(F), static_cast<int>(D), static_cast<int>(gate_scales), static_cast<int>(topk),
-                    static_cast<int>(S), nb};
+                    static_cast<int>(S), nb, (flags & kFlagXL1) ? kStreamStages - 1 : 0};
       GemmParams g2{dqp, nullptr, dsp, nullptr, hp, yp, sorted->typed_data(), block_expert->typed_data(),
                     static_cast<int>(D), static_cast<int>(F), static_cast<int>(down_scales), 1, static_cast<int>(S),
-                    nb};
+                    nb, 0};
       const bool l2 = (flags & kFlagL2Prefetch) != 0, persist = (flags & kFlagPersist) != 0;
       ffi::Error err = l2 ? (persist ? LaunchStream<true, true>(stream, g1, g2, bmi, pdl)
                                      : LaunchStream<true, false>(stream, g1, g2, bmi, pdl))

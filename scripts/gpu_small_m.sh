@@ -20,7 +20,9 @@
 #                                                    # PDL), then ncu of each kernel of marlin_moe at M = 1 (one
 #                                                    # local expert; ncu runs them one at a time, so no PDL overlap)
 #                                                    # and of small_dot at M = 1 (qkv_a, gate_up shapes), and
-#                                                    # their sampled stalls per SASS instruction
+#                                                    # their sampled stalls per SASS instruction; before the ncu
+#                                                    # part, the stream path's GPU tests at K2 shapes and the
+#                                                    # defaults against FLAG_X_L1 (XL1_MS: the M values)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh small_dot  # small_dot's GPU tests; one device's dense dots alone,
 #                                                    # XLA's against the custom call (with and without PDL); then
 #                                                    # the full step of this build without and with small_dot
@@ -88,11 +90,17 @@ small_dot)
     --cells "$SD_CELLS" --profile 4096:1x1,4096:1x9 --repeats 3 --commit "$KDTREE_COMMIT+small_dot" \
     --ffi-ops tree_build,tree_accept,mla_verify,marlin_moe,moe_route,small_dot --base "$OUT/results/base/full_scale.json"
   ;;
-moe_m1)  # SKIP_FIXED=1: the ncu part alone
+moe_m1)  # SKIP_FIXED=1: without fixed_cost.py
   [ -z "${SKIP_FIXED:-}" ] && step fixed 200 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
+  # the stream path at K2's shapes on the GPU against the reference (FLAG_X_L1's cases among them), then the
+  # shipped defaults against FLAG_X_L1 at one device's small M, side by side
+  step moe_tests 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA -p no:cacheprovider tests/test_marlin_moe.py \
+    -k "gpu_fast_path_k2_shapes"
+  step moe_xl1 150 python3 benchmarks/marlin_moe.py --shapes device --ms "${XL1_MS:-1,4,9,17,65}" \
+    --variants after,after+xl1 --out "$OUT/results/marlin_moe_xl1" --commit "$KDTREE_COMMIT"
   cat > "$OUT/results/m1.py" <<'PY'
 import jax, jax.numpy as jnp
-from kdtree_jax.kernels.marlin_moe import FLAG_SERIAL, marlin_moe
+from kdtree_jax.kernels.marlin_moe import FLAG_PERSIST, FLAG_SERIAL, FLAG_X_L1, marlin_moe
 from kdtree_jax.kernels.small_dot import small_dot
 from kdtree_jax.quant import Int4Array
 key = iter(jax.random.split(jax.random.key(0), 16))
@@ -105,20 +113,21 @@ ids, wts = jnp.asarray([[3] + [local] * 7], jnp.int32), jnp.asarray([[0.3] + [0.
 ex = (int4(f, d), int4(f, d), int4(d, f))
 moe = jax.jit(lambda x: marlin_moe(x, ids, wts, *ex, experts_total=384))
 serial = jax.jit(lambda x: marlin_moe(x, ids, wts, *ex, experts_total=384, flags=FLAG_SERIAL))
+xl1 = jax.jit(lambda x: marlin_moe(x, ids, wts, *ex, experts_total=384, flags=FLAG_X_L1 | FLAG_PERSIST))
 wq, wg = (jax.random.normal(next(key), s, bf) for s in ((d, 2112), (d, 2 * 2048)))
 dots = jax.jit(lambda x: (small_dot(x, wq), small_dot(x, wg)))
-for _ in range(3):  # 10 matching launches an iteration: ncu skips the first, profiles the next two
-    jax.block_until_ready((moe(x), serial(x), dots(x)))
+for _ in range(3):  # 14 matching launches an iteration: ncu skips the first, profiles the next two
+    jax.block_until_ready((moe(x), serial(x), xl1(x), dots(x)))
 PY
   step ncu_m1 200 ncu --clock-control none --kernel-name "regex:AlignKernel|GemmKernel|CombineKernel|SmallDot" \
-    --launch-skip 10 --launch-count 20 --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
+    --launch-skip 14 --launch-count 28 --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
     --section Occupancy --section WarpStateStats --section SchedulerStats python3 "$OUT/results/m1.py"
   grep -E "^  [A-Za-z].*(Kernel|SmallDot)|Duration|DRAM Throughput|Achieved Occupancy|No Eligible|Registers Per|Grid Size|Block Size" \
     "$OUT/results/ncu_m1.log" | tee -a "$LOG" | head -200
-  # where the warps wait, per SASS instruction (sampled): the second iteration's gemm1, gemm2 (PDL and plain launches)
-  # and both small_dot shapes; summed by benchmarks/ncu_source_top.py
-  step ncu_src 200 ncu --clock-control none --kernel-name "regex:GemmKernel|SmallDot" --launch-skip 6 \
-    --launch-count 6 --section WarpStateStats --section SourceCounters -f -o /tmp/ncu_src python3 "$OUT/results/m1.py"
+  # where the warps wait, per SASS instruction (sampled): the second iteration's gemm1, gemm2 (PDL and plain launches,
+  # and FLAG_X_L1) and both small_dot shapes; summed by benchmarks/ncu_source_top.py
+  step ncu_src 200 ncu --clock-control none --kernel-name "regex:GemmKernel|SmallDot" --launch-skip 8 \
+    --launch-count 8 --section WarpStateStats --section SourceCounters -f -o /tmp/ncu_src python3 "$OUT/results/m1.py"
   ncu --import /tmp/ncu_src.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/results/src_m1.csv.gz"
   TAIL=150 step src_top 60 python3 benchmarks/ncu_source_top.py "$OUT/results/src_m1.csv.gz" --top 20
   ;;

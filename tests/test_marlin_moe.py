@@ -16,7 +16,7 @@ import pytest
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
 from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_FINE, FLAG_L2_256, FLAG_PERSIST, FLAG_SERIAL, FLAG_SYNC,
-                                           FLAG_TILE, NARROW_SLOTS, STREAM_FLAGS, TILE_128_MIN_M, TILE_FLAGS,
+                                           FLAG_TILE, FLAG_X_L1, NARROW_SLOTS, STREAM_FLAGS, TILE_128_MIN_M, TILE_FLAGS,
                                            TILE_MIN_M,
                                            _cuda_call, block_size, choose_block_m, choose_path, marlin_moe,
                                            marlin_moe_ref, max_blocks, moe_align, moe_experts_ref, tile_eligible)
@@ -439,6 +439,8 @@ K2_CASES += [  # the stream path's persistent grid (FLAG_PERSIST): resident bloc
     (1, 8, 16, "uniform", 8, FLAG_PERSIST), (7, 8, 16, "sentinel", 8, FLAG_PERSIST),
     (64, 8, 16, "few", 8, FLAG_PERSIST | FLAG_SERIAL), (96, 8, 16, "repeat", 16, FLAG_PERSIST),
     (256, 8, 16, "one_expert", 32, FLAG_PERSIST | FLAG_L2_256),
+    (1, 8, 16, "uniform", 8, FLAG_X_L1 | FLAG_PERSIST), (24, 8, 16, "few", 16, FLAG_X_L1),  # x prefetched into L1
+    (64, 8, 16, "sentinel", 32, FLAG_X_L1 | FLAG_SERIAL),
 ]
 
 

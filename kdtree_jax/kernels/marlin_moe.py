@@ -62,6 +62,7 @@ FLAG_SERIAL = 16  # stream path: plain launches instead of programmatic dependen
 FLAG_TILE = 32  # block_m 16 or 32: the tile path's narrow tiles (two blocks per SM) instead of the stream path
 FLAG_FINE = 64  # tile path: a tile of 17-24 slots runs as 24 token columns (wgmma N = 24), not 32
 FLAG_PERSIST = 128  # stream path: as many blocks as fit at once, each looping over the used units
+FLAG_X_L1 = 256  # stream path, gate/up: the token values prefetched into L1 as many chunks ahead as the weights
 NARROW_TILE_BLOCKS = (16, 32)  # the block sizes FLAG_TILE applies to
 TILE_FLAGS = FLAG_L2_256  # the tile path's default flags (H200: the 256-byte L2 lines gain ~5% at M = 1,024)
 STREAM_FLAGS = 0  # the stream path's (the L2 hint changes nothing there)
