@@ -90,7 +90,7 @@ small_dot)
     --cells "$SD_CELLS" --profile 4096:1x1,4096:1x9 --repeats 3 --commit "$KDTREE_COMMIT+small_dot" \
     --ffi-ops tree_build,tree_accept,mla_verify,marlin_moe,moe_route,small_dot --base "$OUT/results/base/full_scale.json"
   ;;
-moe_m1)  # SKIP_FIXED=1: without fixed_cost.py
+moe_m1)  # SKIP_FIXED=1: without fixed_cost.py; SKIP_SECTIONS=1: without ncu's sections (the stall profile alone)
   [ -z "${SKIP_FIXED:-}" ] && step fixed 200 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
   # the stream path at K2's shapes on the GPU against the reference (FLAG_X_L1's cases among them), then the
   # shipped defaults against FLAG_X_L1 at one device's small M, side by side
@@ -119,10 +119,11 @@ dots = jax.jit(lambda x: (small_dot(x, wq), small_dot(x, wg)))
 for _ in range(3):  # 14 matching launches an iteration: ncu skips the first, profiles the next two
     jax.block_until_ready((moe(x), serial(x), xl1(x), dots(x)))
 PY
-  step ncu_m1 200 ncu --clock-control none --kernel-name "regex:AlignKernel|GemmKernel|CombineKernel|SmallDot" \
+  [ -z "${SKIP_SECTIONS:-}" ] && step ncu_m1 200 ncu --clock-control none --kernel-name "regex:AlignKernel|GemmKernel|CombineKernel|SmallDot" \
     --launch-skip 14 --launch-count 28 --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
     --section Occupancy --section WarpStateStats --section SchedulerStats python3 "$OUT/results/m1.py"
-  grep -E "^  [A-Za-z].*(Kernel|SmallDot)|Duration|DRAM Throughput|Achieved Occupancy|No Eligible|Registers Per|Grid Size|Block Size" \
+  [ -z "${SKIP_SECTIONS:-}" ] && grep -E \
+    "^  [A-Za-z].*(Kernel|SmallDot)|Duration|DRAM Throughput|Achieved Occupancy|No Eligible|Registers Per|Grid Size|Block Size" \
     "$OUT/results/ncu_m1.log" | tee -a "$LOG" | head -200
   # where the warps wait, per SASS instruction (sampled): the second iteration's gemm1, gemm2 (PDL and plain launches,
   # and FLAG_X_L1) and both small_dot shapes; summed by benchmarks/ncu_source_top.py
