@@ -654,6 +654,28 @@ def test_a_head_that_does_not_arrive_closes_the_connection(model, served):
         BackgroundServer(create_app(served["engine"], model.tokenizer, "builtin"), head_timeout=0)
 
 
+def test_background_server_connections_send_without_delay():
+    """The benchmarks' and tests' server gives its connections TCP_NODELAY, as uvicorn's own sockets (the CLI's)
+    have it: with a listening socket of proto 0 (`socket.create_server`) asyncio left it off, and every response after
+    the first on a kept-alive connection waited ~40 ms for a delayed acknowledgement, which inflated every TTFT the
+    serving benchmarks measured. A bare ASGI app, so that no engine is involved."""
+    import socket
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = BackgroundServer(app)
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            assert [client.get("/").text for _ in range(3)] == ["ok"] * 3  # one kept-alive connection
+            sockets = server.connection_sockets()
+            assert len(sockets) == 1
+            assert sockets[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        server.stop()
+
+
 def test_load_then_shutdown_leaves_nothing_behind(served):
     """A bounded load (streamed, whole, cut short by a stop string or a hang-up), then: every slot free, and after
     shutdown no thread or task of the server or the engine remains."""

@@ -916,6 +916,26 @@ def uvicorn_config(app, head_timeout: float = HEAD_TIMEOUT_S, **kwargs) -> uvico
     return uvicorn.Config(app, http=protocol, lifespan="off", **kwargs)
 
 
+def tcp_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket made with proto IPPROTO_TCP, so that asyncio gives every connection it accepts
+    TCP_NODELAY, as it does for the sockets uvicorn opens itself: asyncio sets the option only on sockets whose
+    proto is IPPROTO_TCP, and `socket.create_server` makes its socket with proto 0, which each accepted socket
+    inherits. Without it, every response after the first on a kept-alive connection waited ~40 ms: its headers went
+    out, its body waited for their acknowledgement, which the client delays (Nagle's algorithm against delayed ACKs;
+    measured 2026-12-05: GET /health 43 ms instead of 1.3 on a reused connection)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        if os.name == "posix":
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen()
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class BackgroundServer:
     """An app served by uvicorn on a thread, from a socket that listens before the thread starts (requests may be
     sent as soon as the constructor returns). port 0 picks a free port; `url` says which. For tests and benchmarks;
@@ -923,7 +943,7 @@ class BackgroundServer:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, head_timeout: float = HEAD_TIMEOUT_S):
         config = uvicorn_config(app, head_timeout, log_level="warning")
-        self._sock = socket.create_server((host, port))
+        self._sock = tcp_listener(host, port)
         self.url = f"http://{host}:{self._sock.getsockname()[1]}"
         self._server = uvicorn.Server(config)
         self._loop = asyncio.new_event_loop()
@@ -948,6 +968,10 @@ class BackgroundServer:
             return [t.get_name() for t in others if not t.done()]
 
         return asyncio.run_coroutine_threadsafe(probe(), self._loop).result()
+
+    def connection_sockets(self) -> list[socket.socket]:
+        """The sockets of the connections the server holds open now (for tests)."""
+        return [p.transport.get_extra_info("socket") for p in list(self._server.server_state.connections)]
 
     def stop(self) -> None:
         self._server.should_exit = True
