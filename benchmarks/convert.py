@@ -134,6 +134,8 @@ def layer_tensors(cfg: dict, i: int, pool: Pool):
 def make_checkpoint(path: str, moe_layers: int, experts: int, vocab: int) -> dict:
     """Write the synthetic checkpoint; returns {"bytes": ..., "files": ..., "tensors": ...}."""
     cfg = {**K2, "num_hidden_layers": 1 + moe_layers, "n_routed_experts": experts, "vocab_size": vocab}
+    if vocab <= K2["eos_token_id"]:  # the special tokens' ids must lie inside a reduced vocabulary (load checks them)
+        cfg.update(bos_token_id=vocab - 2, eos_token_id=vocab - 1)
     os.makedirs(path)
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=1)

@@ -10,7 +10,8 @@
 # benchmarks/prefix_cache.py first (cold and warm TTFT of a 1,500-token shared prefix; PREFIX_LIMIT, default 200;
 # PREFIX_ARGS, its arguments),
 # BASE_DIR=<an older commit's tree, its libraries in BASE_DIR/lib> to run that commit's bench_serve.py just before
-# this one with the same arguments, this one's report then giving each level against it (--base).
+# this one with the same arguments, this one's report then giving each level against it (--base); with AB=1 (and
+# BASE_DIR), benchmarks/serve_ab.py instead: both servers kept up, measured in turns (--repeats, default 3).
 # Everything lands in $OUT/results.tar.gz (the device tool returns at most 8 files) and $OUT/*.log.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -36,6 +37,13 @@ if [ "${PREFIX:-0}" = 1 ]; then
     ${FFI_OPS:+--ffi-ops "$FFI_OPS"} ${PREFIX_ARGS:-} 2>&1 | grep --line-buffered -v -i "warn\|donat" \
     > "$R/prefix_cache.log"
   echo "prefix rc=${PIPESTATUS[0]}"; tail -14 "$R/prefix_cache.log"
+fi
+if [ "${AB:-0}" = 1 ]; then  # the two servers alternated in one process pair (benchmarks/serve_ab.py), then stop
+  timeout -k 5 "${BENCH_LIMIT:-420}" python3 benchmarks/serve_ab.py --base "$BASE_DIR" --base-lib "$BASE_DIR/lib" \
+    --base-label "${BASE_LABEL:-base}" --label "${KDTREE_COMMIT:-this}" --out "$R" --name serve_ab_gpu \
+    ${FFI_OPS:+--ffi-ops "$FFI_OPS"} "$@" 2>&1 | grep --line-buffered -v -i "warn\|donat" > "$R/serve_ab.log"
+  echo "serve_ab rc=${PIPESTATUS[0]}"; tail -12 "$R/serve_ab.log"
+  exit 0
 fi
 BASE=()
 if [ -n "${BASE_DIR:-}" ]; then
