@@ -111,7 +111,8 @@ def main(argv=None) -> int:
         f"{meta['machine']}. A {nbytes / 1e9:.2f} GB checkpoint (benchmarks/convert.py's synthetic K2 shapes: 1 dense "
         f"+ {args.moe_layers} MoE layer(s) x {args.experts} experts, vocab {args.vocab}), read "
         f"{'from the page cache' if args.page_cache else 'from disk'} each time; {args.repeats} loads of each kind, "
-        f"alternating, each kind first in turn; CRC-32 by {meta['native_crc32']}; 1-minute load average {load_before:.1f} before, "
+        f"alternating, each kind first in turn; CRC-32 by {meta['native_crc32']}; 1-minute load average "
+        f"{load_before:.1f} before, "
         f"{load_after:.1f} after (on {os.cpu_count()} cores). `python benchmarks/load.py "
         f"{' '.join(argv if argv is not None else sys.argv[1:])}`.", "",
         "| load | median s | min s | max s | GB/s (median) |", "|---|---|---|---|---|",
