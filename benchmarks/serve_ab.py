@@ -137,8 +137,9 @@ def report(results: dict, labels: tuple[str, str]) -> str:
              f"`{setup['command']}`", "",
              f"Embedded model, {setup['max_batch']} slots, chunk_steps {setup['chunk_steps']}; {setup['rounds']} "
              f"requests per client per level, {setup['max_tokens']} tokens each (greedy, ignore_eos); "
-             f"{setup['repeats']} repeats, alternated (A B, then B A); medians over the repeats, [min, max] beside them. A = {a} "
-             f"({setup['trees'][a]}), B = {b} ({setup['trees'][b]}). Both servers listen with TCP_NODELAY.", ""]
+             f"{setup['repeats']} repeats, alternated (A B, then B A); medians over the repeats, [min, max] beside "
+             f"them. A = {a} ({setup['trees'][a]}), B = {b} ({setup['trees'][b]}). Both servers listen with "
+             "TCP_NODELAY.", ""]
     for method, rows in results["methods"].items():
         lines += [f"## {method}", "", "| C | aggregate tok/s A | B | B / A | per-request tok/s A | B | B / A | "
                   "TTFT p50 ms A | B |", "|---|---|---|---|---|---|---|---|---|"]
