@@ -431,8 +431,8 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
     naming the array; the checksums run in pieces on worker threads while the next part is read, and each item's
     are compared once the next item is read). Each array then goes to its
     sharding (`kdtree_jax.model.param_shardings`; without a mesh, to the first device), layer by layer, so no device
-    ever holds more than its share. verify=False skips the checksums: each device then reads only its shard. The
-    default (None) checks them on a single process; over several processes it does not, since a whole-array
+    ever holds more than its share. verify=False skips the checksums: on a mesh each device then reads only its
+    shard. The default (None) checks them on a single process; over several processes it does not, since a whole-array
     checksum needs the whole array on every host (verify=True forces it; `kdtree-convert --verify` checks a
     checkpoint on its own). Over several processes, all must load the same checkpoint onto the same mesh (checked: a
     clear error, not a hang).
@@ -649,14 +649,17 @@ def _restore(directory: str, what: str, expected, shardings, sums: dict[str, str
     checksums computed in `pool` in pieces (`crc32_pieces`) while the next part is read, and each array placed in its
     sharding; the checksums are compared before returning, or, with `checks` (a list), the comparison is appended to
     it for the caller to run later (`load` runs it after the next item is read, so that no item's last checksums
-    hold up the next item's reading). Without `sums`, each device reads only its shard."""
+    hold up the next item's reading). Without `sums`, each device reads only its shard, except where every array
+    goes to one device: then each part is read to the host as with sums, its checksums left out (on one device that
+    reader was 2.5x faster from the page cache, 2026-12-05: docs/reliability.md)."""
     parts = _item_parts(directory, what)
     stored = [flatten(_part_metadata(p, what)) for p in parts]
     check_arrays(what, {k: v for part in stored for k, v in part.items()}, flatten(expected))
     want, where = flatten(expected), flatten(shardings)
+    sharded = sums is None and not all(isinstance(s, SingleDeviceSharding) for s in where.values())
     out, pending = {}, {}
     for part, paths in zip(parts, stored):
-        if sums is None:
+        if sharded:
             args = {p: ocp.ArrayRestoreArgs(sharding=where[p], global_shape=want[p].shape, dtype=want[p].dtype)
                     for p in paths}
             out.update(flatten(_read_part(part, what, unflatten_dict(args))))
@@ -664,7 +667,8 @@ def _restore(directory: str, what: str, expected, shardings, sums: dict[str, str
         host = flatten(_read_part(part, what, unflatten_dict({p: ocp.RestoreArgs(restore_type=np.ndarray)
                                                               for p in paths})))
         for p, a in host.items():
-            pending[".".join(p)] = crc32_pieces(a, pool.submit)
+            if sums is not None:
+                pending[".".join(p)] = crc32_pieces(a, pool.submit)
             out[p] = jax.device_put(a, where[p])
     if sums is not None:
         def check():

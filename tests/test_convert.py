@@ -255,6 +255,18 @@ def test_load_onto_mesh(int4):
     assert {tuple(sh.data.shape) for sh in expert.packed.addressable_shards} == {(4, 32, 8)}
     assert {tuple(sh.data.shape) for sh in expert.scale.addressable_shards} == {(4, 32, 2)}
     assert_same_params(m, ref)
+    sharded = kj.load(int4[2], mesh=mesh, verify=False)  # unchecked on a mesh: each device reads its own shard
+    for a, s in zip(jax.tree.leaves(sharded.params), jax.tree.leaves(want)):
+        assert a.sharding.is_equivalent_to(s, a.ndim), (a.shape, a.sharding, s)
+    assert_same_params(sharded, ref)
+
+
+def test_unchecked_load_on_one_device_reads_through_the_host(int4):
+    """verify=False on one device reads each part to the host (the checked load's reader, its checksums left out):
+    the same arrays as the checked load, each on the default device."""
+    checked, unchecked = kj.load(int4[2]), kj.load(int4[2], verify=False)
+    assert_same_params(unchecked, checked)
+    assert {d for a in jax.tree.leaves(unchecked.params) for d in a.devices()} == {jax.devices()[0]}
 
 
 def test_load_checks_every_array(fp32, tmp_path):
