@@ -29,6 +29,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,7 +37,8 @@ ROOT = os.path.dirname(HERE)
 
 
 def tcp_listener(host: str, port: int) -> socket.socket:
-    """A listening socket of proto IPPROTO_TCP: asyncio then gives each accepted connection TCP_NODELAY."""
+    """A listening socket of proto IPPROTO_TCP: asyncio then gives each accepted connection TCP_NODELAY. For trees
+    older than `kdtree_jax.serving.serve.tcp_listener` (which a tree that has it uses instead)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -82,7 +84,7 @@ def child(args) -> int:
         make_config = getattr(serve, "uvicorn_config", None)  # the tree's own protocol settings, where it has them
         config = (make_config(app, log_level="warning") if make_config is not None
                   else uvicorn.Config(app, lifespan="off", log_level="warning"))
-        sock = tcp_listener("127.0.0.1", 0)
+        sock = getattr(serve, "tcp_listener", tcp_listener)("127.0.0.1", 0)
         print(f"READY http://127.0.0.1:{sock.getsockname()[1]} {kj.__file__}", flush=True)
         asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))  # until SIGTERM (uvicorn's own handler)
     return 0
@@ -96,13 +98,17 @@ def _start(tree: str, lib: str | None, args, method: str, warmup: str) -> tuple[
             "--budget", str(args.budget), "--max-batch", str(args.max_batch), "--max-context", str(args.max_context),
             "--chunk-steps", str(args.chunk_steps), "--warmup", warmup, "--ffi-ops", args.ffi_ops]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    t0 = time.monotonic()
+    t0, lines = time.monotonic(), []
     for line in proc.stdout:
         if line.startswith("READY "):
             _, url, where = line.split()
             print(f"  {tree}: serving from {where} ({time.monotonic() - t0:.0f} s to compile)", flush=True)
+            # keep reading its output, so that a full pipe never blocks the server while it is measured
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
             return proc, url
-    raise RuntimeError(f"the server of {tree} exited ({proc.wait()}) before it listened")
+        lines.append(line)
+    tail = "".join(lines[-20:])
+    raise RuntimeError(f"the server of {tree} exited ({proc.wait()}) before it listened; its last output:\n{tail}")
 
 
 def _stop(proc: subprocess.Popen) -> None:
