@@ -17,8 +17,8 @@ today's attributes, called exactly as `after` (an A/B of two kernel versions in 
 the block size chosen from the shard's own experts (as before 2026-12-01: at the per-device shape M k / 48
 overstated the slots per expert 8-fold); `stream` / `tile64` / `tile128` force a path, `stream8` / `stream16` /
 `stream32` the stream path with that block size, `tile16` / `tile32` the tile path's narrow tiles (FLAG_TILE)
-(`+l2`, `+sync`, `+deep`, `+serial`, `+fine`, `+persist`, `+xl1` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP, FLAG_SERIAL,
-FLAG_FINE, FLAG_PERSIST, FLAG_X_L1;
+(`+l2`, `+sync`, `+deep`, `+serial`, `+fine`, `+persist`, `+xl1`, `+fused` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP,
+FLAG_SERIAL, FLAG_FINE, FLAG_PERSIST, FLAG_X_L1, FLAG_FUSED (`after+fused`: the fused decode path, one launch);
 `after+deep` = the defaults plus FLAG_DEEP, `after+serial` the defaults with the stream path's kernels launched
 plainly, one after the other).
 `triton` = benchmarks/triton_moe.py, a Triton W4A16 fused MoE of the vLLM family on the same inputs (torch shares
@@ -165,7 +165,7 @@ def variant_fn(name: str, m: int, e: int):
         return call, bm, path_name(mm, bm, flags)
     base, *mods = name.split("+")
     flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "serial": mm.FLAG_SERIAL, "deep": mm.FLAG_DEEP,
-                 "fine": mm.FLAG_FINE, "persist": mm.FLAG_PERSIST, "xl1": mm.FLAG_X_L1}[x]
+                 "fine": mm.FLAG_FINE, "persist": mm.FLAG_PERSIST, "xl1": mm.FLAG_X_L1, "fused": mm.FLAG_FUSED}[x]
                 for x in mods)
     if base in ("tile16", "tile32"):  # the tile path's narrow tiles (FLAG_TILE), with the tile path's flags
         flags |= mm.FLAG_TILE | mm.TILE_FLAGS
@@ -184,7 +184,9 @@ def variant_fn(name: str, m: int, e: int):
 
 
 def path_name(mm, block_m: int, flags: int) -> str:
-    """The path marlin_moe takes with this block size and flags: "tile", "stream" or "stream+persist"."""
+    """The path marlin_moe takes with this block size and flags: "fused", "tile", "stream" or "stream+persist"."""
+    if flags & mm.FLAG_FUSED:
+        return "fused"
     if block_m in mm.TILE_BLOCKS or (block_m in mm.NARROW_TILE_BLOCKS and flags & mm.FLAG_TILE):
         return "tile"
     return "stream+persist" if flags & mm.FLAG_PERSIST else "stream"

@@ -1255,6 +1255,308 @@ __global__ void CombineKernel8(const __nv_bfloat16* __restrict__ ys, const int32
 }
 
 // ------------------------------------------------------------------------------------------------------------------
+// Fused decode path (target kdtree_marlin_moe_fused): the whole MoE of a few tokens in one kernel
+// ------------------------------------------------------------------------------------------------------------------
+//
+// For one device's share at decode and small tree verifies (M k <= 256 slots, a few local experts), the stream
+// path's four launches (align, gate/up, down, combine) each take 3-20 us while the bytes they move take ~5 us in
+// all. This kernel does the same function in one launch of resident blocks (every block on the GPU at once):
+//   1. every block sorts the slots by expert itself (stable, in shared memory) into units of at most 8 slots of
+//      one expert (the mma's 8 token columns);
+//   2. gate/up: a warp's item is 16 rows of gate and the same 16 of up, for one unit, over 512 inputs (lane (g, t)
+//      reads groups 4 t .. 4 t + 3 of the item, 64 contiguous bytes, of rows g and g + 8); its fp32 partial sums
+//      go to p1, and the warp that completes a (unit, 16 rows) tile (a counter per tile) sums the D / 512 partials
+//      in order (all loads in flight at once) and writes h = silu(gate) * up in bf16;
+//   3. a grid barrier (the blocks are resident: their count comes from the occupancy), with each warp's first down
+//      weights already loading;
+//   4. down: a warp's item is 16 rows of down for one unit over 512 of the F inputs, partials to p2; the warp that
+//      completes a 16-row tile over every unit sums, for each token, its slots j in ascending order:
+//      out[m, d] = sum_j w[m, j] bf16(sum of the F / 512 partials of slot j).
+// Weights are dequantized to bf16 before the mma ((q - 8) s rounded once, as the reference and the tile path do),
+// so an mma step may span groups. h and the per-slot outputs are rounded to bf16 like the other paths' scratch.
+// Every sum has a fixed order: the result is bitwise reproducible. The counters (one for the barrier, one per
+// gate/up tile, one per down tile) are cleared by a memset before the launch.
+constexpr int kFusedWarps = 8;
+constexpr int kFusedThreads = 32 * kFusedWarps;
+constexpr int kFusedMaxSlots = kFusedThreads;  // one thread per slot while sorting
+constexpr int kFusedPieces = 4;                // 16-byte pieces (groups of 32 inputs) per row per lane of an item
+constexpr int kFusedSpan = 4 * 32 * kFusedPieces;  // inputs per item: 512
+constexpr int kFusedMaxSplit = 16;             // D / 512 and F / 512 at most (D, F <= 8192): unrolled sums
+
+struct FusedParams {
+  const __nv_bfloat16* x;  // [M, D]
+  const int32_t* ids;      // [M, k]
+  const float* weights;    // [M, k]
+  const uint32_t* gq;      // [E, F, D/8]
+  const uint32_t* uq;
+  const __nv_bfloat16* gs;  // [E, F, D/32]
+  const __nv_bfloat16* us;
+  const uint32_t* dq;       // [E, D, F/8]
+  const __nv_bfloat16* ds;  // [E, D, F/32]
+  __nv_bfloat16* out;       // [M, D]
+  float* p1;                // [S, D/512, 2, F]
+  __nv_bfloat16* h;         // [S, F]
+  float* p2;                // [S, F/512, D]
+  unsigned* counters;       // [1 + S F/16 + D/16], zero at launch
+  int m, k, e, d, f, slots;
+};
+
+__device__ __forceinline__ uint4 LoadWeight16(const void* ptr) {  // streamed once: no L1 allocation
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t Prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// Scale i (0 .. 3) of four bf16 scales as the pair (s, s).
+__device__ __forceinline__ __nv_bfloat162 ScalePair(const uint2& four, int i) {
+  const uint32_t two = i < 2 ? four.x : four.y;
+  return BitsBf2(Prmt(two, two, i % 2 == 0 ? 0x1010u : 0x3232u));
+}
+
+// Rows r and r + 8 of a packed [rows, cols/8] matrix at this lane's 4 groups (the first grp), with their scales.
+struct Rows {
+  uint4 w[2][kFusedPieces];
+  uint2 sc[2];
+};
+__device__ __forceinline__ void LoadRows(Rows& r, const uint32_t* q, const __nv_bfloat16* s, int64_t row, int cols,
+                                         int grp) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t at = row + 8 * half;
+    const uint32_t* src = q + at * (cols / 8) + 4 * grp;
+#pragma unroll
+    for (int c = 0; c < kFusedPieces; ++c) r.w[half][c] = LoadWeight16(src + 4 * c);
+    r.sc[half] = __ldg(reinterpret_cast<const uint2*>(s + at * (cols / 32) + grp));
+  }
+}
+
+// The 32 inputs of group `piece` of this lane's token (or h) row; zeros for a column without a slot.
+__device__ __forceinline__ void LoadPiece(uint4 (&tok)[4], const __nv_bfloat16* row, int piece, bool valid, bool cg) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat16* p = row + 32 * piece + 8 * i;
+    tok[i] = !valid ? make_uint4(0, 0, 0, 0) : cg ? LoadGlobal16Cg(p) : LoadGlobal16Nc(p);
+  }
+}
+
+// acc += W x over one piece: step (word, h) gives lane (g, t) nibbles (2h, 2h + 4) and (2h + 1, 2h + 5) of word
+// `word` of rows g and g + 8 (the k order is free as long as the tokens' values sit at the same inputs).
+__device__ __forceinline__ void PieceMma(float (&acc)[4], const Rows& r, int c, const uint4 (&tok)[4]) {
+  const __nv_bfloat162 s0 = ScalePair(r.sc[0], c), s1 = ScalePair(r.sc[1], c);
+#pragma unroll
+  for (int wd = 0; wd < 4; ++wd) {
+    const uint32_t lo = Word(r.w[0][c], wd), hi = Word(r.w[1][c], wd);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const uint32_t xa = Word(tok[wd], hh), xb = Word(tok[wd], hh + 2);
+      Mma(acc, Dequant(lo, 2 * hh, s0), Dequant(hi, 2 * hh, s1), Dequant(lo, 2 * hh + 1, s0),
+          Dequant(hi, 2 * hh + 1, s1), Prmt(xa, xb, 0x5410u), Prmt(xa, xb, 0x7632u));
+    }
+  }
+}
+
+// One count on *counter for this warp, after its writes (the warp's barrier orders its lanes' writes before lane
+// 0's count, a GPU-scope acquire-release atomic, as CUTLASS's split-K semaphores do with a block barrier); true in
+// the warp that counted last of `of`, which then sees every counted warp's writes (through L2: ld.cg).
+__device__ __forceinline__ bool CountLast(unsigned* counter, unsigned of, int lane) {
+  __syncwarp();
+  unsigned old = 0;
+  if (lane == 0) asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+  const bool last = __shfl_sync(0xffffffffu, old, 0) == of - 1;
+  __syncwarp();
+  return last;
+}
+
+// sum_{q < n} src[q * stride] in order q = 0, 1, ..., every load issued before the first add (n <= kFusedMaxSplit).
+__device__ __forceinline__ float SumSplits(const float* src, int n, int64_t stride) {
+  float v[kFusedMaxSplit];
+#pragma unroll
+  for (int q = 0; q < kFusedMaxSplit; ++q) v[q] = q < n ? __ldcg(src + q * stride) : 0.0f;
+  float sum = 0.0f;
+#pragma unroll
+  for (int q = 0; q < kFusedMaxSplit; ++q) sum += q < n ? v[q] : 0.0f;
+  return sum;
+}
+
+__global__ void __launch_bounds__(kFusedThreads, 2) FusedMoeKernel(const FusedParams p) {
+  __shared__ int id_s[kFusedMaxSlots];      // slot -> its expert, or -1
+  __shared__ int pos_s[kFusedMaxSlots];     // slot -> its place in expert order, or -1
+  __shared__ int slot_s[kFusedMaxSlots];    // place -> slot
+  __shared__ int first_s[kFusedMaxSlots + 1];  // unit -> its first place (and one past the last unit)
+  __shared__ int expert_s[kFusedMaxSlots];  // unit -> expert
+  __shared__ int within_s[kFusedMaxSlots], expert_at_s[kFusedMaxSlots];  // place -> rank in its expert, expert
+  __shared__ int warp_units_s[kFusedWarps];
+  __shared__ int units_s;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int S = p.slots, D = p.d, F = p.f, E = p.e;
+
+  // 1. Slots in expert order (ties: the lower slot), units of at most 8 places of one expert.
+  {
+    int e = -1;
+    if (tid < S) {
+      e = p.ids[tid];
+      e = e >= 0 && e < E ? e : -1;
+      id_s[tid] = e;
+    }
+    __syncthreads();
+    int place = 0, within = 0;
+    if (e >= 0) {
+      for (int s = 0; s < S; ++s) {
+        const int o = id_s[s];
+        place += o >= 0 && (o < e || (o == e && s < tid));
+        within += o == e && s < tid;
+      }
+    }
+    if (tid < S) pos_s[tid] = e >= 0 ? place : -1;
+    if (e >= 0) {
+      slot_s[place] = tid;
+      within_s[place] = within;
+      expert_at_s[place] = e;
+    }
+    const int valid = __syncthreads_count(e >= 0);
+    const bool starts = tid < valid && within_s[tid] % 8 == 0;  // a unit starts at every 8th place of a run
+    const unsigned ballot = __ballot_sync(0xffffffffu, starts);
+    if (lane == 0) warp_units_s[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0;
+    for (int w = 0; w < warp; ++w) before += warp_units_s[w];
+    if (starts) {
+      const int u = before + __popc(ballot & ((1u << lane) - 1u));
+      first_s[u] = tid;
+      expert_s[u] = expert_at_s[tid];
+    }
+    if (tid == kFusedThreads - 1) {
+      const int units = before + warp_units_s[warp];
+      first_s[units] = valid;
+      units_s = units;
+    }
+    __syncthreads();
+  }
+  const int U = units_s;
+  if (U == 0) {  // no slot has a local expert: the output is zeros (every block returns here, before the barrier)
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kFusedThreads + tid; i < static_cast<int64_t>(p.m) * D;
+         i += static_cast<int64_t>(gridDim.x) * kFusedThreads) {
+      p.out[i] = __float2bfloat16_rn(0.0f);
+    }
+    return;
+  }
+  const int T1 = F / 16, S1 = D / kFusedSpan, T2 = D / 16, S2 = F / kFusedSpan;
+  const int gw = blockIdx.x * kFusedWarps + warp, nw = gridDim.x * kFusedWarps;
+  unsigned* const barrier = p.counters;
+  unsigned* const tiles1 = p.counters + 1;
+  unsigned* const tiles2 = p.counters + 1 + S * T1;
+
+  // 2. gate / up.
+  const int n1 = U * T1 * S1;
+  for (int it = gw; it < n1; it += nw) {
+    const int sl = it % S1, tile = (it / S1) % T1, u = it / S1 / T1;
+    const int e = expert_s[u], first = first_s[u], count = min(first_s[u + 1] - first, 8);
+    const int grp = sl * (kFusedSpan / 32) + kFusedPieces * t;
+    const int64_t row = static_cast<int64_t>(e) * F + tile * 16 + g;
+    Rows wg, wu;
+    LoadRows(wg, p.gq, p.gs, row, D, grp);
+    LoadRows(wu, p.uq, p.us, row, D, grp);
+    const bool has = g < count;
+    const __nv_bfloat16* xrow = p.x + static_cast<int64_t>(has ? slot_s[first + g] / p.k : 0) * D + 32 * grp;
+    float ag[4] = {0.0f, 0.0f, 0.0f, 0.0f}, au[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int c = 0; c < kFusedPieces; ++c) {  // the tokens from L1 (every warp reads them), a piece at a time
+      uint4 tok[4];
+      LoadPiece(tok, xrow, c, has, false);
+      PieceMma(ag, wg, c, tok);
+      PieceMma(au, wu, c, tok);
+    }
+#pragma unroll
+    for (int cc = 0; cc < 2; ++cc) {  // accumulator cc: column 2 t + cc, rows g (cc) and g + 8 (2 + cc)
+      const int col = 2 * t + cc;
+      if (col < count) {
+        float* dst = p.p1 + (static_cast<int64_t>(first + col) * S1 + sl) * 2 * F + tile * 16 + g;
+        dst[0] = ag[cc];
+        dst[8] = ag[2 + cc];
+        dst[F] = au[cc];
+        dst[F + 8] = au[2 + cc];
+      }
+    }
+    if (CountLast(tiles1 + u * T1 + tile, S1, lane)) {  // lanes: 16 rows x 2 columns at a time
+      const int r = tile * 16 + lane % 16;
+      for (int col = lane / 16; col < count; col += 2) {
+        const float* src = p.p1 + static_cast<int64_t>(first + col) * S1 * 2 * F + r;
+        const float gsum = SumSplits(src, S1, 2 * F), usum = SumSplits(src + F, S1, 2 * F);
+        p.h[static_cast<int64_t>(first + col) * F + r] = __float2bfloat16_rn(Silu(gsum) * usum);
+      }
+    }
+  }
+
+  // 3. The first down item's weights start loading, then every block waits for every h.
+  const int n2 = U * T2 * S2;
+  Rows wd;
+  if (gw < n2) {
+    const int sl = gw % S2, u = (gw / S2) % U, tile = gw / S2 / U;
+    LoadRows(wd, p.dq, p.ds, static_cast<int64_t>(expert_s[u]) * D + tile * 16 + g, F,
+             sl * (kFusedSpan / 32) + kFusedPieces * t);
+  }
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    atomicAdd(barrier, 1u);
+    // every block is resident (the grid is the occupancy's), so the wait ends; a wait of seconds means it is not,
+    // and trapping (an error the caller sees) beats hanging the stream
+    for (long long spins = 0; *reinterpret_cast<volatile unsigned*>(barrier) < gridDim.x; ++spins) {
+      if (spins > (1ll << 31)) __trap();
+    }
+    __threadfence();
+  }
+  __syncthreads();
+
+  // 4. down, and the combine by the warp that completes each 16-row tile.
+  for (int it = gw; it < n2; it += nw) {
+    const int sl = it % S2, u = (it / S2) % U, tile = it / S2 / U;
+    const int first = first_s[u], count = min(first_s[u + 1] - first, 8);
+    const int grp = sl * (kFusedSpan / 32) + kFusedPieces * t;
+    if (it != gw) LoadRows(wd, p.dq, p.ds, static_cast<int64_t>(expert_s[u]) * D + tile * 16 + g, F, grp);
+    const bool has = g < count;
+    const __nv_bfloat16* hrow = p.h + static_cast<int64_t>(first + (has ? g : 0)) * F + 32 * grp;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint4 tok[2][4];  // h from L2 (written in this launch), a piece ahead of its use
+    LoadPiece(tok[0], hrow, 0, has, true);
+#pragma unroll
+    for (int c = 0; c < kFusedPieces; ++c) {
+      if (c + 1 < kFusedPieces) LoadPiece(tok[(c + 1) % 2], hrow, c + 1, has, true);
+      PieceMma(acc, wd, c, tok[c % 2]);
+    }
+#pragma unroll
+    for (int cc = 0; cc < 2; ++cc) {
+      const int col = 2 * t + cc;
+      if (col < count) {
+        float* dst = p.p2 + (static_cast<int64_t>(first + col) * S2 + sl) * D + tile * 16 + g;
+        dst[0] = acc[cc];
+        dst[8] = acc[2 + cc];
+      }
+    }
+    if (CountLast(tiles2 + tile, static_cast<unsigned>(U * S2), lane)) {
+      for (int i = lane; i < 16 * p.m; i += 32) {
+        const int r = tile * 16 + i % 16, m = i / 16;
+        float sum = 0.0f;
+        for (int j = 0; j < p.k; ++j) {
+          const int slot = m * p.k + j, place = pos_s[slot];
+          if (place < 0) continue;
+          const float y = SumSplits(p.p2 + static_cast<int64_t>(place) * S2 * D + r, S2, D);
+          sum += p.weights[slot] * __bfloat162float(__float2bfloat16_rn(y));
+        }
+        p.out[static_cast<int64_t>(m) * D + r] = __float2bfloat16_rn(sum);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------------
 // Handler
 // ------------------------------------------------------------------------------------------------------------------
 
@@ -1527,6 +1829,67 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
                                       static_cast<int>(topk), D, static_cast<__nv_bfloat16*>(out->untyped_data()));
 }
 
+
+ffi::Error MarlinMoeFusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
+                                  ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> gate_q,
+                                  ffi::Buffer<ffi::BF16> gate_s, ffi::Buffer<ffi::S32> up_q,
+                                  ffi::Buffer<ffi::BF16> up_s, ffi::Buffer<ffi::S32> down_q,
+                                  ffi::Buffer<ffi::BF16> down_s, ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::Result<ffi::Buffer<ffi::F32>> p1, ffi::Result<ffi::AnyBuffer> h,
+                                  ffi::Result<ffi::Buffer<ffi::F32>> p2, ffi::Result<ffi::Buffer<ffi::U32>> counters) {
+  kdtree::MoeShape shape;
+  if (ffi::Error e = kdtree::CheckMoeShape(x.dimensions(), ids.dimensions(), weights.dimensions(),
+                                           gate_q.dimensions(), gate_s.dimensions(), up_q.dimensions(),
+                                           up_s.dimensions(), down_q.dimensions(), down_s.dimensions(), &shape);
+      e.failure()) {
+    return e;
+  }
+  const int64_t M = shape.m, D = shape.d, K = shape.k, E = shape.e, F = shape.f, S = M * K;
+  const ffi::DataType t = x.element_type();
+  if (t != ffi::DataType::BF16 || out->element_type() != t || h->element_type() != t || D % kFusedSpan != 0 ||
+      F % kFusedSpan != 0 || D > kFusedSpan * kFusedMaxSplit || F > kFusedSpan * kFusedMaxSplit ||
+      shape.gate_scales * 32 != D || shape.down_scales * 32 != F || S > kFusedMaxSlots ||
+      E > INT32_MAX / 2) {
+    return ffi::Error::InvalidArgument("marlin_moe (fused): needs bfloat16, D and F multiples of 512 up to 8192, "
+                                       "group size 32 and at most 256 slots (M k); got D = " + std::to_string(D) + ", F = " +
+                                       std::to_string(F) + ", M k = " + std::to_string(S));
+  }
+  if (out->element_count() != static_cast<size_t>(M * D) ||
+      p1->element_count() != static_cast<size_t>(S * (D / kFusedSpan) * 2 * F) ||
+      h->element_count() != static_cast<size_t>(S * F) ||
+      p2->element_count() != static_cast<size_t>(S * (F / kFusedSpan) * D) ||
+      counters->element_count() != static_cast<size_t>(1 + S * (F / 16) + D / 16)) {
+    return ffi::Error::InvalidArgument("marlin_moe (fused): scratch sizes must be p1 [M k D/512 2 F], h [M k F], "
+                                       "p2 [M k F/512 D] and counters [1 + M k F/16 + D/16]");
+  }
+  if (M == 0 || D == 0) return ffi::Error::Success();
+  if (S == 0 || E == 0 || F == 0) {
+    if (cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream) != cudaSuccess) {
+      return LastError("clearing the output");
+    }
+    return ffi::Error::Success();
+  }
+  if (cudaMemsetAsync(counters->typed_data(), 0, counters->size_bytes(), stream) != cudaSuccess) {
+    return LastError("clearing the fused path's counters");
+  }
+  static std::atomic<int64_t> known[kDevices] = {};
+  int64_t resident = 0;
+  if (ffi::Error e = ResidentBlocks(FusedMoeKernel, kFusedThreads, 0, known, &resident); e.failure()) return e;
+  FusedParams p{static_cast<const __nv_bfloat16*>(x.untyped_data()), ids.typed_data(), weights.typed_data(),
+                reinterpret_cast<const uint32_t*>(gate_q.typed_data()),
+                reinterpret_cast<const uint32_t*>(up_q.typed_data()),
+                reinterpret_cast<const __nv_bfloat16*>(gate_s.typed_data()),
+                reinterpret_cast<const __nv_bfloat16*>(up_s.typed_data()),
+                reinterpret_cast<const uint32_t*>(down_q.typed_data()),
+                reinterpret_cast<const __nv_bfloat16*>(down_s.typed_data()),
+                static_cast<__nv_bfloat16*>(out->untyped_data()), p1->typed_data(),
+                static_cast<__nv_bfloat16*>(h->untyped_data()), p2->typed_data(), counters->typed_data(),
+                static_cast<int>(M), static_cast<int>(K), static_cast<int>(E), static_cast<int>(D),
+                static_cast<int>(F), static_cast<int>(S)};
+  FusedMoeKernel<<<static_cast<unsigned>(resident), kFusedThreads, 0, stream>>>(p);
+  return LastError("fused kernel launch");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KdMarlinMoeCuda, MarlinMoeCudaImpl,
@@ -1547,4 +1910,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KdMarlinMoeCuda, MarlinMoeCudaImpl,
                                   .Ret<ffi::AnyBuffer>()               // h [M k, F]
                                   .Ret<ffi::AnyBuffer>()               // ys [M k, D]
                                   .Attr<int64_t>("flags"),             // kFlag* bits (0: the defaults)
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KdMarlinMoeFusedCuda, MarlinMoeFusedCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // x [M, D] bf16
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // ids [M, k] (outside [0, E): no expert)
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // routing weights [M, k]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // gate packed [E, F, D/8]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()       // gate scales [E, F, D/32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // up packed [E, F, D/8]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()       // up scales [E, F, D/32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // down packed [E, D, F/8]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()       // down scales [E, D, F/32]
+                                  .Ret<ffi::AnyBuffer>()               // out [M, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // gate/up partials [M k, D/512, 2, F]
+                                  .Ret<ffi::AnyBuffer>()               // h [M k, F]
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // down partials [M k, F/512, D]
+                                  .Ret<ffi::Buffer<ffi::U32>>(),       // counters [1 + M k F/16 + D/16]
                               {xla::ffi::Traits::kCmdBufferCompatible});

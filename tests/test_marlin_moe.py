@@ -16,8 +16,8 @@ import pytest
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
 from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_FINE, FLAG_L2_256, FLAG_PERSIST, FLAG_SERIAL, FLAG_SYNC,
-                                           FLAG_TILE, FLAG_X_L1, NARROW_SLOTS, STREAM_FLAGS, TILE_128_MIN_M, TILE_FLAGS,
-                                           TILE_MIN_M,
+                                           FLAG_TILE, FLAG_X_L1, FLAG_FUSED, NARROW_SLOTS, STREAM_FLAGS, TILE_128_MIN_M,
+                                           TILE_FLAGS, TILE_MIN_M,
                                            _cuda_call, block_size, choose_block_m, choose_path, marlin_moe,
                                            marlin_moe_ref, max_blocks, moe_align, moe_experts_ref, tile_eligible)
 from kdtree_jax.model import forward
@@ -195,6 +195,56 @@ def test_the_chosen_path_reaches_the_cuda_call(monkeypatch, m, dtype, flags, wan
     assert seen and set(seen) == {want}, seen
     ref = marlin_moe_ref(x, ids, weights, *experts)
     assert np.all(np.isfinite(np.asarray(out, np.float32))) and rel_err(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("env, flags, want", [("1", None, True), ("0", None, False), (None, None, False),
+                                               ("1", 0, False), ("0", FLAG_FUSED, True)])
+def test_the_fused_path_reaches_its_call_where_chosen(monkeypatch, env, flags, want):
+    """The fused decode path runs where KDTREE_JAX_MOE_FUSED=1 leaves the flags to `marlin_moe` (or FLAG_FUSED is
+    given): the CUDA branch traces `_fused_call`, not `_cuda_call` (seen when traced, on any platform; the CPU runs
+    its own handler, the same function), and the result is the reference's."""
+    mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")
+    seen, real = [], mm._fused_call
+    monkeypatch.setattr(mm, "_fused_call", lambda *a: seen.append(a[1:]) or real(*a))
+    if env is None:
+        monkeypatch.delenv("KDTREE_JAX_MOE_FUSED", raising=False)
+    else:
+        monkeypatch.setenv("KDTREE_JAX_MOE_FUSED", env)
+    rng = np.random.default_rng(91)
+    experts = make_experts(rng, 4, 512, 512)
+    ids, weights = make_routing(rng, 3, 2, 4, "sentinel")
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    out = run(x, ids, weights, experts, flags=flags)
+    assert bool(seen) == want and all(dims == (3, 512, 2, 512, jnp.bfloat16) for dims in seen), seen
+    assert rel_err(out, marlin_moe_ref(x, ids, weights, *experts)) <= TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("m, k, d, f, dtype, group, match", [
+    (1, 8, 256, 512, jnp.bfloat16, 32, "D and F multiples of 512"),  # D = 256
+    (1, 8, 512, 768, jnp.bfloat16, 32, "F = 768"),
+    (1, 8, 512, 512, jnp.float32, 32, "float32"),
+    (1, 8, 512, 512, jnp.bfloat16, 64, "group size 32"),
+    (33, 8, 512, 512, jnp.bfloat16, 32, "M k = 264"),  # past FUSED_MAX_SLOTS
+    (1, 2, 8704, 512, jnp.bfloat16, 32, "up to 8192"),
+])
+def test_fused_flag_on_shapes_it_cannot_take_is_refused(m, k, d, f, dtype, group, match):
+    rng = np.random.default_rng(3)
+    experts = make_experts(rng, 4, d, f, group)
+    ids, weights = make_routing(rng, m, k, 4, "repeat")
+    x = jnp.asarray(rng.standard_normal((m, d)), dtype)
+    with pytest.raises(ValueError, match=match):
+        marlin_moe(x, ids, weights, *experts, flags=FLAG_FUSED)
+
+
+def test_fused_path_is_eligible_only_where_its_kernel_runs():
+    mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")
+    assert mm.fused_eligible(1, 8, 7168, 2048, 32, 32, jnp.bfloat16)  # K2, one device's decode
+    assert mm.fused_eligible(32, 8, 7168, 2048, 32, 32, jnp.bfloat16)  # 256 slots: the kernel's limit
+    assert not mm.fused_eligible(33, 8, 7168, 2048, 32, 32, jnp.bfloat16)
+    assert not mm.fused_eligible(0, 8, 7168, 2048, 32, 32, jnp.bfloat16)
+    assert not mm.fused_eligible(1, 8, 7168, 2048, 32, 32, jnp.float32)
+    assert not mm.fused_eligible(1, 8, 7168 + 256, 2048, 32, 32, jnp.bfloat16)
+    assert not mm.fused_eligible(1, 8, 7168, 8192 + 512, 32, 32, jnp.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -444,6 +494,14 @@ K2_CASES += [  # the stream path's persistent grid (FLAG_PERSIST): resident bloc
 ]
 
 
+K2_CASES += [  # the fused decode path (FLAG_FUSED): one launch, its own sort, every routing kind, up to 256 slots
+    (1, 8, 16, "uniform", None, FLAG_FUSED), (7, 8, 16, "sentinel", None, FLAG_FUSED),
+    (3, 8, 16, "one_expert", None, FLAG_FUSED), (24, 8, 16, "few", None, FLAG_FUSED),
+    (17, 8, 16, "repeat", None, FLAG_FUSED), (32, 8, 16, "uniform", None, FLAG_FUSED),
+    (4, 8, 64, "uniform", None, FLAG_FUSED),  # 64 experts, 16 local: a quarter of the slots here
+]
+
+
 @pytest.fixture(scope="module")
 def k2_experts():
     return random_experts(jax.random.key(0), 16, K2_D, K2_F)
@@ -647,3 +705,63 @@ def test_gpu_model_ffi_equals_xla():
     ffi = dataclasses.replace(cfg, kernels="ffi")
     logits = [jax.jit(forward, static_argnums=1)(params, c, tokens) for c in (cfg, ffi)]
     assert rel_err(logits[1], logits[0]) <= 1e-4
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("m, kind", [(1, "uniform"), (9, "sentinel"), (32, "few"), (5, "repeat")])
+def test_gpu_fused_path_equals_the_reference_and_its_h(k2_experts, m, kind):
+    """The fused kernel on poisoned memory: its output equals the reference within bf16 rounding, its h scratch
+    equals silu(gate) * up of the reference for every routed slot (in expert order), and a slot list where no slot
+    has a local expert gives zeros."""
+    gpu0 = jax.devices("gpu")[0]
+    mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")
+    rng = np.random.default_rng(71 + m)
+    ids, weights = make_routing(rng, m, 8, 16, kind)
+    x = jax.random.normal(jax.random.key(m + 9), (m, K2_D), jnp.bfloat16)
+    flat = jax.device_put([x, ids, weights] + [a for w in k2_experts for a in (w.packed, w.scale)], gpu0)
+    _poison((m * 8, 2 * K2_D + 2 * K2_F))
+    outs = jax.jit(lambda *a: mm._fused_call(a, m, K2_D, 8, K2_F, jnp.bfloat16))(*flat)
+    out = np.asarray(outs[0], np.float32)
+    assert np.all(np.isfinite(out)) and np.any(out != 0)
+    assert rel_err(out, _ref(*flat[:3], *k2_experts)) <= 1e-2
+    flat_ids = np.asarray(ids).reshape(-1)
+    routed = [s for s in np.argsort(np.where((flat_ids >= 0) & (flat_ids < 16), flat_ids, 99), kind="stable")
+              if 0 <= flat_ids[s] < 16]  # slots in expert order: the kernel's places
+    h = np.asarray(outs[2], np.float32)[:len(routed)]
+    g, u = (np.asarray(w.dequantize(jnp.float32)) for w in k2_experts[:2])
+    xs = np.asarray(x, np.float32)[[s // 8 for s in routed]]
+    a = np.einsum("sd,sfd->sf", xs, g[flat_ids[routed]])
+    want = a / (1.0 + np.exp(-a)) * np.einsum("sd,sfd->sf", xs, u[flat_ids[routed]])
+    assert np.all(np.isfinite(h)) and rel_err(h, want) <= 1e-2
+    none = jax.device_put(jnp.full((m, 8), 16, jnp.int32), gpu0)  # every slot another shard's
+    _poison((m * 8, 2 * K2_D + 2 * K2_F))
+    zero = jax.jit(lambda *a: mm._fused_call(a, m, K2_D, 8, K2_F, jnp.bfloat16)[0])(flat[0], none, *flat[2:])
+    np.testing.assert_array_equal(np.asarray(zero, np.float32), 0.0)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("m", [1, 17])
+def test_gpu_fused_path_in_a_chain_equals_the_stream_path(k2_experts, m):
+    """Four fused calls in a chain (each output the next input), as consecutive layers run them: each equals the
+    stream path's call on the same input within bf16 rounding, so no call reads another's counters or scratch."""
+    gpu0 = jax.devices("gpu")[0]
+    rng = np.random.default_rng(13 + m)
+    routes = jax.device_put([make_routing(rng, m, 8, 16) for _ in range(4)], gpu0)
+    x = jax.device_put(jax.random.normal(jax.random.key(m), (m, K2_D), jnp.bfloat16), gpu0)
+
+    @jax.jit
+    def chain(x, routes, experts):
+        outs = []
+        for ids, weights in routes:
+            fused = marlin_moe(x, ids, weights, *experts, flags=FLAG_FUSED)
+            outs.append((fused, marlin_moe(x, ids, weights, *experts)))
+            y = fused.astype(jnp.float32)  # the next input at unit scale (the MoE is quadratic in a small x)
+            x = (y / jnp.sqrt(jnp.mean(y * y) + 1e-30)).astype(jnp.bfloat16)
+        return outs
+
+    for fused, stream in chain(x, routes, k2_experts):
+        fused, stream = np.asarray(fused, np.float32), np.asarray(stream, np.float32)
+        assert np.all(np.isfinite(fused)) and np.any(fused != 0)
+        assert rel_err(fused, stream) <= 1e-2

@@ -36,6 +36,7 @@ CUDA_TARGETS = {
     "kdtree_tree_accept": "KdTreeAcceptCuda",
     "kdtree_mla_verify": "KdMlaVerifyCuda",
     "kdtree_marlin_moe": "KdMarlinMoeCuda",
+    "kdtree_marlin_moe_fused": "KdMarlinMoeFusedCuda",
     "kdtree_moe_route": "KdMoeRouteCuda",
     "kdtree_small_dot": "KdSmallDotCuda",
 }

@@ -38,6 +38,8 @@ kernel: correct, not fast.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +65,11 @@ FLAG_TILE = 32  # block_m 16 or 32: the tile path's narrow tiles (two blocks per
 FLAG_FINE = 64  # tile path: a tile of 17-24 slots runs as 24 token columns (wgmma N = 24), not 32
 FLAG_PERSIST = 128  # stream path: as many blocks as fit at once, each looping over the used units
 FLAG_X_L1 = 256  # stream path, gate/up: the token values prefetched into L1 as many chunks ahead as the weights
+FLAG_FUSED = 512  # the fused decode path: the whole MoE in one launch (target FUSED_TARGET; see `fused_eligible`)
+FUSED_TARGET = "kdtree_marlin_moe_fused"
+FUSED_MAX_SLOTS = 256  # M k the fused path takes (its kernel sorts the slots with one thread each)
+FUSED_SPAN = 512  # inputs of one warp's item in the fused kernel: D and F must be multiples of it
+FUSED_MAX_IN = 8192  # D and F at most (16 items a row: the kernel's unrolled sums of the partials)
 NARROW_TILE_BLOCKS = (16, 32)  # the block sizes FLAG_TILE applies to
 TILE_FLAGS = FLAG_L2_256  # the tile path's default flags (H200: the 256-byte L2 lines gain ~5% at M = 1,024)
 STREAM_FLAGS = 0  # the stream path's (the L2 hint changes nothing there)
@@ -83,6 +90,18 @@ def tile_eligible(d: int, f: int, gate_group: int, down_group: int, dtype) -> bo
     """Shapes the tile path takes: bf16, D a multiple of 256, F of 128, group 32 for gate/up and down."""
     return (jnp.dtype(dtype) == jnp.bfloat16 and d % 256 == 0 and f % 128 == 0 and gate_group == 32
             and down_group == 32)
+
+
+def fused_eligible(m: int, k: int, d: int, f: int, gate_group: int, down_group: int, dtype) -> bool:
+    """Shapes the fused decode path takes: bf16, D and F multiples of 512 up to 8192, group 32, 1 <= M k <= 256."""
+    return (jnp.dtype(dtype) == jnp.bfloat16 and d % FUSED_SPAN == 0 and f % FUSED_SPAN == 0 and d <= FUSED_MAX_IN
+            and f <= FUSED_MAX_IN and gate_group == 32 and down_group == 32 and 0 < m * k <= FUSED_MAX_SLOTS)
+
+
+def fused_default() -> bool:
+    """Whether `marlin_moe` takes the fused path by default where it is eligible: KDTREE_JAX_MOE_FUSED=1 (read at
+    trace time; off by default until it is measured faster in the full step)."""
+    return os.environ.get("KDTREE_JAX_MOE_FUSED", "0") == "1"
 
 
 def choose_path(m: int, k: int, e: int, tile_ok: bool, local: int | None = None) -> tuple[int, int]:
@@ -207,6 +226,18 @@ def _cuda_call(args, m: int, d: int, k: int, e: int, f: int, dtype, block_m: int
     return jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*args, flags=np.int64(flags))
 
 
+def _fused_call(args, m: int, d: int, k: int, f: int, dtype) -> list[jax.Array]:
+    """The fused path's custom call: [out [M, D], gate/up partials, h [M k, F], down partials, counters] (the
+    scratch comes back for the GPU tests)."""
+    s = m * k
+    outs = [jax.ShapeDtypeStruct((m, d), dtype),
+            jax.ShapeDtypeStruct((s * (d // FUSED_SPAN) * 2 * f,), jnp.float32),
+            jax.ShapeDtypeStruct((s, f), dtype),
+            jax.ShapeDtypeStruct((s * (f // FUSED_SPAN) * d,), jnp.float32),
+            jax.ShapeDtypeStruct((1 + s * (f // 16) + d // 16,), jnp.uint32)]
+    return jax.ffi.ffi_call(FUSED_TARGET, outs, vmap_method="sequential")(*args)
+
+
 def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up, we_down, *, impl: str = "ffi",
                block_m: int | None = None, flags: int | None = None, experts_total: int | None = None) -> jax.Array:
     """Routed experts: sum_j weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = ids[m, j].
@@ -252,6 +283,13 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
     if m == 0 or k == 0:
         return jnp.zeros((m, d), x.dtype)
     _registry.register()
+    fused_ok = fused_eligible(m, k, d, f, we_gate.group_size, we_down.group_size, x.dtype)
+    if flags is not None and flags & FLAG_FUSED and not fused_ok:
+        raise ValueError(f"marlin_moe: FLAG_FUSED needs bfloat16 x, D and F multiples of {FUSED_SPAN} up to "
+                         f"{FUSED_MAX_IN}, group size 32 and 1 <= M k <= {FUSED_MAX_SLOTS}; got {x.dtype}, D = {d}, "
+                         f"F = {f}, M k = {m * k}")
+    if block_m is None and flags is None and fused_ok and fused_default():
+        flags = FLAG_FUSED
     if block_m is None:
         bm, chosen = choose_path(m, k, experts_total or e, tile_ok, local=e)
         # the chosen path (its FLAG_TILE bit), the given flags' other bits
@@ -264,6 +302,8 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
         return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, d), x.dtype), vmap_method="sequential")(*args)
 
     def cuda(*args):
+        if flags & FLAG_FUSED:
+            return _fused_call(args, m, d, k, f, x.dtype)[0]
         return _cuda_call(args, m, d, k, e, f, x.dtype, bm, flags)[0]
 
     def other(x, ids, weights, gq, gs, uq, us, dq, ds):
