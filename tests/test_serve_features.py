@@ -262,9 +262,11 @@ def test_bench_serve_measures_prefix_ttft(served, tmp_path):
     (row,), summary = result["rows"], result["summary"]
     assert row["cold_prompt_tokens"] >= 170 and summary["warm_over_cold"] > 0
     assert summary["prefix_cache_hits_total"] >= 1 and summary["prefix_cache_tokens_saved_total"] >= 150
+    assert summary["warmup_prefix_cache_hits_total"] >= 1  # the untimed round's warm request hit the cache too
     paths = bench_serve.write([result], str(tmp_path), "prefix", "prefix TTFT")
     assert [os.path.basename(p) for p in paths] == ["prefix.json", "prefix.md"]
-    assert "| median |" in (tmp_path / "prefix.md").read_text()
+    text = (tmp_path / "prefix.md").read_text()
+    assert "| median |" in text and "in the untimed warm-up round: " in text
 
 
 def test_bad_logprobs_n_and_echo_get_400(served):

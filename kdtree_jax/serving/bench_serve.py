@@ -200,8 +200,11 @@ def prefix_ttft(url: str, *, prefix_chars: int = 1500, question_chars: int = 50,
             return cold, await _one(client, model, prefix + b, max_tokens)
 
     log(f"warming up: a prefix of {prefix_chars} characters, then two questions of {question_chars}")
+    start = _read_metrics(url, timeout, PREFIX_COUNTERS)
     asyncio.run(pair(prefixes[0], questions[0], questions[1]))
     before = _read_metrics(url, timeout, PREFIX_COUNTERS)
+    warmup = {f"warmup_{n}": before[n] - start[n] for n in PREFIX_COUNTERS if n in before and n in start}
+    log("warm-up: " + (", ".join(f"{k} {v:g}" for k, v in warmup.items()) or "no prefix counters"))
     rows = []
     for i in range(1, rounds + 1):
         cold, warm = asyncio.run(pair(prefixes[i], questions[2 * i], questions[2 * i + 1]))
@@ -213,7 +216,7 @@ def prefix_ttft(url: str, *, prefix_chars: int = 1500, question_chars: int = 50,
     cold_s = float(np.median([r["cold_ttft_s"] for r in rows]))
     warm_s = float(np.median([r["warm_ttft_s"] for r in rows]))
     summary = dict(cold_ttft_p50_s=cold_s, warm_ttft_p50_s=warm_s, warm_over_cold=warm_s / cold_s,
-                   **{n: after[n] - before[n] for n in PREFIX_COUNTERS if n in before and n in after})
+                   **{n: after[n] - before[n] for n in PREFIX_COUNTERS if n in before and n in after}, **warmup)
     setup = dict(url=url, model=model, server=server, rounds=rounds, prefix_chars=prefix_chars,
                  question_chars=question_chars, max_tokens=max_tokens, seed=seed,
                  date=datetime.date.today().isoformat(), commit=_commit())
@@ -232,7 +235,9 @@ def prefix_markdown(runs: list[dict], title: str, note: str = "") -> str:
                   f"{s['prefix_chars']} characters and a question of {s['question_chars']}, one request at a time, "
                   f"{s['max_tokens']} tokens each (greedy); TTFT = time to the first streamed text. Over the timed "
                   f"rounds the server counted {m.get('prefix_cache_hits_total', 0):g} prefix hits and "
-                  f"{m.get('prefix_cache_tokens_saved_total', 0):g} prompt tokens read from its prefix cache.", "",
+                  f"{m.get('prefix_cache_tokens_saved_total', 0):g} prompt tokens read from its prefix cache"
+                  + (f" (in the untimed warm-up round: {m['warmup_prefix_cache_hits_total']:g} hits)"
+                     if "warmup_prefix_cache_hits_total" in m else "") + ".", "",
                   "| round | prompt tokens cold / warm | cold TTFT ms | warm TTFT ms | warm / cold |",
                   "|---|---|---|---|---|"]
         lines += [f"| {r['round']} | {r['cold_prompt_tokens']} / {r['warm_prompt_tokens']} | "
