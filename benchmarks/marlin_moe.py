@@ -18,7 +18,8 @@ the block size chosen from the shard's own experts (as before 2026-12-01: at the
 overstated the slots per expert 8-fold); `stream` / `tile64` / `tile128` force a path, `stream8` / `stream16` /
 `stream32` the stream path with that block size, `tile16` / `tile32` the tile path's narrow tiles (FLAG_TILE)
 (`+l2`, `+sync`, `+deep`, `+serial`, `+fine`, `+persist`, `+xl1`, `+fused` add FLAG_L2_256, FLAG_SYNC, FLAG_DEEP,
-FLAG_SERIAL, FLAG_FINE, FLAG_PERSIST, FLAG_X_L1, FLAG_FUSED (`after+fused`: the fused decode path, one launch);
+FLAG_SERIAL, FLAG_FINE, FLAG_PERSIST, FLAG_X_L1, FLAG_FUSED (`after+fused`: the fused decode path, one launch;
+`after+fusedone`: it on one block an SM);
 `after+deep` = the defaults plus FLAG_DEEP, `after+serial` the defaults with the stream path's kernels launched
 plainly, one after the other).
 `triton` = benchmarks/triton_moe.py, a Triton W4A16 fused MoE of the vLLM family on the same inputs (torch shares
@@ -165,7 +166,8 @@ def variant_fn(name: str, m: int, e: int):
         return call, bm, path_name(mm, bm, flags)
     base, *mods = name.split("+")
     flags = sum({"l2": mm.FLAG_L2_256, "sync": mm.FLAG_SYNC, "serial": mm.FLAG_SERIAL, "deep": mm.FLAG_DEEP,
-                 "fine": mm.FLAG_FINE, "persist": mm.FLAG_PERSIST, "xl1": mm.FLAG_X_L1, "fused": mm.FLAG_FUSED}[x]
+                 "fine": mm.FLAG_FINE, "persist": mm.FLAG_PERSIST, "xl1": mm.FLAG_X_L1, "fused": mm.FLAG_FUSED,
+                 "fusedone": mm.FLAG_FUSED | mm.FLAG_FUSED_ONE}[x]
                 for x in mods)
     if base in ("tile16", "tile32"):  # the tile path's narrow tiles (FLAG_TILE), with the tile path's flags
         flags |= mm.FLAG_TILE | mm.TILE_FLAGS

@@ -99,6 +99,7 @@ constexpr int64_t kFlagTile = 32;       // BM = 16 or 32: the tile path's narrow
 constexpr int64_t kFlagFine = 64;       // tile path: 17-24 slots run as N = 24 (not 32)
 constexpr int64_t kFlagPersist = 128;   // stream path: resident blocks loop over the used units (GemmKernel)
 constexpr int64_t kFlagXL1 = 256;       // stream path, gate/up: x prefetched into L1 as far ahead as the weights
+constexpr int64_t kFlagFusedOne = 1024;  // fused path: one block per SM (not the occupancy's two)
 
 // ------------------------------------------------------------------------------------------------------------------
 // Small helpers (the ones small_dot.cu uses too are in cuda_common.cuh)
@@ -1836,7 +1837,8 @@ ffi::Error MarlinMoeFusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Bu
                                   ffi::Buffer<ffi::BF16> up_s, ffi::Buffer<ffi::S32> down_q,
                                   ffi::Buffer<ffi::BF16> down_s, ffi::Result<ffi::AnyBuffer> out,
                                   ffi::Result<ffi::Buffer<ffi::F32>> p1, ffi::Result<ffi::AnyBuffer> h,
-                                  ffi::Result<ffi::Buffer<ffi::F32>> p2, ffi::Result<ffi::Buffer<ffi::U32>> counters) {
+                                  ffi::Result<ffi::Buffer<ffi::F32>> p2, ffi::Result<ffi::Buffer<ffi::U32>> counters,
+                                  int64_t flags) {
   kdtree::MoeShape shape;
   if (ffi::Error e = kdtree::CheckMoeShape(x.dimensions(), ids.dimensions(), weights.dimensions(),
                                            gate_q.dimensions(), gate_s.dimensions(), up_q.dimensions(),
@@ -1875,6 +1877,14 @@ ffi::Error MarlinMoeFusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Bu
   static std::atomic<int64_t> known[kDevices] = {};
   int64_t resident = 0;
   if (ffi::Error e = ResidentBlocks(FusedMoeKernel, kFusedThreads, 0, known, &resident); e.failure()) return e;
+  if (flags & kFlagFusedOne) {  // one block an SM: room for the other stream's kernels beside it
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      return LastError("querying the SM count");
+    }
+    resident = sms < resident ? sms : resident;
+  }
   FusedParams p{static_cast<const __nv_bfloat16*>(x.untyped_data()), ids.typed_data(), weights.typed_data(),
                 reinterpret_cast<const uint32_t*>(gate_q.typed_data()),
                 reinterpret_cast<const uint32_t*>(up_q.typed_data()),
@@ -1928,5 +1938,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KdMarlinMoeFusedCuda, MarlinMoeFusedCudaImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()        // gate/up partials [M k, D/512, 2, F]
                                   .Ret<ffi::AnyBuffer>()               // h [M k, F]
                                   .Ret<ffi::Buffer<ffi::F32>>()        // down partials [M k, F/512, D]
-                                  .Ret<ffi::Buffer<ffi::U32>>(),       // counters [1 + M k F/16 + D/16]
+                                  .Ret<ffi::Buffer<ffi::U32>>()        // counters [1 + M k F/16 + D/16]
+                                  .Attr<int64_t>("flags"),             // kFlagFusedOne (0: the default)
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -31,8 +31,9 @@
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fused  # the fused decode path of marlin_moe (FLAG_FUSED): its GPU tests,
 #                                                    # the MoE alone at one device's M (defaults against +fused),
 #                                                    # then, where the GPU holds the full step (H200), the full step
-#                                                    # without and with it (KDTREE_JAX_MOE_FUSED=1; FUSED_CELLS),
-#                                                    # side by side, the XLA flags on both
+#                                                    # without and with it (KDTREE_JAX_MOE_FUSED=1, then =one:
+#                                                    # one block an SM; FUSED_CELLS), side by side, the XLA flags
+#                                                    # on all three
 #
 # Environment: KDTREE_COMMIT stamps the results (default: git rev-parse --short HEAD); KDTREE_JAX_FFI_DIR = prebuilt
 # libraries of this build (else built here); CELLS, PROFILE = full_scale.py's --cells / --profile; SKIP_TESTS=1
@@ -97,9 +98,9 @@ small_dot)
   ;;
 fused)
   step fused_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_marlin_moe.py \
-    -k "fused or (k2_shapes and 512)"
+    -k "fused or (k2_shapes and (512 or 1536))"
   step fused_bench 150 python3 benchmarks/marlin_moe.py --shapes device --ms "${FUSED_MS:-1,4,10,17,32}" \
-    --variants after,after+fused --out "$OUT/results/marlin_moe_fused" --commit "$KDTREE_COMMIT"
+    --variants after,after+fused,after+fusedone --out "$OUT/results/marlin_moe_fused" --commit "$KDTREE_COMMIT"
   MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   [ "${MEM:-0}" -lt 120000 ] && { echo "GPU of ${MEM} MiB: the full step does not fit" | tee -a "$LOG"; exit 0; }
   FUSED_CELLS=${FUSED_CELLS:-4096:1x1,4096:1x17,4096:10x1}
@@ -108,6 +109,9 @@ fused)
   step new 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" KDTREE_JAX_MOE_FUSED=1 python3 benchmarks/full_scale.py \
     --out "$OUT/results/new" --cells "$FUSED_CELLS" --profile 4096:1x1 --repeats 3 --commit "$KDTREE_COMMIT+fused" \
     --base "$OUT/results/base/full_scale.json"
+  step one 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" KDTREE_JAX_MOE_FUSED=one python3 benchmarks/full_scale.py \
+    --out "$OUT/results/one" --cells "$FUSED_CELLS" --profile 4096:1x1 --repeats 3 \
+    --commit "$KDTREE_COMMIT+fusedone" --base "$OUT/results/base/full_scale.json"
   ;;
 moe_m1)  # SKIP_FIXED=1: without fixed_cost.py; SKIP_SECTIONS=1: without ncu's sections (the stall profile alone)
   [ -z "${SKIP_FIXED:-}" ] && step fixed 200 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"

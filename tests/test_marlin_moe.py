@@ -16,8 +16,8 @@ import pytest
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
 from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_FINE, FLAG_L2_256, FLAG_PERSIST, FLAG_SERIAL, FLAG_SYNC,
-                                           FLAG_TILE, FLAG_X_L1, FLAG_FUSED, NARROW_SLOTS, STREAM_FLAGS, TILE_128_MIN_M,
-                                           TILE_FLAGS, TILE_MIN_M,
+                                           FLAG_TILE, FLAG_X_L1, FLAG_FUSED, FLAG_FUSED_ONE, NARROW_SLOTS, STREAM_FLAGS,
+                                           TILE_128_MIN_M, TILE_FLAGS, TILE_MIN_M,
                                            _cuda_call, block_size, choose_block_m, choose_path, marlin_moe,
                                            marlin_moe_ref, max_blocks, moe_align, moe_experts_ref, tile_eligible)
 from kdtree_jax.model import forward
@@ -197,12 +197,14 @@ def test_the_chosen_path_reaches_the_cuda_call(monkeypatch, m, dtype, flags, wan
     assert np.all(np.isfinite(np.asarray(out, np.float32))) and rel_err(out, ref) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("env, flags, want", [("1", None, True), ("0", None, False), (None, None, False),
-                                               ("1", 0, False), ("0", FLAG_FUSED, True)])
+@pytest.mark.parametrize("env, flags, want", [("1", None, 0), ("0", None, None), (None, None, None), ("1", 0, None),
+                                               ("0", FLAG_FUSED, 0), ("one", None, FLAG_FUSED_ONE),
+                                               ("0", FLAG_FUSED | FLAG_FUSED_ONE, FLAG_FUSED_ONE)])
 def test_the_fused_path_reaches_its_call_where_chosen(monkeypatch, env, flags, want):
-    """The fused decode path runs where KDTREE_JAX_MOE_FUSED=1 leaves the flags to `marlin_moe` (or FLAG_FUSED is
-    given): the CUDA branch traces `_fused_call`, not `_cuda_call` (seen when traced, on any platform; the CPU runs
-    its own handler, the same function), and the result is the reference's."""
+    """The fused decode path runs where KDTREE_JAX_MOE_FUSED=1 (or "one": one block an SM) leaves the flags to
+    `marlin_moe`, or where FLAG_FUSED is given: the CUDA branch traces `_fused_call`, not `_cuda_call`, with
+    FLAG_FUSED_ONE where chosen (seen when traced, on any platform; the CPU runs its own handler, the same
+    function), and the result is the reference's. want: the FLAG_FUSED_ONE bit the call gets, None: no fused call."""
     mm = importlib.import_module("kdtree_jax.kernels.marlin_moe")
     seen, real = [], mm._fused_call
     monkeypatch.setattr(mm, "_fused_call", lambda *a: seen.append(a[1:]) or real(*a))
@@ -215,7 +217,8 @@ def test_the_fused_path_reaches_its_call_where_chosen(monkeypatch, env, flags, w
     ids, weights = make_routing(rng, 3, 2, 4, "sentinel")
     x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
     out = run(x, ids, weights, experts, flags=flags)
-    assert bool(seen) == want and all(dims == (3, 512, 2, 512, jnp.bfloat16) for dims in seen), seen
+    assert bool(seen) == (want is not None), seen
+    assert all(dims[:5] == (3, 512, 2, 512, jnp.bfloat16) and dims[5] & FLAG_FUSED_ONE == want for dims in seen), seen
     assert rel_err(out, marlin_moe_ref(x, ids, weights, *experts)) <= TOL[jnp.bfloat16]
 
 
@@ -499,6 +502,8 @@ K2_CASES += [  # the fused decode path (FLAG_FUSED): one launch, its own sort, e
     (3, 8, 16, "one_expert", None, FLAG_FUSED), (24, 8, 16, "few", None, FLAG_FUSED),
     (17, 8, 16, "repeat", None, FLAG_FUSED), (32, 8, 16, "uniform", None, FLAG_FUSED),
     (4, 8, 64, "uniform", None, FLAG_FUSED),  # 64 experts, 16 local: a quarter of the slots here
+    (1, 8, 16, "uniform", None, FLAG_FUSED | FLAG_FUSED_ONE),  # one block an SM
+    (17, 8, 16, "sentinel", None, FLAG_FUSED | FLAG_FUSED_ONE),
 ]
 
 

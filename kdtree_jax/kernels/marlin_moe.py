@@ -66,6 +66,7 @@ FLAG_FINE = 64  # tile path: a tile of 17-24 slots runs as 24 token columns (wgm
 FLAG_PERSIST = 128  # stream path: as many blocks as fit at once, each looping over the used units
 FLAG_X_L1 = 256  # stream path, gate/up: the token values prefetched into L1 as many chunks ahead as the weights
 FLAG_FUSED = 512  # the fused decode path: the whole MoE in one launch (target FUSED_TARGET; see `fused_eligible`)
+FLAG_FUSED_ONE = 1024  # the fused path on one block an SM (not two): room for the other compute stream's kernels
 FUSED_TARGET = "kdtree_marlin_moe_fused"
 FUSED_MAX_SLOTS = 256  # M k the fused path takes (its kernel sorts the slots with one thread each)
 FUSED_SPAN = 512  # inputs of one warp's item in the fused kernel: D and F must be multiples of it
@@ -98,10 +99,11 @@ def fused_eligible(m: int, k: int, d: int, f: int, gate_group: int, down_group: 
             and f <= FUSED_MAX_IN and gate_group == 32 and down_group == 32 and 0 < m * k <= FUSED_MAX_SLOTS)
 
 
-def fused_default() -> bool:
-    """Whether `marlin_moe` takes the fused path by default where it is eligible: KDTREE_JAX_MOE_FUSED=1 (read at
-    trace time; off by default until it is measured faster in the full step)."""
-    return os.environ.get("KDTREE_JAX_MOE_FUSED", "0") == "1"
+def fused_default() -> int:
+    """The flags `marlin_moe` takes by default where the fused path is eligible, from KDTREE_JAX_MOE_FUSED (read at
+    trace time): "1" FLAG_FUSED, "one" FLAG_FUSED | FLAG_FUSED_ONE, else 0 (the default: the stream and tile paths,
+    until the fused one is measured faster in the full step)."""
+    return {"1": FLAG_FUSED, "one": FLAG_FUSED | FLAG_FUSED_ONE}.get(os.environ.get("KDTREE_JAX_MOE_FUSED", "0"), 0)
 
 
 def choose_path(m: int, k: int, e: int, tile_ok: bool, local: int | None = None) -> tuple[int, int]:
@@ -226,16 +228,17 @@ def _cuda_call(args, m: int, d: int, k: int, e: int, f: int, dtype, block_m: int
     return jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*args, flags=np.int64(flags))
 
 
-def _fused_call(args, m: int, d: int, k: int, f: int, dtype) -> list[jax.Array]:
+def _fused_call(args, m: int, d: int, k: int, f: int, dtype, flags: int = 0) -> list[jax.Array]:
     """The fused path's custom call: [out [M, D], gate/up partials, h [M k, F], down partials, counters] (the
-    scratch comes back for the GPU tests)."""
+    scratch comes back for the GPU tests); flags: FLAG_FUSED_ONE or 0."""
     s = m * k
     outs = [jax.ShapeDtypeStruct((m, d), dtype),
             jax.ShapeDtypeStruct((s * (d // FUSED_SPAN) * 2 * f,), jnp.float32),
             jax.ShapeDtypeStruct((s, f), dtype),
             jax.ShapeDtypeStruct((s * (f // FUSED_SPAN) * d,), jnp.float32),
             jax.ShapeDtypeStruct((1 + s * (f // 16) + d // 16,), jnp.uint32)]
-    return jax.ffi.ffi_call(FUSED_TARGET, outs, vmap_method="sequential")(*args)
+    call = jax.ffi.ffi_call(FUSED_TARGET, outs, vmap_method="sequential")
+    return call(*args, flags=np.int64(flags & FLAG_FUSED_ONE))
 
 
 def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up, we_down, *, impl: str = "ffi",
@@ -289,7 +292,7 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
                          f"{FUSED_MAX_IN}, group size 32 and 1 <= M k <= {FUSED_MAX_SLOTS}; got {x.dtype}, D = {d}, "
                          f"F = {f}, M k = {m * k}")
     if block_m is None and flags is None and fused_ok and fused_default():
-        flags = FLAG_FUSED
+        flags = fused_default()
     if block_m is None:
         bm, chosen = choose_path(m, k, experts_total or e, tile_ok, local=e)
         # the chosen path (its FLAG_TILE bit), the given flags' other bits
@@ -303,7 +306,7 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
 
     def cuda(*args):
         if flags & FLAG_FUSED:
-            return _fused_call(args, m, d, k, f, x.dtype)[0]
+            return _fused_call(args, m, d, k, f, x.dtype, flags)[0]
         return _cuda_call(args, m, d, k, e, f, x.dtype, bm, flags)[0]
 
     def other(x, ids, weights, gq, gs, uq, us, dq, ds):
