@@ -8,9 +8,15 @@ tree; both kept running, compiled once, and idle while the other is measured), o
 with TCP_NODELAY for its connections (`tcp_listener`: the older trees' in-process server lacked it, which added ~40
 ms to every request after a client's first). One client, this tree's `bench_serve.run`, measures them in turns:
 repeat r sends each level to A then B (B then A on odd repeats). The report gives, per method and concurrency, the
-median and range over the repeats of each side and B / A of the medians.
+median and range over all repeats of each side and B / A of the medians, and B / A within each process pair.
 
-    python benchmarks/serve_ab.py --base /path/to/old/tree --base-lib /path/to/old/libs --repeats 3
+`--pairs`: how many times both servers are started (A first, then B first on odd pairs), each pair measured for
+`--repeats` turns. One process keeps a speed of its own: on the 2-core CPU VM (2026-12-05) the same tree on both
+sides gave B / A 0.908 at C = 4 in one pair and 1.067 in another (repeats of one pair all agreeing), so a difference
+between trees means something only across pairs. The servers share a persistent compilation cache (a temporary
+directory), so a restarted one loads its programs instead of compiling them again.
+
+    python benchmarks/serve_ab.py --base /path/to/old/tree --base-lib /path/to/old/libs --pairs 3 --repeats 2
     JAX_PLATFORMS=cpu python benchmarks/serve_ab.py --base . --concurrency 1 --rounds 1 --max-tokens 4   # smoke
 
 An older tree is imported from its directory, ahead of any installed kdtree_jax (an editable install's import hook
@@ -25,10 +31,12 @@ import asyncio
 import datetime
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -90,8 +98,12 @@ def child(args) -> int:
     return 0
 
 
-def _start(tree: str, lib: str | None, args, method: str, warmup: str) -> tuple[subprocess.Popen, str]:
+def _start(tree: str, lib: str | None, args, method: str, warmup: str,
+           cache: str | None = None) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    if cache:  # compiled programs kept on disk for the next pair's servers
+        env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     if lib:
         env["KDTREE_JAX_FFI_DIR"] = lib
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--tree", tree, "--method", method,
@@ -120,9 +132,11 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def compare(runs: dict[str, list[list[dict]]], labels: tuple[str, str]) -> list[dict]:
-    """Per concurrency, from each side's repeats (lists of bench_serve rows): the medians, ranges and B / A."""
+def compare(runs: dict[str, list[list[dict]]], labels: tuple[str, str], pairs: int = 1) -> list[dict]:
+    """Per concurrency, from each side's repeats (lists of bench_serve rows, `pairs` process pairs of equally many
+    repeats, in order): the medians, ranges and B / A over all of them, and B / A of the medians of each pair."""
     a, b = labels
+    per = len(runs[a]) // pairs
     out = []
     for i, row in enumerate(runs[a][0]):
         entry = {"concurrency": row["concurrency"]}
@@ -132,6 +146,9 @@ def compare(runs: dict[str, list[list[dict]]], labels: tuple[str, str]) -> list[
                 entry[f"{side}_{key}"] = statistics.median(values)
                 entry[f"{side}_{key}_range"] = (min(values), max(values))
             entry[f"ratio_{key}"] = entry[f"{b}_{key}"] / entry[f"{a}_{key}"]
+            entry[f"pair_ratios_{key}"] = [
+                statistics.median(rep[i][key] for rep in runs[b][k * per:(k + 1) * per])
+                / statistics.median(rep[i][key] for rep in runs[a][k * per:(k + 1) * per]) for k in range(pairs)]
         out.append(entry)
     return out
 
@@ -143,9 +160,9 @@ def report(results: dict, labels: tuple[str, str]) -> str:
              f"`{setup['command']}`", "",
              f"Embedded model, {setup['max_batch']} slots, chunk_steps {setup['chunk_steps']}; {setup['rounds']} "
              f"requests per client per level, {setup['max_tokens']} tokens each (greedy, ignore_eos); "
-             f"{setup['repeats']} repeats, alternated (A B, then B A); medians over the repeats, [min, max] beside "
-             f"them. A = {a} ({setup['trees'][a]}), B = {b} ({setup['trees'][b]}). Both servers listen with "
-             "TCP_NODELAY.", ""]
+             f"{setup.get('pairs', 1)} process pair(s) (A started first, then B first), {setup['repeats']} repeats "
+             f"each, alternated (A B, then B A); medians over all repeats, [min, max] beside them. A = {a} "
+             f"({setup['trees'][a]}), B = {b} ({setup['trees'][b]}). Both servers listen with TCP_NODELAY.", ""]
     for method, rows in results["methods"].items():
         lines += [f"## {method}", "", "| C | aggregate tok/s A | B | B / A | per-request tok/s A | B | B / A | "
                   "TTFT p50 ms A | B |", "|---|---|---|---|---|---|---|---|---|"]
@@ -157,7 +174,9 @@ def report(results: dict, labels: tuple[str, str]) -> str:
                          f"{r['ratio_aggregate_tok_s']:.3f} | {cell(a, 'per_request_tok_s')} | "
                          f"{cell(b, 'per_request_tok_s')} | {r['ratio_per_request_tok_s']:.3f} | "
                          f"{cell(a, 'ttft_p50_s', 1e3)} | {cell(b, 'ttft_p50_s', 1e3)} |")
-        lines.append("")
+        lines += ["", "B / A of aggregate tok/s within each process pair: " + "; ".join(
+            f"C = {r['concurrency']}: " + ", ".join(f"{x:.3f}" for x in r["pair_ratios_aggregate_tok_s"])
+            for r in rows if "pair_ratios_aggregate_tok_s" in r), ""]
     return "\n".join(lines)
 
 
@@ -176,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=8, help="requests per client per level (default: 8)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-chars", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=3, help="alternations of the two servers (default: 3)")
+    ap.add_argument("--repeats", type=int, default=3, help="alternations of the two servers in each pair (default: 3)")
+    ap.add_argument("--pairs", type=int, default=2,
+                    help="times both servers are started, the first of them alternating (default: 2)")
     ap.add_argument("--ffi-ops", default="", help="custom calls for both servers (default: none, pure JAX)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_serve"))
     ap.add_argument("--name", default="serve_ab")
@@ -189,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         return child(args)
     if not args.base:
         ap.error("--base is required")
-    if args.repeats < 1:
-        ap.error("--repeats must be at least 1")
+    if args.repeats < 1 or args.pairs < 1:
+        ap.error("--repeats and --pairs must be at least 1")
     sys.path.insert(0, ROOT)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the servers' processes hold the device's memory
     import jax
@@ -205,30 +226,37 @@ def main(argv: list[str] | None = None) -> int:
     labels = (args.base_label, args.label)
     trees = {args.base_label: (os.path.abspath(args.base), args.base_lib), args.label: (ROOT, None)}
     results = {"methods": {}, "raw": {}}
-    for method in [m.strip() for m in args.methods.split(",")]:
-        print(f"## {method}", flush=True)
-        servers = {}
-        try:
-            for side in labels:
-                servers[side] = _start(*trees[side], args, method, warmup)
+    cache = tempfile.mkdtemp(prefix="serve_ab_cache_")
+    try:
+        for method in [m.strip() for m in args.methods.split(",")]:
+            print(f"## {method}", flush=True)
             runs = {side: [] for side in labels}
-            for rep in range(args.repeats):
-                for side in (labels if rep % 2 == 0 else labels[::-1]):
-                    got = bench_serve.run(servers[side][1], levels, rounds=args.rounds, max_tokens=args.max_tokens,
-                                          prompt_chars=args.prompt_chars, log=lambda line: None)
-                    runs[side].append(got["rows"])
-                    print(f"  repeat {rep + 1} {side}: " + ", ".join(
-                        f"C={r['concurrency']} {r['aggregate_tok_s']:.1f} tok/s" for r in got["rows"]), flush=True)
-        finally:
-            for proc, _ in servers.values():
-                _stop(proc)
-        results["methods"][method] = compare(runs, labels)
-        results["raw"][method] = runs
+            for pair in range(args.pairs):
+                servers = {}
+                try:
+                    for side in (labels if pair % 2 == 0 else labels[::-1]):
+                        servers[side] = _start(*trees[side], args, method, warmup, cache)
+                    for rep in range(args.repeats):
+                        for side in (labels if rep % 2 == 0 else labels[::-1]):
+                            got = bench_serve.run(servers[side][1], levels, rounds=args.rounds,
+                                                  max_tokens=args.max_tokens, prompt_chars=args.prompt_chars,
+                                                  log=lambda line: None)
+                            runs[side].append(got["rows"])
+                            print(f"  pair {pair + 1} repeat {rep + 1} {side}: " + ", ".join(
+                                f"C={r['concurrency']} {r['aggregate_tok_s']:.1f} tok/s" for r in got["rows"]),
+                                flush=True)
+                finally:
+                    for proc, _ in servers.values():
+                        _stop(proc)
+            results["methods"][method] = compare(runs, labels, args.pairs)
+            results["raw"][method] = runs
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
     results["setup"] = dict(date=datetime.date.today().isoformat(), device=device,
                             command="python benchmarks/serve_ab.py " + " ".join(sys.argv[1:] if argv is None else argv),
                             trees={side: trees[side][0] for side in labels}, max_batch=args.max_batch,
                             chunk_steps=args.chunk_steps, rounds=args.rounds, max_tokens=args.max_tokens,
-                            repeats=args.repeats, concurrency=levels)
+                            repeats=args.repeats, pairs=args.pairs, concurrency=levels)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, args.name + ".json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -4,6 +4,7 @@ must hold every level of both."""
 
 import json
 import os
+import statistics
 import sys
 
 import pytest
@@ -31,13 +32,23 @@ def test_compare_takes_medians_and_ranges_of_each_side():
     assert got["new_ttft_p50_s"] == 0.015 and got["old_ttft_p50_s_range"] == (0.010, 0.030)
 
 
+def test_compare_gives_each_process_pair_its_own_ratio():
+    """Two pairs of two repeats: B / A over all four repeats, and within each pair from that pair's medians."""
+    runs = {"A": [[_row(4, 100.0, 1, 1)], [_row(4, 110.0, 1, 1)], [_row(4, 200.0, 1, 1)], [_row(4, 210.0, 1, 1)]],
+            "B": [[_row(4, 90.0, 1, 1)], [_row(4, 100.0, 1, 1)], [_row(4, 220.0, 1, 1)], [_row(4, 230.0, 1, 1)]]}
+    (got,) = serve_ab.compare(runs, ("A", "B"), pairs=2)
+    assert got["pair_ratios_aggregate_tok_s"] == pytest.approx([95.0 / 105.0, 225.0 / 205.0])
+    assert got["ratio_aggregate_tok_s"] == pytest.approx(statistics.median([90, 100, 220, 230])
+                                                          / statistics.median([100, 110, 200, 210]))
+
+
 def test_a_short_run_of_this_tree_against_itself(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("XLA_FLAGS", "")
     out = tmp_path / "out"
     rc = serve_ab.main(["--base", serve_ab.ROOT, "--base-label", "A", "--label", "B", "--concurrency", "1,2",
                         "--rounds", "1", "--max-tokens", "4", "--max-batch", "2", "--max-context", "128",
-                        "--prompt-chars", "16", "--repeats", "2", "--out", str(out), "--name", "ab"])
+                        "--prompt-chars", "16", "--repeats", "1", "--pairs", "2", "--out", str(out), "--name", "ab"])
     assert rc == 0
     res = json.loads((out / "ab.json").read_text())
     rows = res["methods"]["ar"]
@@ -47,5 +58,6 @@ def test_a_short_run_of_this_tree_against_itself(tmp_path, monkeypatch):
             assert r[f"{side}_aggregate_tok_s"] > 0 and r[f"{side}_ttft_p50_s"] > 0
         assert r["ratio_aggregate_tok_s"] > 0
     assert [len(res["raw"]["ar"][side]) for side in ("A", "B")] == [2, 2]
+    assert all(len(r["pair_ratios_aggregate_tok_s"]) == 2 for r in rows)  # one B / A for each pair of servers
     text = (out / "ab.md").read_text()
-    assert "| 1 |" in text and "| 2 |" in text and "B / A" in text
+    assert "| 1 |" in text and "| 2 |" in text and "B / A" in text and "within each process pair" in text
