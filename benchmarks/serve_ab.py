@@ -98,8 +98,9 @@ def child(args) -> int:
     return 0
 
 
-def _start(tree: str, lib: str | None, args, method: str, warmup: str,
-           cache: str | None = None) -> tuple[subprocess.Popen, str]:
+def _launch(tree: str, lib: str | None, args, method: str, warmup: str,
+            cache: str | None = None) -> subprocess.Popen:
+    """Start a server process of `tree` (it compiles, then prints READY; `_ready` waits for that)."""
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     if cache:  # compiled programs kept on disk for the next pair's servers
         env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -109,15 +110,19 @@ def _start(tree: str, lib: str | None, args, method: str, warmup: str,
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--tree", tree, "--method", method,
             "--budget", str(args.budget), "--max-batch", str(args.max_batch), "--max-context", str(args.max_context),
             "--chunk-steps", str(args.chunk_steps), "--warmup", warmup, "--ffi-ops", args.ffi_ops]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    t0, lines = time.monotonic(), []
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _ready(proc: subprocess.Popen, tree: str, t0: float) -> str:
+    """The URL of a launched server once it listens, compiled."""
+    lines = []
     for line in proc.stdout:
         if line.startswith("READY "):
             _, url, where = line.split()
             print(f"  {tree}: serving from {where} ({time.monotonic() - t0:.0f} s to compile)", flush=True)
             # keep reading its output, so that a full pipe never blocks the server while it is measured
             threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            return proc, url
+            return url
         lines.append(line)
     tail = "".join(lines[-20:])
     raise RuntimeError(f"the server of {tree} exited ({proc.wait()}) before it listened; its last output:\n{tail}")
@@ -234,8 +239,11 @@ def main(argv: list[str] | None = None) -> int:
             for pair in range(args.pairs):
                 servers = {}
                 try:
+                    t0 = time.monotonic()  # both launched at once, so that they compile side by side
                     for side in (labels if pair % 2 == 0 else labels[::-1]):
-                        servers[side] = _start(*trees[side], args, method, warmup, cache)
+                        servers[side] = (_launch(*trees[side], args, method, warmup, cache), None)
+                    for side in list(servers):
+                        servers[side] = (servers[side][0], _ready(servers[side][0], trees[side][0], t0))
                     for rep in range(args.repeats):
                         for side in (labels if rep % 2 == 0 else labels[::-1]):
                             got = bench_serve.run(servers[side][1], levels, rounds=args.rounds,
