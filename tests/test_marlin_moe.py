@@ -222,6 +222,18 @@ def test_the_fused_path_reaches_its_call_where_chosen(monkeypatch, env, flags, w
     assert rel_err(out, marlin_moe_ref(x, ids, weights, *experts)) <= TOL[jnp.bfloat16]
 
 
+@pytest.mark.parametrize("value", ["true", "2", "on", "One"])
+def test_an_unknown_fused_setting_is_refused(monkeypatch, value):
+    """KDTREE_JAX_MOE_FUSED takes 0, 1 or one: anything else is an error naming the variable, not silently off."""
+    monkeypatch.setenv("KDTREE_JAX_MOE_FUSED", value)
+    rng = np.random.default_rng(5)
+    experts = make_experts(rng, 4, 512, 512)
+    ids, weights = make_routing(rng, 2, 2, 4)
+    x = jnp.asarray(rng.standard_normal((2, 512)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="KDTREE_JAX_MOE_FUSED must be 0"):
+        marlin_moe(x, ids, weights, *experts)
+
+
 @pytest.mark.parametrize("m, k, d, f, dtype, group, match", [
     (1, 8, 256, 512, jnp.bfloat16, 32, "D and F multiples of 512"),  # D = 256
     (1, 8, 512, 768, jnp.bfloat16, 32, "F = 768"),

@@ -101,9 +101,14 @@ def fused_eligible(m: int, k: int, d: int, f: int, gate_group: int, down_group: 
 
 def fused_default() -> int:
     """The flags `marlin_moe` takes by default where the fused path is eligible, from KDTREE_JAX_MOE_FUSED (read at
-    trace time): "1" FLAG_FUSED, "one" FLAG_FUSED | FLAG_FUSED_ONE, else 0 (the default: the stream and tile paths,
-    until the fused one is measured faster in the full step)."""
-    return {"1": FLAG_FUSED, "one": FLAG_FUSED | FLAG_FUSED_ONE}.get(os.environ.get("KDTREE_JAX_MOE_FUSED", "0"), 0)
+    trace time): "1" FLAG_FUSED, "one" FLAG_FUSED | FLAG_FUSED_ONE, "0" or unset 0 (the default: the stream and tile
+    paths, until the fused one is measured faster in the full step); any other value is refused."""
+    value = os.environ.get("KDTREE_JAX_MOE_FUSED", "0").strip()
+    choices = {"0": 0, "": 0, "1": FLAG_FUSED, "one": FLAG_FUSED | FLAG_FUSED_ONE}
+    if value not in choices:
+        raise ValueError(f"KDTREE_JAX_MOE_FUSED must be 0 (off), 1 (the fused MoE path) or one (it on one block an "
+                         f"SM), got {value!r}")
+    return choices[value]
 
 
 def choose_path(m: int, k: int, e: int, tile_ok: bool, local: int | None = None) -> tuple[int, int]:
@@ -291,8 +296,9 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
         raise ValueError(f"marlin_moe: FLAG_FUSED needs bfloat16 x, D and F multiples of {FUSED_SPAN} up to "
                          f"{FUSED_MAX_IN}, group size 32 and 1 <= M k <= {FUSED_MAX_SLOTS}; got {x.dtype}, D = {d}, "
                          f"F = {f}, M k = {m * k}")
-    if block_m is None and flags is None and fused_ok and fused_default():
-        flags = fused_default()
+    default = fused_default() if block_m is None and flags is None else 0
+    if fused_ok and default:
+        flags = default
     if block_m is None:
         bm, chosen = choose_path(m, k, experts_total or e, tile_ok, local=e)
         # the chosen path (its FLAG_TILE bit), the given flags' other bits
