@@ -1563,6 +1563,19 @@ __global__ void __launch_bounds__(kFusedThreads, 2) FusedMoeKernel(const FusedPa
 
 ffi::Error LastError(const char* what) { return kdtree::CudaStatus(cudaGetLastError(), "marlin_moe", what); }
 
+// The shapes of the nine inputs (x, ids, weights, then gate, up and down as packed + scales), checked.
+template <typename... Buffers>
+ffi::Error MoeShapeOf(kdtree::MoeShape* shape, const Buffers&... inputs) {
+  return kdtree::CheckMoeShape(inputs.dimensions()..., shape);
+}
+
+// The output set to zeros (no slot has an expert here).
+ffi::Error ClearOutput(cudaStream_t stream, ffi::Result<ffi::AnyBuffer>& out) {
+  return cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream) == cudaSuccess
+             ? ffi::Error::Success()
+             : LastError("clearing the output");
+}
+
 unsigned GridFor(int64_t work, int64_t per_block) {
   const int64_t blocks = (work + per_block - 1) / per_block;
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65536 ? 65536 : blocks));
@@ -1589,7 +1602,8 @@ ffi::Error Launch(void (*kernel)(Params...), dim3 grid, int threads, int smem, c
 // into known[device] (0: not yet; the calls that take FLAG_PERSIST are the small ones, where host time counts).
 constexpr int kDevices = 64;
 template <typename Kernel>
-ffi::Error ResidentBlocks(Kernel kernel, int threads, int smem, std::atomic<int64_t>* known, int64_t* blocks) {
+ffi::Error ResidentBlocks(Kernel kernel, int threads, int smem, std::atomic<int64_t>* known, int64_t* blocks,
+                          int max_per_sm = 0) {  // max_per_sm > 0: at most that many blocks an SM
   int device = 0, sms = 0, per_sm = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return LastError("querying the current device");
   if (device >= 0 && device < kDevices && (*blocks = known[device].load(std::memory_order_relaxed)) > 0) {
@@ -1599,6 +1613,7 @@ ffi::Error ResidentBlocks(Kernel kernel, int threads, int smem, std::atomic<int6
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess) {
     return LastError("querying the device's occupancy");
   }
+  if (max_per_sm > 0 && per_sm > max_per_sm) per_sm = max_per_sm;
   *blocks = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
   if (device >= 0 && device < kDevices) known[device].store(*blocks, std::memory_order_relaxed);
   return ffi::Error::Success();
@@ -1695,10 +1710,7 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
                              ffi::Result<ffi::AnyBuffer> ys,           // [M k, D]
                              int64_t flags) {
   kdtree::MoeShape shape;
-  if (ffi::Error e = kdtree::CheckMoeShape(x.dimensions(), ids.dimensions(), weights.dimensions(),
-                                           gate_q.dimensions(), gate_s.dimensions(), up_q.dimensions(),
-                                           up_s.dimensions(), down_q.dimensions(), down_s.dimensions(), &shape);
-      e.failure()) {
+  if (ffi::Error e = MoeShapeOf(&shape, x, ids, weights, gate_q, gate_s, up_q, up_s, down_q, down_s); e.failure()) {
     return e;
   }
   const int64_t M = shape.m, D = shape.d, topk = shape.k, E = shape.e, F = shape.f;
@@ -1726,10 +1738,7 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
   }
   if (M == 0 || D == 0) return ffi::Error::Success();
   if (S == 0 || E == 0 || F == 0) {
-    if (cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream) != cudaSuccess) {
-      return LastError("clearing the output");
-    }
-    return ffi::Error::Success();
+    return ClearOutput(stream, out);
   }
   if (S > INT32_MAX / 2 || E > INT32_MAX / 2) {
     return ffi::Error::InvalidArgument("marlin_moe: sizes beyond the kernel's 32-bit indexing");
@@ -1840,10 +1849,7 @@ ffi::Error MarlinMoeFusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Bu
                                   ffi::Result<ffi::Buffer<ffi::F32>> p2, ffi::Result<ffi::Buffer<ffi::U32>> counters,
                                   int64_t flags) {
   kdtree::MoeShape shape;
-  if (ffi::Error e = kdtree::CheckMoeShape(x.dimensions(), ids.dimensions(), weights.dimensions(),
-                                           gate_q.dimensions(), gate_s.dimensions(), up_q.dimensions(),
-                                           up_s.dimensions(), down_q.dimensions(), down_s.dimensions(), &shape);
-      e.failure()) {
+  if (ffi::Error e = MoeShapeOf(&shape, x, ids, weights, gate_q, gate_s, up_q, up_s, down_q, down_s); e.failure()) {
     return e;
   }
   const int64_t M = shape.m, D = shape.d, K = shape.k, E = shape.e, F = shape.f, S = M * K;
@@ -1866,24 +1872,18 @@ ffi::Error MarlinMoeFusedCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Bu
   }
   if (M == 0 || D == 0) return ffi::Error::Success();
   if (S == 0 || E == 0 || F == 0) {
-    if (cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream) != cudaSuccess) {
-      return LastError("clearing the output");
-    }
-    return ffi::Error::Success();
+    return ClearOutput(stream, out);
   }
   if (cudaMemsetAsync(counters->typed_data(), 0, counters->size_bytes(), stream) != cudaSuccess) {
     return LastError("clearing the fused path's counters");
   }
-  static std::atomic<int64_t> known[kDevices] = {};
+  // the grid per device: the occupancy's, or one block an SM (kFlagFusedOne: room for the other stream's kernels)
+  static std::atomic<int64_t> known[kDevices] = {}, known_one[kDevices] = {};
+  const bool one = (flags & kFlagFusedOne) != 0;
   int64_t resident = 0;
-  if (ffi::Error e = ResidentBlocks(FusedMoeKernel, kFusedThreads, 0, known, &resident); e.failure()) return e;
-  if (flags & kFlagFusedOne) {  // one block an SM: room for the other stream's kernels beside it
-    int device = 0, sms = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      return LastError("querying the SM count");
-    }
-    resident = sms < resident ? sms : resident;
+  if (ffi::Error e = ResidentBlocks(FusedMoeKernel, kFusedThreads, 0, one ? known_one : known, &resident, one ? 1 : 0);
+      e.failure()) {
+    return e;
   }
   FusedParams p{static_cast<const __nv_bfloat16*>(x.untyped_data()), ids.typed_data(), weights.typed_data(),
                 reinterpret_cast<const uint32_t*>(gate_q.typed_data()),
