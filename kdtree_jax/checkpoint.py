@@ -49,8 +49,9 @@ from .model import Model, Params, abstract_params, param_info, param_shardings, 
 from .tokenizer import load_tokenizer
 
 FORMAT = "kdtree-jax-checkpoint"
-FORMAT_VERSION = 2  # 2: q_a and kv_a stored as one weight (attn.qkv_a), the MLPs' gate and up as one (gate_up),
-#                      the router in the model's dtype
+FORMAT_VERSION = 3  # 2: q_a and kv_a stored as one weight (attn.qkv_a), the MLPs' gate and up as one (gate_up),
+#                      the router in the model's dtype; 3: attn.q_b [H, dn + dr, Rq] and attn.v_b [H, dv, R], their
+#                      input axis last (a decode's matmul reads them as XLA's fastest small-M dot does)
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 PARAMS_DIR = "params"
@@ -413,10 +414,11 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"{path} is not a kdtree-jax checkpoint (no {MANIFEST_FILE}); "
                               "convert a Hugging Face checkpoint with kdtree-convert")
     manifest = read_json(os.path.join(path, MANIFEST_FILE))
-    if manifest.get("format") == FORMAT and manifest.get("format_version") == 1:
-        raise CheckpointError(f"{path} was written by an older kdtree-convert (format 1: q_a and kv_a, gate and up "
-                              f"as separate weights); convert the Hugging Face checkpoint again (format "
-                              f"{FORMAT_VERSION} stores each pair as one weight)")
+    old = {1: "q_a and kv_a, gate and up as separate weights", 2: "attn.q_b and attn.v_b with their input axis first"}
+    if manifest.get("format") == FORMAT and manifest.get("format_version") in old:
+        raise CheckpointError(f"{path} was written by an older kdtree-convert (format {manifest['format_version']}: "
+                              f"{old[manifest['format_version']]}); convert the Hugging Face checkpoint again (this "
+                              f"is format {FORMAT_VERSION})")
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: unsupported checkpoint format {manifest.get('format')!r} version "
                               f"{manifest.get('format_version')!r} (this is {FORMAT} {FORMAT_VERSION})")

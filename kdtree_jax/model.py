@@ -57,10 +57,12 @@ class Attention:
     #                                         LoRA, absent when q_lora_rank is None), then kv_a (the latent and the
     #                                         shared rope key): one matmul at small M instead of two
     q_a_norm: jax.Array | None  # [Rq]
-    q_b: jax.Array  # [Rq or D, H, dn + dr]
+    q_b: jax.Array  # [H, dn + dr, Rq or D]  out-major, the input (contracted) axis last: at one token a decode's
+    #                                         matmul is a row reduction XLA fuses into one kernel ([in, out] was a
+    #                                         weight-sized product written, then reduced; format 3, docs/model.md)
     kv_a_norm: jax.Array  # [R]
     k_b: jax.Array  # [R, H, dn]            W_UK: latent -> per-head nope key
-    v_b: jax.Array  # [R, H, dv]            W_UV: latent -> per-head value
+    v_b: jax.Array  # [H, dv, R]            W_UV: latent -> per-head value (the latent axis last, as q_b's input)
     o: jax.Array  # [H, dv, D]
 
 
@@ -114,10 +116,10 @@ def _attention_info(cfg: ModelConfig) -> Attention:
     return Attention(
         qkv_a=ArrayInfo((d, (rq or 0) + r + dr), dt, ("embed", None)),
         q_a_norm=ArrayInfo((rq,), dt, ("q_lora",), "ones") if rq is not None else None,
-        q_b=ArrayInfo((q_in, h, dn + dr), dt, ("q_lora", "heads", None)),
+        q_b=ArrayInfo((h, dn + dr, q_in), dt, ("heads", None, "q_lora"), fan_in_axes=(2,)),
         kv_a_norm=ArrayInfo((r,), dt, ("kv_lora",), "ones"),
         k_b=ArrayInfo((r, h, dn), dt, ("kv_lora", "heads", None)),
-        v_b=ArrayInfo((r, h, dv), dt, ("kv_lora", "heads", None)),
+        v_b=ArrayInfo((h, dv, r), dt, ("heads", None, "kv_lora"), fan_in_axes=(2,)),
         o=ArrayInfo((h, dv, d), dt, ("heads", None, "embed"), fan_in_axes=(0, 1)),
     )
 
@@ -446,7 +448,7 @@ def _expand_kv(p: Attention, latent: jax.Array, pe: jax.Array) -> tuple[jax.Arra
     """Per-head keys [B, S, H, dn + dr] and values [B, S, H, dv] of latents [B, S, R] and rope keys [B, S, dr]."""
     k_nope = jnp.einsum("bsr,rhn->bshn", latent, p.k_b)  # [B, S, H, dn]
     k_rope = jnp.broadcast_to(pe[:, :, None, :], (*k_nope.shape[:3], pe.shape[-1]))
-    return jnp.concatenate([k_nope, k_rope], axis=-1), jnp.einsum("bsr,rhv->bshv", latent, p.v_b)
+    return jnp.concatenate([k_nope, k_rope], axis=-1), jnp.einsum("bsr,hvr->bshv", latent, p.v_b)
 
 
 def naive_attention_lse(q, k, v, scale: float, *, causal: bool, kv_len=None, impl: str = "xla"):
@@ -526,7 +528,7 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
         a = _dot(x, p.qkv_a, impl)  # [B, T, Rq + R + dr]
     with jax.named_scope("q"):
         cq = rms_norm(a[..., :rq], p.q_a_norm, cfg.rms_norm_eps) if rq else x  # [B, T, Rq]
-        q = _dot(cq, p.q_b, impl)  # [B, T, H, dn + dr]
+        q = jnp.einsum("btr,hkr->bthk", cq, p.q_b)  # [B, T, H, dn + dr] (XLA's dot: small_dot takes [K, N])
         q_nope, q_pe = q[..., :dn], apply_rope(q[..., dn:], cos, sin)
     with jax.named_scope("kv"):
         c_kv = rms_norm(a[..., rq:rq + cfg.kv_lora_rank], p.kv_a_norm, cfg.rms_norm_eps)  # [B, T, R]
@@ -534,7 +536,7 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
     if mode == "prefill":
         with jax.named_scope("naive_attention"):
             k_nope = jnp.einsum("btr,rhn->bthn", c_kv, p.k_b)  # [B, T, H, dn]
-            v = jnp.einsum("btr,rhv->bthv", c_kv, p.v_b)  # [B, T, H, dv]
+            v = jnp.einsum("btr,hvr->bthv", c_kv, p.v_b)  # [B, T, H, dv]
             s = (jnp.einsum("bthn,buhn->bhtu", q_nope, k_nope, preferred_element_type=f32)
                  + jnp.einsum("bthp,bup->bhtu", q_pe, k_pe, preferred_element_type=f32)) * scale
             t = x.shape[1]
@@ -548,23 +550,23 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
     elif mode == "chunk" and not (current_mesh() is not None and cfg.cache_sharding == "sequence"):
         with jax.named_scope("chunk_attention"):
             latent, pe = _write_rows(cache_layer[0], c_kv, lengths, cfg), _write_rows(cache_layer[1], k_pe, lengths, cfg)
-            impl = "cudnn" if cfg.impl("mla_verify") == "ffi" and jax.default_backend() == "gpu" else "xla"
-            o = chunk_attention(p, q_nope, q_pe, c_kv, k_pe, latent, pe, lengths, scale, impl)  # [B, T, H, dv]
+            chunk_impl = "cudnn" if cfg.impl("mla_verify") == "ffi" and jax.default_backend() == "gpu" else "xla"
+            o = chunk_attention(p, q_nope, q_pe, c_kv, k_pe, latent, pe, lengths, scale, chunk_impl)  # [B, T, H, dv]
             new_cache = (latent, pe)
     else:
         with jax.named_scope("absorbed_attention"):
             latent, pe = _write_rows(cache_layer[0], c_kv, lengths, cfg), _write_rows(cache_layer[1], k_pe, lengths, cfg)
             q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, p.k_b)  # [B, T, H, R]
-            impl = cfg.impl("mla_verify")
-            attend = partial(mla_verify, impl=impl)
+            attn_impl = cfg.impl("mla_verify")  # not `impl`: that one is the dense matmuls' (the o projection below)
+            attend = partial(mla_verify, impl=attn_impl)
             if current_mesh() is not None and cfg.cache_sharding == "sequence":
-                o_lat = mla_sequence_parallel(partial(mla_prefix, impl=impl), tree_attention_lse, combine_lse, q_lat,
-                                              q_pe, latent, pe, c_kv, k_pe, lengths, tree_mask, scale)
-            elif current_mesh() is not None and impl == "ffi":
+                o_lat = mla_sequence_parallel(partial(mla_prefix, impl=attn_impl), tree_attention_lse, combine_lse,
+                                              q_lat, q_pe, latent, pe, c_kv, k_pe, lengths, tree_mask, scale)
+            elif current_mesh() is not None and attn_impl == "ffi":
                 o_lat = mla_head_parallel(attend, q_lat, q_pe, latent, pe, lengths, tree_mask, scale)
             else:
                 o_lat = attend(q_lat, q_pe, latent, pe, lengths, tree_mask, scale)  # [B, T, H, R]
-            o = jnp.einsum("bthr,rhv->bthv", o_lat.astype(dt), p.v_b)  # [B, T, H, dv]
+            o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dt), p.v_b)  # [B, T, H, dv]
             new_cache = (latent, pe)
     with jax.named_scope("o"):
         if impl == "ffi":  # heads and their values as one K

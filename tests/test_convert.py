@@ -7,6 +7,7 @@ sources, with transformers on the weights the quantized checkpoint decodes to).
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -282,9 +283,11 @@ def test_load_checks_every_array(fp32, tmp_path):
         kj.load(str(out))
     (out / "config.json").write_text(json.dumps(cfg))
     manifest = json.loads((out / "manifest.json").read_text())
-    (out / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
-    with pytest.raises(CheckpointError, match="older kdtree-convert .* convert the Hugging Face checkpoint again"):
-        kj.load(str(out))
+    for version, what in ((1, "separate weights"), (2, "attn.q_b and attn.v_b with their input axis first")):
+        (out / "manifest.json").write_text(json.dumps({**manifest, "format_version": version}))
+        pattern = f"older kdtree-convert \\(format {version}: [^)]*{re.escape(what)}\\); convert the Hugging Face"
+        with pytest.raises(CheckpointError, match=pattern):
+            kj.load(str(out))
     (out / "manifest.json").write_text(json.dumps(manifest))
     shutil.rmtree(out / "params" / "layer_002")
     with pytest.raises(CheckpointError, match="layer_002: item .* is missing"):

@@ -96,6 +96,31 @@ def test_model_with_small_dot_equals_xla_dots_within_rounding():
     assert calls[0] == 0 and calls[1] >= 4, calls
 
 
+def _step_calls(params, cfg, target="kdtree_small_dot") -> int:
+    """Custom calls to `target` in the lowered decode step (the absorbed attention over a cache) of 2 rows x 1."""
+    from kdtree_jax.model import init_cache, step
+    from kdtree_jax.sharding import trace_context
+    cache = init_cache(cfg, 2, 16)
+    tokens = jnp.ones((2, 1), jnp.int32)
+    with trace_context(params, cfg):
+        text = jax.jit(lambda p, c, t: step(p, cfg, t, c).logits).lower(params, cache, tokens).as_text()
+    return text.count(f'"{target}"') + text.count(f"@{target}")
+
+
+def test_decode_step_runs_small_dot_only_where_the_config_asks():
+    # The o projection of the absorbed attention once took the attention kernel's impl (mla_verify "ffi") for its
+    # own and ran small_dot whatever ffi_ops said, and on a mesh too, where the custom call is not partitioned.
+    cfg, params = _bf16_model()
+    off = dataclasses.replace(cfg, kernels="ffi")
+    on = dataclasses.replace(cfg, kernels="ffi", ffi_ops=kj.config.FFI_OPS)
+    assert off.impl("mla_verify") == "ffi" and off.impl("small_dot") == "xla"
+    assert _step_calls(params, off, "kdtree_mla_verify") >= 1  # the control: the attention kernel is in the program
+    assert _step_calls(params, off) == 0
+    assert _step_calls(params, on) >= cfg.num_hidden_layers  # at least every layer's o projection
+    sharded = kj.shard_params(params, on, kj.make_mesh(ep=4, devices=jax.devices()[:4]))
+    assert _step_calls(sharded, on) == 0
+
+
 def test_greedy_ddtree_with_small_dot_equals_ar():
     cfg, params = _bf16_model()
     cfg = dataclasses.replace(cfg, kernels="ffi", ffi_ops=kj.config.FFI_OPS)

@@ -71,17 +71,18 @@ def _attention(get: Getter, prefix: str, cfg: ModelConfig, dt) -> Attention:
     kv_a = _linear(get, f"{prefix}.kv_a_proj_with_mqa.weight", r + dr, d, dt)
     if rq is None:
         qkv_a, q_a_norm = kv_a, None
-        q_b = _linear(get, f"{prefix}.q_proj.weight", h * (dn + dr), d, dt).reshape(d, h, dn + dr)
+        q_b = checked(get, f"{prefix}.q_proj.weight", (h * (dn + dr), d)).astype(dt, copy=False).reshape(h, dn + dr, d)
     else:
         qkv_a = np.concatenate([_linear(get, f"{prefix}.q_a_proj.weight", rq, d, dt), kv_a], axis=1)
         q_a_norm = _vec(get, f"{prefix}.q_a_layernorm.weight", rq, dt)
-        q_b = _linear(get, f"{prefix}.q_b_proj.weight", h * (dn + dr), rq, dt).reshape(rq, h, dn + dr)
+        q_b = checked(get, f"{prefix}.q_b_proj.weight", (h * (dn + dr), rq)).astype(dt, copy=False)
+        q_b = q_b.reshape(h, dn + dr, rq)
     kv_b = checked(get, f"{prefix}.kv_b_proj.weight", (h * (dn + dv), r)).astype(np.float32).reshape(h, dn + dv, r)
     o = _linear(get, f"{prefix}.o_proj.weight", d, h * dv, dt).reshape(h, dv, d)
     return Attention(qkv_a=qkv_a, q_a_norm=q_a_norm, q_b=q_b,
                      kv_a_norm=_vec(get, f"{prefix}.kv_a_layernorm.weight", r, dt),
                      k_b=np.ascontiguousarray(kv_b[:, :dn, :].transpose(2, 0, 1)).astype(dt),
-                     v_b=np.ascontiguousarray(kv_b[:, dn:, :].transpose(2, 0, 1)).astype(dt), o=o)
+                     v_b=np.ascontiguousarray(kv_b[:, dn:, :]).astype(dt), o=o)  # q_b and v_b as HF stores them
 
 
 def expert_weight(get: Getter, has: Callable[[str], bool], name: str, n_out: int, n_in: int, cfg: ModelConfig):
