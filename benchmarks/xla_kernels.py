@@ -106,11 +106,12 @@ def entry_kernels(hlo: str) -> list[dict]:
     """The kernel-launching instructions of the ENTRY computation of optimized HLO text, in program order: name,
     kind (a fusion's name without its number, as the GPU profile names the kernel; a custom call's target; else the
     opcode), kernels (launches: a custom call's from KERNELS_PER_CALL), bytes_out, bytes_in (its operands' shapes),
-    inputs (operand names). Instructions that launch nothing (parameters, tuples, bitcasts, ...) are left out."""
+    inputs (operand names, a bitcast or tuple element named by the instruction it views). Instructions that launch
+    nothing (parameters, tuples, bitcasts, ...) are left out."""
     start = hlo.find("\nENTRY ")
     if start < 0:
         raise ValueError("no ENTRY computation in this HLO text")
-    shapes, out = {}, []
+    shapes, alias, out = {}, {}, []
     for line in hlo[start:].splitlines()[1:]:
         if line.startswith("}"):
             break
@@ -119,9 +120,13 @@ def entry_kernels(hlo: str) -> list[dict]:
             continue
         _, name, shape, op, rest = m.groups()
         shapes[name] = shape_bytes(shape)
+        if op in ("bitcast", "get-tuple-element"):  # a view of its operand: readers of it read the operand's kernel
+            src = _operands(rest)
+            alias[name] = alias.get(src[0], src[0]) if src else name
         if op in NOT_KERNELS:
             continue
-        inputs = _operands(rest)
+        raw = _operands(rest)
+        inputs = [alias.get(i, i) for i in raw]
         if op == "fusion":
             kind = re.sub(r"\.\d+$", "", name)
         elif op == "custom-call":
@@ -130,8 +135,8 @@ def entry_kernels(hlo: str) -> list[dict]:
         else:
             kind = op
         out.append(dict(name=name, kind=kind, kernels=KERNELS_PER_CALL.get(kind, 1), bytes_out=shapes[name],
-                        bytes_in=sum(shapes.get(i, 0) for i in inputs), inputs=inputs, custom=op == "custom-call",
-                        input_bytes=[shapes.get(i, 0) for i in inputs]))
+                        bytes_in=sum(shapes.get(i, 0) for i in raw), inputs=inputs, custom=op == "custom-call",
+                        input_bytes=[shapes.get(i, 0) for i in raw]))
     return out
 
 
@@ -183,8 +188,13 @@ def layer_diff(small: list[dict], large: list[dict]) -> dict:
 # ---------------------------------------------------------------------------------------------------- compiling
 
 
-def _topology_mesh():
+def _topology_mesh(flags: bool = True):
+    """The sharding of one H200 of a deviceless topology; `flags`: with the XLA flags the kdtree-jax commands set
+    (`kdtree_jax.xla_flags.GPU_FLAGS`), as XLA_FLAGS is read when the backend starts."""
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check the CUDA libraries against
+    if flags:
+        from kdtree_jax.xla_flags import with_gpu_flags
+        os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""))
     import jax
     from jax.experimental import topologies
     try:
@@ -244,6 +254,43 @@ def compile_step(layers: int, batch: int, t: int, context: int, n: int, ffi_ops,
     return lowered.compile().as_text()
 
 
+def compile_draft(layers: int, batch: int, context: int, n: int, sharding) -> str:
+    """The optimized HLO of one draft (`drafter.draft`: the block's logits over this device's vocabulary shard) of the
+    K2.5-DFlash-shaped drafter split n ways (`ddtree_full_scale.make_drafter`) with `layers` layers, `batch` rows
+    after `context` cached tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_full_scale import DRAFTER, make_drafter
+    from full_scale import per_device_cfg
+    from kdtree_jax.drafter import draft, init_draft_cache
+    from kdtree_jax.model import init_params
+    from kdtree_jax.sharding import trace_context
+
+    cfg = per_device_cfg(n, 1, False, "ffi")
+    shape = dict(DRAFTER, num_layers=layers)
+    put = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+    def build(key):
+        import ddtree_full_scale
+        saved = ddtree_full_scale.DRAFTER
+        ddtree_full_scale.DRAFTER = shape
+        try:
+            drafter = make_drafter(cfg, False, n, key)
+        finally:
+            ddtree_full_scale.DRAFTER = saved
+        p = init_params(cfg, key)
+        return drafter, dataclasses.replace(p, layers=())  # what a draft reads of the target: embed, lm_head
+    drafter, io = jax.eval_shape(build, jax.random.key(0))
+    drafter, io = put(drafter), put(io)
+    dcache = put(jax.eval_shape(lambda: init_draft_cache(drafter.cfg, batch, context + 16)))
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    with trace_context(io, cfg):
+        lowered = jax.jit(draft).lower(drafter, io, dcache, spec((batch,), jnp.int32), spec((batch,), jnp.int32))
+    assert DRAFTER["num_layers"] >= 1
+    return lowered.compile().as_text()
+
+
 def parse_cells(text: str) -> list[tuple[int, int]]:
     try:
         return [tuple(int(v) for v in c.lower().split("x")) for c in text.split(",") if c.strip()]
@@ -252,12 +299,16 @@ def parse_cells(text: str) -> list[tuple[int, int]]:
 
 
 def report(meta: dict, rows: list[dict], base: dict | None = None) -> str:
-    lines = [f"# Kernels a layer, as XLA compiles the per-device step ({meta['date']}, commit {meta['commit']}, "
-             f"compiled for an {meta['target']} without a device)", "",
-             "Counted, not timed: `python benchmarks/xla_kernels.py` compiles the step of one GPU of an ep=8 K2.6 mesh "
-             f"(context {meta['context']}, custom calls {', '.join(meta['ffi_ops'])}) with {meta['layers']} and "
-             f"{meta['layers'] + 1} layers on a CPU (XLA's deviceless compilation, jax {meta['jax']}; GEMM "
-             "configurations are XLA's defaults, where the GPU would autotune) and reports one MoE layer: the "
+    draft = meta.get("program") == "draft"
+    what = ("the K2.5-DFlash-shaped drafter's block (`drafter.draft`) of one GPU of an ep=8 mesh"
+            if draft else "the step of one GPU of an ep=8 K2.6 mesh")
+    lines = [f"# Kernels a layer, as XLA compiles the per-device {'draft' if draft else 'step'} ({meta['date']}, "
+             f"commit {meta['commit']}, compiled for an {meta['target']} without a device)", "",
+             f"Counted, not timed: `python benchmarks/xla_kernels.py{' --program draft' if draft else ''}` compiles "
+             f"{what} (context {meta['context']}, custom calls {', '.join(meta['ffi_ops'])}) with {meta['layers']} "
+             f"and {meta['layers'] + 1} {'drafter ' if draft else ''}layers on a CPU (XLA's deviceless compilation, "
+             f"jax {meta['jax']}, XLA_FLAGS `{meta.get('xla_flags') or 'none'}`; GEMM configurations are XLA's "
+             f"defaults, where the GPU would autotune) and reports one {'drafter' if draft else 'MoE'} layer: the "
              "difference. Custom calls count as the kernels they launch; XLA's bytes: what XLA's own kernels read and "
              "write, from their shapes (a slice counted as the slice, the custom calls left out); an intermediate is "
              "an array of at least 1 MB that one kernel writes and another reads back.", "",
@@ -279,7 +330,7 @@ def report(meta: dict, rows: list[dict], base: dict | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(path: str, rows: list[dict], base: dict | None) -> None:
+def plot(path: str, rows: list[dict], base: dict | None, program: str = "step") -> None:
     """Kernels a layer by cell (and the base commit's beside them)."""
     import matplotlib
     matplotlib.use("Agg")
@@ -296,12 +347,14 @@ def plot(path: str, rows: list[dict], base: dict | None) -> None:
         ax.legend()
     else:
         ax.bar(list(x), now, 0.6)
-    ax.axhline(10, color="gray", ls="--", lw=1)
-    ax.text(len(cells) - 0.5, 10.5, "goal <= 10", ha="right", fontsize=8, color="gray")
+    if program == "step":
+        ax.axhline(10, color="gray", ls="--", lw=1)
+        ax.text(len(cells) - 0.5, 10.5, "goal <= 10", ha="right", fontsize=8, color="gray")
     ax.set_xticks(list(x), cells)
-    ax.set_xlabel("batch x tree nodes")
-    ax.set_ylabel("kernels a MoE layer")
-    ax.set_title("XLA's compiled per-device step (H200 target, no device)", fontsize=9)
+    ax.set_xlabel("batch x tree nodes" if program == "step" else "batch x block")
+    ax.set_ylabel("kernels a MoE layer" if program == "step" else "kernels a drafter layer")
+    ax.set_title(f"XLA's compiled per-device {'step' if program == 'step' else 'draft'} (H200 target, no device)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -325,20 +378,31 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=3, help="L: the layer is the difference of L + 1 and L (default 3)")
     ap.add_argument("--n", type=int, default=8, help="GPUs of the mesh whose per-device program compiles")
     ap.add_argument("--ffi-ops", help="custom calls, comma-separated (default: the config's)")
+    ap.add_argument("--program", choices=("step", "draft"), default="step",
+                    help="step: the target's verify step (cells BxT); draft: the drafter's block (cells Bx8: batch "
+                         "x the block; its layers are the difference of --layers + 1 and --layers drafter layers)")
+    ap.add_argument("--no-flags", action="store_true", help="compile without the XLA flags the kdtree-jax commands "
+                    "set (kdtree_jax.xla_flags.GPU_FLAGS); with them by default")
     ap.add_argument("--hlo", action="store_true", help="also write each cell's optimized HLO (L + 1 layers) to --out")
     ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT") or git_commit())
     ap.add_argument("--base", metavar="JSON", help="an earlier commit's xla_kernels.json: its counts beside these")
+    ap.add_argument("--name", default=None, help="file name of the outputs (default: xla_kernels, with --program "
+                    "draft xla_kernels_draft)")
     args = ap.parse_args(argv)
     if args.layers < 2:
         ap.error("--layers must be at least 2 (layer 0 is K2's dense layer; the difference is a MoE layer)")
-    sharding = _topology_mesh()
+    sharding = _topology_mesh(not args.no_flags)
     import jax
     ffi_ops = [o.strip() for o in args.ffi_ops.split(",") if o.strip()] if args.ffi_ops else None
     rows = []
     for batch, t in args.cells:
         t0 = time.perf_counter()
-        hlos = [compile_step(layers, batch, t, args.context, args.n, ffi_ops, sharding)
-                for layers in (args.layers, args.layers + 1)]
+        if args.program == "draft":
+            hlos = [compile_draft(layers, batch, args.context, args.n, sharding)
+                    for layers in (args.layers, args.layers + 1)]
+        else:
+            hlos = [compile_step(layers, batch, t, args.context, args.n, ffi_ops, sharding)
+                    for layers in (args.layers, args.layers + 1)]
         small, large = (entry_kernels(h) for h in hlos)
         rows.append(dict(batch=batch, t=t, layer=layer_diff(small, large),
                          step_kernels=sum(k["kernels"] for k in large), compile_s=time.perf_counter() - t0))
@@ -350,6 +414,7 @@ def main(argv=None) -> int:
                 f.write(hlos[1])
     import kdtree_jax as kj
     meta = dict(date=datetime.date.today().isoformat(), commit=args.commit, target="H200", jax=jax.__version__,
+                xla_flags=os.environ.get("XLA_FLAGS", ""), program=args.program,
                 context=args.context, layers=args.layers, n=args.n,
                 ffi_ops=list(ffi_ops or kj.configs.k2_6(kernels="ffi").ffi_ops))
     base = None
@@ -360,11 +425,12 @@ def main(argv=None) -> int:
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "xla_kernels.md"), "w") as f:
+        name = args.name or ("xla_kernels_draft" if args.program == "draft" else "xla_kernels")
+        with open(os.path.join(args.out, f"{name}.md"), "w") as f:
             f.write(text)
-        with open(os.path.join(args.out, "xla_kernels.json"), "w") as f:
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows, base=base["meta"] if base else None), f, indent=1)
-        plot(os.path.join(args.out, "xla_kernels.png"), rows, base)
+        plot(os.path.join(args.out, f"{name}.png"), rows, base, args.program)
     return 0
 
 

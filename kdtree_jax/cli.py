@@ -18,15 +18,19 @@ from .xla_flags import apply_gpu_flags
 DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return'
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with its errors on one line (no usage block): what every other error of the CLI looks like."""
+INT32_MAX = 2**31 - 1
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block): what every other error of the CLI looks like (and
+    kdtree-convert's)."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="kdtree-jax",
         description="Kimi K2.x inference with DDTree speculative decoding, in JAX.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -244,6 +248,10 @@ def _check_listen(host: str, port: int) -> None:
     import asyncio
     import socket
 
+    if not host.strip():  # asyncio reads an empty host as every interface: say so instead of doing it quietly
+        raise ValueError("--host must not be empty (the default 127.0.0.1 serves this machine only; give 0.0.0.0 to "
+                         "serve every interface)")
+
     async def probe():
         server = await asyncio.get_running_loop().create_server(asyncio.Protocol, host=host, port=port)
         server.close()
@@ -413,8 +421,8 @@ def _check_serving(args) -> None:
     """serve's flags, checked before the model is loaded (the engine checks them again, after it)."""
     _check_decoding(args, sampling=False)
     for name in ("max_batch", "max_queue", "chunk_steps", "max_n"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+        if not 1 <= getattr(args, name) <= INT32_MAX:  # the engine keeps them in int32 columns and loop bounds
+            raise ValueError(f"--{name.replace('_', '-')} must be in 1..{INT32_MAX}, got {getattr(args, name)}")
     if args.max_context is not None and (args.max_context < 64 or args.max_context & (args.max_context - 1)):
         raise ValueError(f"--max-context must be a power of two >= 64, got {args.max_context}")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -676,7 +684,8 @@ def bench_command(args) -> int:
         raise ValueError(f"--budgets: for ddtree only (--methods {args.methods} drafts no tree; add ddtree to "
                          "--methods, or drop --budgets)")
     try:
-        budgets = [_budget(b.strip()) for b in (args.budgets or "16,64").split(",")] if "ddtree" in methods else []
+        budgets = ([_budget(b.strip()) for b in ("16,64" if args.budgets is None else args.budgets).split(",")]
+                   if "ddtree" in methods else [])
     except argparse.ArgumentTypeError:
         raise ValueError(f"--budgets {args.budgets!r}: expected comma-separated integers or 'auto'") from None
     if any(b != "auto" and b < 1 for b in budgets):
@@ -701,9 +710,9 @@ def bench_command(args) -> int:
     rows, ar_tokens = [], None
     print(f"{'method':8s} {'budget':>6s} {'tokens/s':>10s} {'vs ar':>6s} {'tau':>5s} {'= ar':>5s} {'compile':>8s}")
     for method, budget in configs:
+        auto = dict(cost_model=args.cost_model, tiers=args.tiers) if budget == "auto" else {}  # auto's alone
         run = lambda: kj.generate(params, cfg, prompts, max_new_tokens=args.max_new_tokens, method=method,
-                                  drafter=drafter, budget=budget, max_budget=args.max_budget,
-                                  cost_model=args.cost_model, tiers=args.tiers)
+                                  drafter=drafter, budget=budget, max_budget=args.max_budget, **auto)
         first = run()
         outs = [run() for _ in range(args.repeats)]
         wall = statistics.median(o.stats["wall_s"] for o in outs)
@@ -838,6 +847,8 @@ def bench_serve_command(args) -> int:
             raise ValueError(f"--{name} must be at least 1, got {value}")
     if args.shared_prefix < 0:
         raise ValueError(f"--shared-prefix must be at least 0, got {args.shared_prefix}")
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be in 0..2**63 - 1, got {args.seed}")
     if args.name.strip() in ("", ".", "..") or any(sep and sep in args.name for sep in (os.sep, os.altsep)):
         raise ValueError(f"--name {args.name!r}: expected a file name without a folder (the outputs go in --out as "
                          "NAME.json, NAME.md, NAME.png)")

@@ -296,8 +296,11 @@ def append_context(drafter: Drafter, cache: DraftCache, target_hidden: jax.Array
     t = ctx.shape[1]
     positions = starts[:, None] + jnp.arange(t)[None, :]
     k, v = jax.vmap(lambda lp: _kv(lp, ctx, positions, d))(p.layers)  # [Ld, B, T, Hkv, hd]
-    write = jax.vmap(jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0),
-                              in_axes=(0, 0, 0)), in_axes=(0, 0, None))
+    if cache.k.shape[1] == 1:  # one row: a plain update of every layer (vmapped, a scatter that reads old rows back)
+        write = lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s[0], axis=2)
+    else:
+        write = jax.vmap(jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0),
+                                  in_axes=(0, 0, 0)), in_axes=(0, 0, None))
     return DraftCache(k=write(cache.k, k, starts), v=write(cache.v, v, starts))
 
 

@@ -161,13 +161,20 @@ def forward(params: Params | Any, cfg: ModelConfig | None = None, tokens=None, r
     return model_forward(params, cfg, tokens, return_hidden=return_hidden)
 
 
-def check_auto(method: str, budget, max_budget) -> bool:
-    """Whether `budget` is "auto" (then method must be ddtree and max_budget an integer >= 1: checked here)."""
+def check_auto(method: str, budget, max_budget, tiers=None, cost_model=None) -> bool:
+    """Whether `budget` is "auto" (then method must be ddtree). Every budget argument is checked whatever the method
+    (a method that does not use them still refuses nonsense: budget 'x' or -5 with method="ar"): budget "auto" or an
+    integer >= 1, max_budget an integer >= 1; tiers and cost_model shape budget="auto" alone, so they are refused
+    without it (they would be ignored)."""
     auto = isinstance(budget, str) and budget == "auto"
     if auto and method != "ddtree":
         raise ValueError(f"budget='auto' chooses ddtree's tree size; method={method!r} has no budget")
-    if auto:
-        validate.integer("max_budget", max_budget, 1)  # a numpy integer too, as every integer argument
+    if not auto:
+        validate.integer("budget", budget, 1)
+    validate.integer("max_budget", max_budget, 1)  # a numpy integer too, as every integer argument
+    given = [name for name, value in (("tiers", tiers), ("cost_model", cost_model)) if value is not None]
+    if given and not auto:
+        raise ValueError(f"{' and '.join(given)}: for budget='auto' alone (budget={budget!r} would ignore them)")
     return auto
 
 
@@ -185,7 +192,7 @@ def _request(params, cfg, prompts, drafter, *, max_new_tokens, method, budget, t
              prefill_chunk, seed, max_budget=64, tiers=None, cost_model=None) -> tuple[Method, Request]:
     """The method and the checked, padded inputs (every argument checked before a cost model is measured)."""
     validate.seed(seed)
-    auto = check_auto(method, budget, max_budget)
+    auto = check_auto(method, budget, max_budget, tiers, cost_model)
     m = make_method(cfg, method, drafter, max_budget if auto else budget)
     req = prepare(cfg, prompts, max_new_tokens, Sampler(temperature, top_k, top_p), eos_id,
                   extra_slots=m.extra_slots, prefill_chunk=prefill_chunk)

@@ -34,6 +34,15 @@ def _bound(n: int) -> str:
     return f"2**{n.bit_length() - 1}" if n >= 2**16 and n & (n - 1) == 0 else str(n)
 
 
+def scalar(value):
+    """A numpy scalar or a 0-d array (numpy's or jax's) as the Python number or bool it holds; anything else as it
+    is. So `temperature=jnp.float32(0.5)` is 0.5, and a float16 compares without a cast warning."""
+    if isinstance(value, np.generic) or (getattr(value, "shape", None) == () and hasattr(value, "dtype")
+                                          and hasattr(value, "item")):
+        return value.item()
+    return value
+
+
 def is_integer(value) -> bool:
     """Whether value is a Python or numpy integer (not a bool)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
@@ -53,6 +62,7 @@ def is_real(value) -> bool:
 def integer(name: str, value, low: int | None = None, high: int | None = None, *, optional: bool = False):
     """value as an int: a Python or numpy integer (not a bool, not a float) in [low, high) (None: unbounded); None
     passes when `optional`."""
+    value = scalar(value)
     if value is None and optional:
         return None
     if not is_integer(value) or (low is not None and value < low) or (high is not None and value >= high):
@@ -68,6 +78,7 @@ def integer(name: str, value, low: int | None = None, high: int | None = None, *
 
 def seconds(name: str, value) -> float:
     """value as a float: a finite number of seconds > 0 (a timeout)."""
+    value = scalar(value)
     if not is_real(value) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a finite number of seconds > 0, got {shown(value)}")
     return float(value)
@@ -83,6 +94,7 @@ def flag(name: str, value) -> bool:
 def temperature(value, name: str = "temperature") -> float:
     """A sampling temperature: a finite number >= 0 (0: greedy), inside float32's normal range when it is not 0
     (sampling divides float32 logits by it)."""
+    value = scalar(value)
     if not is_real(value) or not math.isfinite(value) or value < 0:
         raise ArgumentError(name, f"{name} must be a finite number >= 0, got {shown(value)}")
     if 0 < value < FLOAT32_TINY or value > FLOAT32_MAX:
@@ -99,6 +111,7 @@ def top_k(value, name: str = "top_k") -> int | None:
 def top_p(value, name: str = "top_p") -> float | None:
     """None or a number in (0, 1], at least float32's smallest normal number: the nucleus' mass; 1 is returned as
     None (no nucleus)."""
+    value = scalar(value)
     if value is None:
         return None
     if not is_real(value) or not 0 < value <= 1:
@@ -116,6 +129,7 @@ def seed(value, name: str = "seed") -> int:
 
 def token_id(name: str, value, vocab_size: int, *, optional: bool = False) -> int | None:
     """A token id in [0, vocab_size) (eos_id, for one)."""
+    value = scalar(value)
     if value is None and optional:
         return None
     if not is_integer(value):

@@ -4,7 +4,11 @@ them to XLA_FLAGS before jax starts (`KDTREE_JAX_XLA_FLAGS=0` leaves XLA_FLAGS a
 `--xla_gpu_enable_pdl=true` launches XLA's kernels as programmatic dependents (the next one starts while the one
 before it ends); `--xla_gpu_executable_num_compute_streams=2` with `--xla_gpu_graph_enable_concurrent_region=true`
 lets independent work (the shared expert beside the routed experts) run on a second stream, inside CUDA graphs
-too. They are added only where jax can use a CUDA GPU (its CUDA plugin is installed and JAX_PLATFORMS allows it):
+too. `--xla_disable_hlo_passes=dot-merger` keeps XLA from merging dots that share an input into one dot over the
+concatenation of their other operands: with weights as those operands, the concatenation is a copy of the weights
+at every step (the drafter's q, k and v, 16 MB a layer on one device of eight, and its gate and up, 66 MB, sliced out
+of the stacked layers and copied too; seen in the compiled HLO, `benchmarks/xla_kernels.py --program draft`). They
+are added only where jax can use a CUDA GPU (its CUDA plugin is installed and JAX_PLATFORMS allows it):
 XLA aborts on a flag it does not know, and a CPU-only install has no reason to take that risk. XLA reads XLA_FLAGS
 once, when its first backend starts: from Python, set them before the first computation
 (`os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""))`). What they gain is measured in
@@ -18,7 +22,7 @@ import os
 from collections.abc import MutableMapping
 
 GPU_FLAGS = ("--xla_gpu_enable_pdl=true", "--xla_gpu_executable_num_compute_streams=2",
-             "--xla_gpu_graph_enable_concurrent_region=true")
+             "--xla_gpu_graph_enable_concurrent_region=true", "--xla_disable_hlo_passes=dot-merger")
 OPT_OUT = "KDTREE_JAX_XLA_FLAGS"  # "0": the commands leave XLA_FLAGS alone
 
 

@@ -52,7 +52,7 @@ LOG=$OUT/all.log
 CELLS=${CELLS:-4096:1x1,4096:1x17,4096:1x65,4096:10x17,4096:10x65,131072:1x1}
 PROFILE=${PROFILE:-4096:1x1,4096:1x17}
 FLAGS="--xla_gpu_enable_pdl=true --xla_gpu_executable_num_compute_streams=2"
-FLAGS="$FLAGS --xla_gpu_graph_enable_concurrent_region=true"
+FLAGS="$FLAGS --xla_gpu_graph_enable_concurrent_region=true --xla_disable_hlo_passes=dot-merger"  # = GPU_FLAGS
 BIG=(env XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_PYTHON_CLIENT_MEM_FRACTION=0.92)
 step() {  # step NAME SECONDS COMMAND...: run with a limit, append to $LOG, show the last lines
   local name=$1 limit=$2; shift 2

@@ -6,8 +6,10 @@ import dataclasses
 import os
 import subprocess
 import sys
+import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -78,6 +80,13 @@ BAD_ARGUMENTS = [
     (dict(prefill_chunk=16.0), "prefill_chunk must be"),
     (dict(method="ddtree", budget=4.5), "budget must be an integer"),
     (dict(method="ddtree", budget="auto", max_budget=8.0), "max_budget must be an integer"),
+    # arguments the method does not use are still checked, not silently ignored
+    (dict(method="ar", budget="x"), "budget must be an integer >= 1, got 'x'"),
+    (dict(method="ar", budget=-5), "budget must be an integer >= 1, got -5"),
+    (dict(method="ar", max_budget=-1), "max_budget must be an integer >= 1, got -1"),
+    (dict(method="ar", tiers="garbage"), "tiers: for budget='auto' alone"),
+    (dict(method="ddtree", budget=8, tiers=(4, 8)), r"tiers: for budget='auto' alone \(budget=8 would ignore"),
+    (dict(method="chain", cost_model=12), "cost_model: for budget='auto' alone"),
 ]
 
 
@@ -89,6 +98,23 @@ def test_generate_and_stream_check_every_argument(tiny, kwargs, match):
         kj.generate(params, cfg, [[1, 2, 3]], **args)
     with pytest.raises(ValueError, match=match):
         next(stream(params, cfg, [1, 2, 3], **args))
+
+
+def test_zero_d_arrays_and_numpy_scalars_are_the_numbers_they_hold(tiny):
+    """A jax or numpy 0-d array passes as its value (it was refused with 'got Array(0.5, dtype=float32)'), and a
+    float16 is compared without a cast warning."""
+    cfg, params, _ = tiny
+    want = kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=3, temperature=0.5, top_k=4, seed=7).tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for t in (jnp.float32(0.5), np.float16(0.5), np.asarray(0.5)):
+            got = kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=jnp.int32(3), temperature=t,
+                              top_k=jnp.asarray(4), seed=np.asarray(7)).tokens
+            assert got == want, (t, got, want)
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0, got True"):
+        kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=3, temperature=jnp.bool_(True))
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer"):
+        kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=jnp.float32(3.0))
 
 
 def test_stream_checks_every(tiny):
@@ -206,7 +232,7 @@ def test_numpy_integers_are_integers_for_budget_max_budget_and_the_engine(tiny):
     from kdtree_jax.generate import check_auto
 
     assert check_auto("ddtree", "auto", np.int32(8))
-    with pytest.raises(ValueError, match=r"max_budget must be an integer >= 1, got np\.int64\(0\)"):
+    with pytest.raises(ValueError, match=r"max_budget must be an integer >= 1, got 0"):
         check_auto("ddtree", "auto", np.int64(0))
     from kdtree_jax.serving.engine import Engine
 

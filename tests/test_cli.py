@@ -189,7 +189,7 @@ def test_serve_refuses_a_taken_port_a_bad_host_and_a_tiny_context_before_loading
 def test_serve_refuses_bad_n_prefix_cache_cache_sharding_and_warmup_before_loading(monkeypatch, capsys):
     _no_load(monkeypatch)
     assert main(["serve", "--max-n", "0"]) == 2
-    assert "--max-n must be at least 1, got 0" in capsys.readouterr().err
+    assert "--max-n must be in 1..2147483647, got 0" in capsys.readouterr().err
     assert main(["serve", "--cache-sharding", "sequence"]) == 2
     assert "--cache-sharding lays the cache out over --mesh" in capsys.readouterr().err
     for gb in ("-1", "nan", "x"):
@@ -251,9 +251,14 @@ def test_generate_refuses_bad_decoding_flags_in_one_line_before_loading(argv, me
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["serve", "--max-batch", "0"], "--max-batch must be at least 1, got 0"),
-    (["serve", "--max-queue", "-1"], "--max-queue must be at least 1, got -1"),
-    (["serve", "--chunk-steps", "0"], "--chunk-steps must be at least 1, got 0"),
+    (["serve", "--max-batch", "0"], "--max-batch must be in 1..2147483647, got 0"),
+    (["serve", "--max-queue", "-1"], "--max-queue must be in 1..2147483647, got -1"),
+    (["serve", "--chunk-steps", "0"], "--chunk-steps must be in 1..2147483647, got 0"),
+    (["serve", "--chunk-steps", "99999999999"], "--chunk-steps must be in 1..2147483647, got 99999999999"),
+    (["serve", "--max-batch", "99999999999"], "--max-batch must be in 1..2147483647, got 99999999999"),
+    (["serve", "--host", ""], "--host must not be empty (the default 127.0.0.1 serves this machine only"),
+    (["bench", "--methods", "ddtree", "--budgets", ""], "--budgets '': expected comma-separated integers or 'auto'"),
+    (["bench-serve", "--url", "http://127.0.0.1:9", "--seed", "-1"], "--seed must be in 0..2**63 - 1, got -1"),
     (["serve", "--max-context", "100"], "--max-context must be a power of two >= 64, got 100"),
     (["serve", "--budget", "0"], "--budget must be at least 1 (or 'auto'), got 0"),
     (["serve", "--method", "ar", "--budget", "16"], "--budget: for --method ddtree only (--method ar drafts no tree"),

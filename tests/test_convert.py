@@ -225,6 +225,16 @@ def run_cli(*args, env=None):
                           text=True, env={**os.environ, **(env or {})}, timeout=300)
 
 
+def test_argparse_errors_are_one_line():
+    """kdtree-convert's flag errors printed argparse's usage block before the error (5 lines); every other error of
+    it, and kdtree-jax's, is one line."""
+    for args, message in [(("--no-such-flag",), "unrecognized arguments: --no-such-flag"),
+                          ((), "the following arguments are required")]:
+        r = run_cli(*args)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.stderr.startswith("kdtree-convert: error: ") and message in r.stderr, r.stderr
+
+
 def test_killed_conversion_resumes_identically(fp32, tmp_path):
     _, src, reference = fp32
     out = str(tmp_path / "out")

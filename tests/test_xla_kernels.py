@@ -28,7 +28,8 @@ ENTRY %main.1 (p_w: bf16[1536,8,192], p_x: bf16[1,1536], p_cache: bf16[1,4096,51
   %loop_multiply_fusion.13 = bf16[1536,8,192]{2,1,0} fusion(%p_w, %bitcast.1), kind=kLoop, calls=%fused_multiply
   %input_reduce_fusion.22 = bf16[8,192]{1,0} fusion(%loop_multiply_fusion.13), kind=kInput, calls=%fused_reduce.2
   %loop_dynamic_update_slice_fusion = bf16[1,4096,512]{2,1,0} fusion(%p_cache, %p_x), kind=kLoop, calls=%fused_dus
-  %ffi_call.7 = (bf16[1,8,512]{2,1,0}, f32[1,16,8,2]{3,2,1,0}) custom-call(%input_reduce_fusion.22, %p_cache), \
+  %bitcast.9 = bf16[1536]{0} bitcast(%loop_multiply_fusion.13)
+  %ffi_call.7 = (bf16[1,8,512]{2,1,0}, f32[1,16,8,2]{3,2,1,0}) custom-call(%bitcast.9, %p_cache), \
 custom_call_target="kdtree_mla_verify", api_version=API_VERSION_TYPED_FFI
   %get-tuple-element.1 = bf16[1,8,512]{2,1,0} get-tuple-element(%ffi_call.7), index=0
   ROOT %tuple = (bf16[8,192]{1,0}) tuple(%input_reduce_fusion.22)
@@ -52,8 +53,9 @@ def test_entry_kernels_lists_launches_in_program_order():
     assert [k["kernels"] for k in ks] == [1, 1, 1, 1, 2]  # mla_verify: its kernel and the split combine
     product = ks[1]
     assert product["bytes_out"] == W and product["bytes_in"] == W + 1536 * 2  # the bitcast's shape is an operand's
-    assert product["inputs"] == ["p_w", "bitcast.1"]
+    assert product["inputs"] == ["p_w", "p_x"]  # the bitcast named by what it views
     assert ks[4]["bytes_out"] == 8 * 512 * 2 + 16 * 8 * 2 * 4 and ks[4]["custom"]
+    assert ks[4]["inputs"] == ["loop_multiply_fusion.13", "p_cache"] and ks[4]["bytes_in"] == 1536 * 2 + 4096 * 512 * 2
 
 
 def test_bytes_count_a_slice_update_as_the_update_and_leave_custom_calls_out():
@@ -66,8 +68,10 @@ def test_bytes_count_a_slice_update_as_the_update_and_leave_custom_calls_out():
 
 def test_intermediates_are_large_outputs_read_back_by_another_kernel():
     got = intermediates(entry_kernels(HLO))
+    # the custom call reads the product through a bitcast, which names the kernel that wrote it; the cache update
+    # is in place: not one
     assert got == [dict(name="loop_multiply_fusion.13", kind="loop_multiply_fusion", bytes=W,
-                        read_by=["input_reduce_fusion.22"])]  # the cache update is in place: not one
+                        read_by=["input_reduce_fusion.22", "ffi_call.7"])]
 
 
 def test_layer_diff_is_the_larger_program_beyond_the_smaller():
@@ -83,3 +87,17 @@ def test_layer_diff_is_the_larger_program_beyond_the_smaller():
 def test_text_without_an_entry_is_refused():
     with pytest.raises(ValueError, match="no ENTRY computation"):
         entry_kernels("HloModule m\n")
+
+
+def test_report_puts_the_base_counts_beside_these():
+    from xla_kernels import report
+    meta = dict(date="2026-12-05", commit="abc", target="H200", jax="0.10.2", context=4096, layers=3, n=8,
+                ffi_ops=["mla_verify"], xla_flags="", program="step")
+    layer = dict(launches=29, kinds={"input_reduce_fusion": 12, "kdtree_marlin_moe": 4}, xla_bytes=69.2e6,
+                 intermediates=0, intermediate_bytes=0, intermediate_kinds=[])
+    base = dict(meta=dict(meta, commit="old"), rows=[dict(batch=1, t=1, layer=dict(layer, launches=34))])
+    text = report(meta, [dict(batch=1, t=1, layer=layer)], base)
+    assert "| 1 x 1 | 34 -> 29 | 69.2 | 0 | input_reduce_fusion 12, kdtree_marlin_moe 4 |" in text
+    assert "kernels a layer (old -> now)" in text and "one MoE layer" in text
+    text = report(dict(meta, program="draft"), [dict(batch=1, t=8, layer=layer)])
+    assert "| 1 x 8 | 29 |" in text and "one drafter layer" in text and "--program draft" in text

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from kdtree_jax import checkpoint as ckpt
 from kdtree_jax.checkpoint import CheckpointError
-from kdtree_jax.cli import report_errors
+from kdtree_jax.cli import OneLineParser, report_errors
 from kdtree_jax.config import ConfigError, ModelConfig, check_hf_config
 from kdtree_jax.model import abstract_params
 from kdtree_jax.tokenizer import TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE, load_tokenizer
@@ -789,7 +789,7 @@ def _recover(out: str, job: dict, log) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(  # errors on one line, as every other error of kdtree-convert
         prog="kdtree-convert",
         description="Convert a Hugging Face Kimi K2 / K2.5 / K2.6 or DeepSeek-V3 checkpoint (bf16/fp32, FP8\n"
                     "block-scaled, or compressed-tensors INT4; `language_model.` prefix handled) into a\n"

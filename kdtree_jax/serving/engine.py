@@ -588,7 +588,7 @@ class Engine:
         check_params(params, cfg)
         eos_id = validate.token_id("eos_id", eos_id, cfg.vocab_size, optional=True)
         seed = validate.seed(seed)
-        auto = check_auto(method, budget, max_budget)
+        auto = check_auto(method, budget, max_budget, tiers, cost_model)
         extra = make_method(cfg, method, drafter, max_budget if auto else budget).extra_slots
         if context < extra + 2:  # a prompt of one token and one new token must fit beside the tree
             need = 1 << (extra + 1).bit_length()

@@ -600,6 +600,9 @@ class Server:
                 watch.cancel()
             for sub in subs:
                 sub.close()
+        if watch is not None and watch.done() and not watch.cancelled() and watch.result():
+            # the client hung up and its requests were cancelled: nobody reads an answer (nginx's 499, not a 200)
+            raise BadRequest("the client closed the connection before the answer", status=499)
         out = []
         for i, (text, finish, _, items) in enumerate(choices):
             logprobs = None if opts.logprobs is None else self.logprobs(items, chat)
@@ -611,14 +614,15 @@ class Server:
         return JSONResponse(dict(head, choices=out, usage=usage))
 
     @staticmethod
-    async def _watch(disconnected, subs: list[_Submitted]) -> None:
-        """Cancel `subs` once `disconnected()` says the client has gone (looked at every DISCONNECT_POLL_S)."""
+    async def _watch(disconnected, subs: list[_Submitted]) -> bool:
+        """Cancel `subs` once `disconnected()` says the client has gone (looked at every DISCONNECT_POLL_S); True
+        then."""
         while True:
             await asyncio.sleep(DISCONNECT_POLL_S)
             if await disconnected():
                 for sub in subs:
                     sub.cancel()
-                return
+                return True
 
     async def _choice(self, sub: _Submitted, opts: _Options, echo: tuple[str, list | None]):
         """One choice whole: (text, finish reason, tokens, log-probability items)."""
@@ -817,8 +821,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
             raise BadRequest(f"the body did not arrive within {body_timeout:g} s", status=408) from None
         except ClientDisconnect:  # gone before the whole body came: nginx's 499, not a failure of the server
             raise BadRequest("the client closed the connection before sending the whole body", status=499) from None
-        except ValueError:
+        except json.JSONDecodeError:
             raise BadRequest("the body is not valid JSON") from None
+        except ValueError as e:  # valid JSON with an integer past Python's digit limit for str -> int
+            raise BadRequest(f"the body holds a number too long to read ({str(e).split(';')[0]})") from None
         except RecursionError:
             raise BadRequest("the body is nested too deeply") from None
         if not isinstance(body, dict):
