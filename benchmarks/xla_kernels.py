@@ -317,8 +317,8 @@ def report(meta: dict, rows: list[dict], base: dict | None = None) -> str:
     old = {(r["batch"], r["t"]): r["layer"] for r in base["rows"]} if base else {}
     if base:
         lines[-2] = lines[-2].replace("| kernels a layer |", f"| kernels a layer ({base['meta']['commit']} -> now) |")
-        lines.insert(-2, f"Beside each count, the same compiled from commit {base['meta']['commit']} "
-                         f"({base['meta']['date']}, its `xla_kernels.json`).\n")
+        lines.insert(-2, f"Beside each count (and intermediates), the same compiled from commit "
+                         f"{base['meta']['commit']} ({base['meta']['date']}, its JSON in runs/).\n")
     for r in rows:
         d = r["layer"]
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(d["kinds"].items(), key=lambda kv: -kv[1]))
@@ -326,6 +326,8 @@ def report(meta: dict, rows: list[dict], base: dict | None = None) -> str:
                  if d["intermediates"] else "0")
         was = old.get((r["batch"], r["t"]))
         count = f"{was['launches']} -> {d['launches']}" if was else f"{d['launches']}"
+        if was:
+            inter = f"{was['intermediates']} ({was['intermediate_bytes'] / 1e6:.1f}) -> {inter}"
         lines.append(f"| {r['batch']} x {r['t']} | {count} | {d['xla_bytes'] / 1e6:.1f} | {inter} | {kinds} |")
     return "\n".join(lines) + "\n"
 

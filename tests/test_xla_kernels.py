@@ -97,7 +97,7 @@ def test_report_puts_the_base_counts_beside_these():
                  intermediates=0, intermediate_bytes=0, intermediate_kinds=[])
     base = dict(meta=dict(meta, commit="old"), rows=[dict(batch=1, t=1, layer=dict(layer, launches=34))])
     text = report(meta, [dict(batch=1, t=1, layer=layer)], base)
-    assert "| 1 x 1 | 34 -> 29 | 69.2 | 0 | input_reduce_fusion 12, kdtree_marlin_moe 4 |" in text
+    assert "| 1 x 1 | 34 -> 29 | 69.2 | 0 (0.0) -> 0 | input_reduce_fusion 12, kdtree_marlin_moe 4 |" in text
     assert "kernels a layer (old -> now)" in text and "one MoE layer" in text
     text = report(dict(meta, program="draft"), [dict(batch=1, t=8, layer=layer)])
     assert "| 1 x 8 | 29 |" in text and "one drafter layer" in text and "--program draft" in text
