@@ -28,6 +28,9 @@
 #                                                    # the full step of this build without and with small_dot
 #                                                    # (SD_CELLS; none: skipped), side by side, the XLA flags on
 #                                                    # both
+#   OUT=/tmp/out SKIP_TESTS=1 bash scripts/gpu_small_m.sh drafter  # the drafter alone (ddtree_full_scale.py's
+#                                                    # drafter rows, 1/8 and replicated, batch 1 and 10) with the
+#                                                    # XLA flags without and with the dot-merger pass disabled
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fused  # the fused decode path of marlin_moe (FLAG_FUSED): its GPU tests,
 #                                                    # the MoE alone at one device's M (defaults against +fused),
 #                                                    # then, where the GPU holds the full step (H200), the full step
@@ -84,6 +87,14 @@ if [ -n "${FIXED:-}" ]; then  # each custom call's kernels hot and after an L2 f
 fi
 
 case $MODE in
+drafter)  # the K2.5-DFlash-shaped drafter alone (sharded 1/8 and replicated, batch 1 and 10), the XLA flags without
+  # and with --xla_disable_hlo_passes=dot-merger (XLA merged its q/k/v and gate/up dots over copied weights)
+  step drafter_merged 200 env XLA_FLAGS="${FLAGS% --xla_disable_hlo_passes=dot-merger}" python3 \
+    benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 --time-limit 0 --out "$OUT/results/drafter_merged" \
+    --commit "$KDTREE_COMMIT"
+  step drafter 200 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
+    --time-limit 0 --out "$OUT/results/drafter" --commit "$KDTREE_COMMIT"
+  ;;
 small_dot)
   SD_CELLS=${SD_CELLS:-4096:1x1,4096:1x9,4096:1x17,4096:10x1}
   step dots 150 env XLA_FLAGS="$FLAGS" python3 benchmarks/small_m_dots.py --out "$OUT/results/small_m_dots" \
