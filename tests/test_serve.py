@@ -593,6 +593,7 @@ def test_only_the_documented_routes_and_short_errors(served):
         r = http.post("/v1/completions/", json=dict(model="builtin", prompt="x", max_tokens=2))
         assert r.status_code == 404 and "the routes:" in r.json()["error"]["message"]
         assert http.head("/health").status_code == 200 and http.head("/v1/models").status_code == 200
+        assert http.head("/metrics").status_code == 200  # was a 405 where the other GET routes answer HEAD
         r = http.post("/v1/completions", json=dict(model="A" * 100_000, prompt="x"))
         assert r.status_code == 400 and len(r.content) < 1000 and "100002 characters" in r.json()["error"]["message"]
         r = http.post("/v1/completions", json=dict(model="builtin", prompt="x", max_tokens="9" * 100_000))

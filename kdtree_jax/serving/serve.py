@@ -863,7 +863,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
             return JSONResponse({"status": "shutting down" if engine.alive else "engine stopped"}, status_code=503)
         return {"status": "ok", "model": model_name, **engine.describe(), "max_n": server.max_n}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
 
