@@ -5,8 +5,8 @@ For each weight shape [K -> N] of the per-device program of an ep=8 K2.6 mesh (q
 expert's gate + up and down, the router, the dense MLP, the vocabulary shard) and each M, one jitted chain of L
 distinct weights (L x the weight's bytes > 4 x the L2, so no weight is read from L2): x -> x @ W_i, the next input
 the last one scaled by one column of the product (a dependence, fused into the next dot's input). Variants:
-  layout "kn": W stored [K, N] (x @ W, the model's layout); "nk": W stored [N, K] (the contraction over W's last
-  axis, contiguous per output row); "auto": W logically [K, N] in the device layout XLA picks for the program
+  layout "kn": W stored [K, N] (x @ W, the model's layout, except q_b's); "nk": W stored [N, K] (the contraction
+  over W's last axis, contiguous per output row: the model's q_b and v_b since checkpoint format 3); "auto": W logically [K, N] in the device layout XLA picks for the program
   (jit with Format(Layout.AUTO), the weights put in the compiled program's input formats); backend "default"
   (XLA's choice: reduction fusions at M = 1, Triton GEMMs or cuBLAS above) or "cublas" (compiler option
   xla_gpu_enable_triton_gemm=false); layout "ffi": the project's custom call `kernels.small_dot` on W [K, N] (M <=
