@@ -98,10 +98,7 @@ def per_device_model(n: int, layers: int, small: bool, kernels: str, key=None):
     expert's 1/n width."""
     cfg = per_device_cfg(n, layers, small, kernels)
     key = jax.random.key(0) if key is None else key
-    local = dataclasses.replace(cfg, n_routed_experts=cfg.n_routed_experts // n,
-                                num_experts_per_tok=min(cfg.num_experts_per_tok, cfg.n_routed_experts // n),
-                                n_group=1, topk_group=1)
-    params = kj.init_params(local, key)
+    params = kj.init_params(local_experts_cfg(cfg, n), key)
 
     def router(lp, i):  # the init's "small" declaration (0.02 x normal), drawn in numpy
         if not isinstance(lp.mlp, MoE):
@@ -118,16 +115,25 @@ def per_device_model(n: int, layers: int, small: bool, kernels: str, key=None):
     return cfg, jax.block_until_ready(params)
 
 
+def local_experts_cfg(cfg: kj.ModelConfig, n: int) -> kj.ModelConfig:
+    """The config whose init gives one device's E/n experts (its router is replaced by the router of all E)."""
+    return dataclasses.replace(cfg, n_routed_experts=cfg.n_routed_experts // n, n_group=1, topk_group=1,
+                               num_experts_per_tok=min(cfg.num_experts_per_tok, cfg.n_routed_experts // n))
+
+
+def cut_shared(shared: MLP, width: int) -> MLP:
+    """A shared expert cut to `width` (its 1/N column/row share). Every projection of the MLP has the width last
+    except `down` ([F, D]), whichever weights the layout holds."""
+    return MLP(**{f.name: getattr(shared, f.name)[:width] if f.name == "down" else getattr(shared, f.name)[..., :width]
+                  for f in dataclasses.fields(shared)})
+
+
 def narrow_shared(params, width: int):
-    """The shared expert of every MoE layer cut to `width` (its 1/N column/row share), donating the rest. Every
-    projection of the MLP has the width last except `down` ([F, D]), whichever weights the layout holds."""
+    """The shared expert of every MoE layer cut to `width` (`cut_shared`), donating the rest."""
     def cut(lp):
         if not isinstance(lp.mlp, MoE):
             return lp
-        sh = lp.mlp.shared
-        sh = MLP(**{f.name: getattr(sh, f.name)[:width] if f.name == "down" else getattr(sh, f.name)[..., :width]
-                    for f in dataclasses.fields(sh)})
-        return dataclasses.replace(lp, mlp=dataclasses.replace(lp.mlp, shared=sh))
+        return dataclasses.replace(lp, mlp=dataclasses.replace(lp.mlp, shared=cut_shared(lp.mlp.shared, width)))
 
     return jax.jit(lambda p: dataclasses.replace(p, layers=tuple(cut(lp) for lp in p.layers)), donate_argnums=0)(
         params)

@@ -215,28 +215,24 @@ def compile_step(layers: int, batch: int, t: int, context: int, n: int, ffi_ops,
 
     import kdtree_jax as kj
     from common import random_trees
-    from full_scale import per_device_cfg
-    from kdtree_jax.model import MLP, MoE, init_cache, step
+    from full_scale import cut_shared, local_experts_cfg, per_device_cfg
+    from kdtree_jax.model import MoE, init_cache, step
     from kdtree_jax.sharding import trace_context
 
     cfg = per_device_cfg(n, layers, False, "ffi")
     if ffi_ops is not None:
         cfg = dataclasses.replace(cfg, ffi_ops=tuple(ffi_ops))
-    local = dataclasses.replace(cfg, n_routed_experts=cfg.n_routed_experts // n, n_group=1, topk_group=1,
-                                num_experts_per_tok=min(cfg.num_experts_per_tok, cfg.n_routed_experts // n))
     width = cfg.moe_intermediate_size * cfg.n_shared_experts // n
 
     def weights(key):  # full_scale.per_device_model's shapes: E/n experts, the router of all E, 1/n shared width
-        p = kj.init_params(local, key)
+        p = kj.init_params(local_experts_cfg(cfg, n), key)
 
         def share(lp):
             if not isinstance(lp.mlp, MoE):
                 return lp
-            sh = lp.mlp.shared
-            sh = MLP(**{f.name: getattr(sh, f.name)[:width] if f.name == "down" else getattr(sh, f.name)[..., :width]
-                        for f in dataclasses.fields(sh)})
             e = cfg.n_routed_experts
-            mlp = dataclasses.replace(lp.mlp, shared=sh, router=jnp.zeros((cfg.hidden_size, e), lp.mlp.router.dtype),
+            mlp = dataclasses.replace(lp.mlp, shared=cut_shared(lp.mlp.shared, width),
+                                      router=jnp.zeros((cfg.hidden_size, e), lp.mlp.router.dtype),
                                       router_bias=jnp.zeros((e,), jnp.float32))
             return dataclasses.replace(lp, mlp=mlp)
         return dataclasses.replace(p, layers=tuple(share(lp) for lp in p.layers))
