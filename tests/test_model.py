@@ -198,3 +198,33 @@ def test_dense_experts_equal_routed_experts(tiny):
     a = kj.forward(params, cfg, tokens)
     b = kj.forward(params, dataclasses.replace(cfg, kernels="dense"), tokens)
     assert rel_err(b, a) <= 1e-5
+
+
+@pytest.mark.parametrize("start", [0, 5, 13, 40])  # 13 and 40: past the room left, clamped as dynamic_update_slice does
+def test_one_row_cache_write_equals_the_batched_write(start):
+    """`_write_rows` takes a plain dynamic_update_slice for one row (the vmapped form is a scatter, which made XLA
+    read the old rows back on a GPU): both write the same, on fresh random rows, clamping the start alike."""
+    from kdtree_jax.model import _write_rows
+    cfg = kj.configs.tiny()
+    rng = np.random.default_rng(start)
+    cache = jnp.asarray(rng.standard_normal((1, 16, 8)), jnp.float32)
+    new = jnp.asarray(rng.standard_normal((1, 3, 8)), jnp.float32)
+    starts = jnp.asarray([start], jnp.int32)
+    got = _write_rows(cache, new, starts, cfg)
+    want = jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0))(cache, new, starts)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.array_equal(np.asarray(got), np.asarray(cache))  # the write happened
+
+
+def test_drafter_one_row_context_write_equals_a_row_of_the_batched_write():
+    from kdtree_jax.drafter import append_context
+    cfg = kj.configs.tiny()
+    drafter = kj.init_drafter(cfg, jax.random.key(2), num_layers=2, block_size=4)
+    rng = np.random.default_rng(3)
+    hidden = jnp.asarray(rng.standard_normal((cfg.num_hidden_layers, 2, 3, cfg.hidden_size)), jnp.float32)
+    starts = jnp.asarray([5, 5], jnp.int32)
+    two = append_context(drafter, drafter.start(2, 32), hidden, starts)  # the vmapped write
+    one = append_context(drafter, drafter.start(1, 32), hidden[:, :1], starts[:1])  # the plain one
+    np.testing.assert_allclose(np.asarray(one.k[:, 0]), np.asarray(two.k[:, 0]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(one.v[:, 0]), np.asarray(two.v[:, 0]), rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(one.k[:, 0, 5:8])).sum() > 0 and not np.asarray(one.k[:, 0, 8:]).any()
