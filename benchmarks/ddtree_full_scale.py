@@ -58,6 +58,7 @@ import shlex
 import subprocess
 import sys
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +73,7 @@ from full_scale import COMM_PER_LAYER_S, FAST_ALLREDUCE_S, TAU_QUOTED, nbytes, p
 from kdtree_jax.ddtree import DraftTree, Path, Speculative, accept, speculative, verify  # noqa: E402
 from kdtree_jax.decoding import Committed, DecodeState, Sampler, advance, no_reliability, nonfinite_rows  # noqa: E402
 from kdtree_jax.drafter import draft, init_draft_cache  # noqa: E402
-from kdtree_jax.model import StepOutput, init_cache  # noqa: E402
+from kdtree_jax.model import StepOutput, attention_impl, init_cache  # noqa: E402
 from kdtree_jax.sharding import trace_context  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -337,17 +338,20 @@ def draft_bytes(drafter, params, dcache, context: int) -> float:
     return nbytes(p.layers) + nbytes(p.norm) + nbytes(params.lm_head) + ctx
 
 
-def time_draft(drafter, params, cfg, batch: int, context: int, repeats: int, copy_Bps: float, kind: str) -> dict:
-    """The drafter's step alone (`drafter.draft`: the block's logits) after `context` tokens, and its bytes floor."""
+def time_draft(drafter, params, cfg, batch: int, context: int, repeats: int, copy_Bps: float, kind: str,
+               attention: str) -> dict:
+    """The drafter's step alone (`drafter.draft`: the block's logits, its attention on `attention`) after `context`
+    tokens, and its bytes floor."""
     dcache = init_draft_cache(drafter.cfg, batch, context + 16)
     lengths, bonus = jnp.full((batch,), context, jnp.int32), jnp.zeros((batch,), jnp.int32)
-    fn, io = jax.jit(draft), target_io(params)
+    fn, io = jax.jit(partial(draft, attention=attention)), target_io(params)
     with trace_context(params, cfg):
         step_s, _ = time_calls(lambda: fn(drafter, io, dcache, lengths, bonus), repeats)
     byts = draft_bytes(drafter, params, dcache, context)
     fc = nbytes(drafter.params.fc) + nbytes(drafter.params.hidden_norm)
     d = drafter.cfg
-    return dict(kind=kind, batch=batch, context=context, step_s=step_s, bytes=byts, copy_Bps=copy_Bps,
+    return dict(kind=kind, batch=batch, context=context, attention=attention, step_s=step_s, bytes=byts,
+                copy_Bps=copy_Bps,
                 floor_s=byts / copy_Bps,
                 floor_fc_s=(byts + fc) / copy_Bps,
                 layers=d.num_layers, heads=d.num_heads, kv_heads=d.num_kv_heads, head_dim=d.head_dim,
@@ -455,11 +459,12 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], drafters: list[dict
                       f"{drafters[0]['context']}; floor = bytes / {drafters[0]['copy_Bps'] / 1e12:.2f} TB/s, "
                       + ("the copy bandwidth measured in this run)" if meta.get("copy_measured") else
                          "an assumed bandwidth: no GPU, not measured)"), "",
-                  "| drafter | layers x heads / KV heads x dim, MLP | batch | step ms | floor ms | % of floor | "
-                  "% of the floor with `fc` (full_scale's) |", "|---|---|---|---|---|---|---|"]
+                  "| drafter | layers x heads / KV heads x dim, MLP | attention | batch | step ms | floor ms | "
+                  "% of floor | % of the floor with `fc` (full_scale's) |", "|---|---|---|---|---|---|---|---|"]
         for d in drafters:
             lines.append(f"| {d['kind']} | {d['layers']} x {d['heads']} / {d['kv_heads']} x {d['head_dim']}, "
-                         f"{d['intermediate']} | {d['batch']} | {ms(d['step_s'])} | {ms(d['floor_s'])} | "
+                         f"{d['intermediate']} | {d.get('attention', 'xla')} | {d['batch']} | {ms(d['step_s'])} | "
+                         f"{ms(d['floor_s'])} | "
                          f"{d['floor_s'] / d['step_s']:.0%} | {d['floor_fc_s'] / d['step_s']:.0%} |")
         lines += ["", "Goal for the sharded drafter: <= 0.45 ms a step per device, >= 60% of its floor (the floor "
                       "without `fc`). Its all-reduces (after attention and MLP, 6 layers) and the gather of the "
@@ -582,6 +587,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", type=ints, help="the tree budgets (default 8,16,32,64; --small: 8,16)")
     ap.add_argument("--drafters", type=ints, help="batch sizes of the drafter-alone timing (default: 1,10; "
                     "--small: 1,2; 0: none)")
+    ap.add_argument("--draft-attention", choices=("auto", "xla", "cudnn"), default="auto",
+                    help="the drafter-alone rows' attention (`drafter.block_attention`); auto: what the loop's "
+                         "drafter runs (`model.attention_impl`: cudnn on a GPU with the ffi kernels)")
     ap.add_argument("--context", type=int, help="cached tokens (default 4096; --small: 256)")
     ap.add_argument("--steps", type=int, default=16, help="S: timed runs of S and 2S loop steps (default 16)")
     ap.add_argument("--warmup", type=int, default=2, help="loop steps of the first (compiling) call")
@@ -641,11 +649,12 @@ def main(argv=None) -> int:
     batches = [b for b in (args.drafters if args.drafters is not None else (SMALL_BATCHES if args.small else BATCHES))
                if b > 0]
     if batches:
+        attention = attention_impl(cfg) if args.draft_attention == "auto" else args.draft_attention
         replicated = make_drafter(cfg, args.small, 1)
         for kind, dr in ((f"sharded (1/{args.n})", sharded), ("replicated", replicated)):
             for b in batches:
                 try:
-                    r = time_draft(dr, params, cfg, b, context, args.repeats, copy_Bps, kind)
+                    r = time_draft(dr, params, cfg, b, context, args.repeats, copy_Bps, kind, attention)
                 except Exception as e:  # noqa: BLE001 (out of memory is a result to record)
                     print(f"drafter {kind} batch {b}: failed: {str(e).splitlines()[0][:200]}", flush=True)
                     continue

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import re
@@ -250,10 +251,10 @@ def compile_step(layers: int, batch: int, t: int, context: int, n: int, ffi_ops,
     return lowered.compile().as_text()
 
 
-def compile_draft(layers: int, batch: int, context: int, n: int, sharding) -> str:
+def compile_draft(layers: int, batch: int, context: int, n: int, sharding, attention: str = "cudnn") -> str:
     """The optimized HLO of one draft (`drafter.draft`: the block's logits over this device's vocabulary shard) of the
     K2.5-DFlash-shaped drafter split n ways (`ddtree_full_scale.make_drafter`) with `layers` layers, `batch` rows
-    after `context` cached tokens."""
+    after `context` cached tokens, its attention on `attention` (`drafter.block_attention`)."""
     import jax
     import jax.numpy as jnp
 
@@ -282,7 +283,8 @@ def compile_draft(layers: int, batch: int, context: int, n: int, sharding) -> st
     dcache = put(jax.eval_shape(lambda: init_draft_cache(drafter.cfg, batch, context + 16)))
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     with trace_context(io, cfg):
-        lowered = jax.jit(draft).lower(drafter, io, dcache, spec((batch,), jnp.int32), spec((batch,), jnp.int32))
+        lowered = jax.jit(functools.partial(draft, attention=attention)).lower(
+            drafter, io, dcache, spec((batch,), jnp.int32), spec((batch,), jnp.int32))
     assert DRAFTER["num_layers"] >= 1
     return lowered.compile().as_text()
 
@@ -379,6 +381,8 @@ def main(argv=None) -> int:
     ap.add_argument("--program", choices=("step", "draft"), default="step",
                     help="step: the target's verify step (cells BxT); draft: the drafter's block (cells Bx8: batch "
                          "x the block; its layers are the difference of --layers + 1 and --layers drafter layers)")
+    ap.add_argument("--attention", choices=("cudnn", "xla"), default="cudnn", help="--program draft: the drafter's "
+                    "attention (`drafter.block_attention`; default cudnn, what a GPU runs with the ffi kernels)")
     ap.add_argument("--no-flags", action="store_true", help="compile without the XLA flags the kdtree-jax commands "
                     "set (kdtree_jax.xla_flags.GPU_FLAGS); with them by default")
     ap.add_argument("--hlo", action="store_true", help="also write each cell's optimized HLO (L + 1 layers) to --out")
@@ -396,7 +400,7 @@ def main(argv=None) -> int:
     for batch, t in args.cells:
         t0 = time.perf_counter()
         if args.program == "draft":
-            hlos = [compile_draft(layers, batch, args.context, args.n, sharding)
+            hlos = [compile_draft(layers, batch, args.context, args.n, sharding, args.attention)
                     for layers in (args.layers, args.layers + 1)]
         else:
             hlos = [compile_step(layers, batch, t, args.context, args.n, ffi_ops, sharding)
@@ -413,6 +417,7 @@ def main(argv=None) -> int:
     import kdtree_jax as kj
     meta = dict(date=datetime.date.today().isoformat(), commit=args.commit, target="H200", jax=jax.__version__,
                 xla_flags=os.environ.get("XLA_FLAGS", ""), program=args.program,
+                **(dict(attention=args.attention) if args.program == "draft" else {}),
                 context=args.context, layers=args.layers, n=args.n,
                 ffi_ops=list(ffi_ops or kj.configs.k2_6(kernels="ffi").ffi_ops))
     base = None

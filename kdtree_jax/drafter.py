@@ -23,7 +23,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from .config import ConfigError, ModelConfig
-from .model import ArrayInfo, KVCache, Params, embed, init_from_info, rms_norm, stack_info, step
+from .kernels.mla_verify import combine_lse
+from .model import (ArrayInfo, KVCache, Params, attention_impl, embed, init_from_info, naive_attention_lse, rms_norm,
+                    stack_info, step)
 from .sharding import current_mesh, fitting_sharding, logical_to_spec
 from .validate import is_integer, is_real, shown
 
@@ -171,8 +173,9 @@ class Drafter:
 
     def propose(self, target: Params, cfg: ModelConfig, state: DraftCache, cache: KVCache, bonus: jax.Array,
                 key: jax.Array) -> jax.Array:
-        """One forward of the block (`draft`)."""
-        return draft(self, target, state, cache.lengths, bonus)
+        """One forward of the block (`draft`), its attention on cuDNN where the target runs its attention custom
+        call on a GPU (`model.attention_impl`)."""
+        return draft(self, target, state, cache.lengths, bonus, attention_impl(cfg))
 
 
 @struct.dataclass
@@ -304,35 +307,60 @@ def append_context(drafter: Drafter, cache: DraftCache, target_hidden: jax.Array
     return DraftCache(k=write(cache.k, k, starts), v=write(cache.v, v, starts))
 
 
-def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Array, bonus: jax.Array) -> jax.Array:
+def block_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, kb: jax.Array, vb: jax.Array, lengths: jax.Array,
+                    scale: float, impl: str = "xla") -> jax.Array:
+    """The block's attention: queries q [B, bs, H, hd] over the context keys/values ck, cv [B, S, G, hd] below
+    lengths[b] and the whole block's kb, vb [B, bs, G, hd] (G heads, each shared by H / G query heads). Returns
+    [B, bs, H, hd] in q's dtype.
+
+    impl "xla": one softmax over the context and the block together (the reference). "cudnn": the two parts as
+    cuDNN's flash attention each (`model.naive_attention_lse`: one launch where XLA makes ~13 kernels of the
+    scores, masks, softmax and products), joined by their log-sum-exp (`split_block_attention`)."""
+    if impl != "xla":
+        return split_block_attention(q, ck, cv, kb, vb, lengths, scale, impl).astype(q.dtype)
+    b, bs, h, hd = q.shape
+    g, f32 = ck.shape[2], jnp.float32
+    q = q.reshape(b, bs, g, h // g, hd)
+    seen = jnp.arange(ck.shape[1])[None, :] < lengths[:, None]  # [B, S]
+    s_ctx = jnp.einsum("btgrk,bsgk->btgrs", q, ck, preferred_element_type=f32) * scale
+    s_blk = jnp.einsum("btgrk,bugk->btgru", q, kb, preferred_element_type=f32) * scale
+    s_ctx = jnp.where(seen[:, None, None, None, :], s_ctx, -jnp.inf)
+    probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
+    s = ck.shape[1]
+    o = (jnp.einsum("btgrs,bsgk->btgrk", probs[..., :s].astype(q.dtype), cv)
+         + jnp.einsum("btgru,bugk->btgrk", probs[..., s:].astype(q.dtype), vb))
+    return o.reshape(b, bs, h, hd)
+
+
+def split_block_attention(q, ck, cv, kb, vb, lengths, scale: float, impl: str) -> jax.Array:
+    """`block_attention` as two attentions, over the context (keys < lengths[b]) and over the block, each with its
+    log-sum-exp (`model.naive_attention_lse` on `impl`), joined exactly (`combine_lse`). Returns fp32."""
+    ctx = naive_attention_lse(q, ck, cv, scale, causal=False, kv_len=lengths, impl=impl)
+    own = naive_attention_lse(q, kb, vb, scale, causal=False, impl=impl)
+    return combine_lse(ctx, own)[0]
+
+
+def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Array, bonus: jax.Array,
+          attention: str = "xla") -> jax.Array:
     """Per-depth draft logits [B, block_size - 1, V] (f32) for the tokens after `bonus` [B].
 
     The block [bonus, MASK, ...] sits at positions lengths[b] .. lengths[b] + block_size - 1 and sees the
-    context slots < lengths[b] of `cache` plus the whole block (bidirectional).
+    context slots < lengths[b] of `cache` plus the whole block (bidirectional). attention: `block_attention`'s impl
+    ("xla" or "cudnn"; `Drafter.propose` takes the target's `model.attention_impl`).
     """
     p, d = drafter.params, drafter.cfg
     b, bs = bonus.shape[0], d.block_size
     block = jnp.concatenate([bonus[:, None], jnp.full((b, bs - 1), d.mask_token_id, jnp.int32)], axis=1)
     x = embed(target, block)  # [B, bs, D]
     positions = lengths[:, None] + jnp.arange(bs)[None, :]
-    seen = jnp.arange(cache.k.shape[2])[None, :] < lengths[:, None]  # [B, S]
-    rep = d.num_heads // d.num_kv_heads
     scale = 1.0 / math.sqrt(d.head_dim)
 
     def layer(x, lp, ck, cv):
         h = rms_norm(x, lp.attn_norm, d.rms_norm_eps)
         q = _rope(rms_norm(jnp.einsum("btd,dhk->bthk", h, lp.q), lp.q_norm, d.rms_norm_eps), positions, d.rope_theta)
         kb, vb = _kv(lp, h, positions, d)  # [B, bs, Hkv, hd]
-        q = q.reshape(b, bs, d.num_kv_heads, rep, d.head_dim)
-        f32 = jnp.float32
-        s_ctx = jnp.einsum("btgrk,bsgk->btgrs", q, ck, preferred_element_type=f32) * scale
-        s_blk = jnp.einsum("btgrk,bugk->btgru", q, kb, preferred_element_type=f32) * scale
-        s_ctx = jnp.where(seen[:, None, None, None, :], s_ctx, -jnp.inf)
-        probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
-        s = ck.shape[1]
-        o = (jnp.einsum("btgrs,bsgk->btgrk", probs[..., :s].astype(x.dtype), cv)
-             + jnp.einsum("btgru,bugk->btgrk", probs[..., s:].astype(x.dtype), vb))
-        x = x + jnp.einsum("bthk,hkd->btd", o.reshape(b, bs, d.num_heads, d.head_dim), lp.o)
+        o = block_attention(q, ck, cv, kb, vb, lengths, scale, attention)
+        x = x + jnp.einsum("bthk,hkd->btd", o, lp.o)
         h = rms_norm(x, lp.mlp_norm, d.rms_norm_eps)
         return x + (jax.nn.silu(h @ lp.gate) * (h @ lp.up)) @ lp.down
 

@@ -454,12 +454,19 @@ def _expand_kv(p: Attention, latent: jax.Array, pe: jax.Array) -> tuple[jax.Arra
     return jnp.concatenate([k_nope, k_rope], axis=-1), jnp.einsum("bsr,hvr->bshv", latent, p.v_b)
 
 
+def attention_impl(cfg: ModelConfig) -> str:
+    """The naive attention's implementation (`naive_attention_lse`, a prompt piece's and the drafter's): "cudnn"
+    on a GPU where the model runs its attention custom call (mla_verify on "ffi"), else "xla"."""
+    return "cudnn" if cfg.impl("mla_verify") == "ffi" and jax.default_backend() == "gpu" else "xla"
+
+
 def naive_attention_lse(q, k, v, scale: float, *, causal: bool, kv_len=None, impl: str = "xla"):
-    """Softmax attention of q [B, T, H, D] over k [B, S, H, D], v [B, S, H, dv] (causal: query t sees keys <= t;
-    kv_len [B]: only keys < kv_len[b]). Returns (out [B, T, H, dv] fp32, log-sum-exp [B, T, H] fp32; rows that see
-    nothing: 0 and -inf). impl "cudnn": cuDNN's flash attention (GPU; values padded to the key width), else XLA."""
+    """Softmax attention of q [B, T, H, D] over k [B, S, G, D], v [B, S, G, dv] (G key/value heads, each shared by
+    H / G query heads in order; causal: query t sees keys <= t; kv_len [B]: only keys < kv_len[b]). Returns
+    (out [B, T, H, dv] fp32, log-sum-exp [B, T, H] fp32; rows that see nothing: 0 and -inf). impl "cudnn": cuDNN's
+    flash attention (GPU; values padded to the key width), else XLA."""
     b, t, h, d = q.shape
-    s, dv = k.shape[1], v.shape[-1]
+    s, g, dv = k.shape[1], k.shape[2], v.shape[-1]
     lens = jnp.full((b,), s, jnp.int32) if kv_len is None else kv_len.astype(jnp.int32)
     if impl == "cudnn":
         vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, d - dv))) if dv < d else v
@@ -471,7 +478,11 @@ def naive_attention_lse(q, k, v, scale: float, *, causal: bool, kv_len=None, imp
         return (jnp.where(seen[..., None], out[..., :dv].astype(jnp.float32), 0.0),
                 jnp.where(seen, lse.astype(jnp.float32), -jnp.inf))
     f32 = jnp.float32
-    sc = jnp.einsum("bthd,bshd->bths", q, k, preferred_element_type=f32) * scale  # [B, T, H, S]
+    if g < h:  # grouped: each key/value head serves h // g query heads
+        sc = jnp.einsum("btgrd,bsgd->btgrs", q.reshape(b, t, g, h // g, d), k,
+                        preferred_element_type=f32).reshape(b, t, h, s) * scale
+    else:
+        sc = jnp.einsum("bthd,bshd->bths", q, k, preferred_element_type=f32) * scale  # [B, T, H, S]
     visible = jnp.arange(s)[None, None, :] < lens[:, None, None]  # [B, 1, S]
     if causal:
         visible = visible & (jnp.arange(s)[None, None, :] <= jnp.arange(t)[None, :, None])
@@ -481,7 +492,11 @@ def naive_attention_lse(q, k, v, scale: float, *, causal: bool, kv_len=None, imp
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
     pr = jnp.where(visible, jnp.exp(sc - peak[..., None]), 0.0)
     total = jnp.sum(pr, axis=-1)
-    out = jnp.einsum("bths,bshv->bthv", pr, v.astype(f32)) / jnp.where(total == 0, 1.0, total)[..., None]
+    if g < h:
+        out = jnp.einsum("btgrs,bsgv->btgrv", pr.reshape(b, t, g, h // g, s), v.astype(f32)).reshape(b, t, h, dv)
+    else:
+        out = jnp.einsum("bths,bshv->bthv", pr, v.astype(f32))
+    out = out / jnp.where(total == 0, 1.0, total)[..., None]
     return out, jnp.where(total > 0, peak + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
 
 
@@ -553,8 +568,8 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
     elif mode == "chunk" and not (current_mesh() is not None and cfg.cache_sharding == "sequence"):
         with jax.named_scope("chunk_attention"):
             latent, pe = _write_rows(cache_layer[0], c_kv, lengths, cfg), _write_rows(cache_layer[1], k_pe, lengths, cfg)
-            chunk_impl = "cudnn" if cfg.impl("mla_verify") == "ffi" and jax.default_backend() == "gpu" else "xla"
-            o = chunk_attention(p, q_nope, q_pe, c_kv, k_pe, latent, pe, lengths, scale, chunk_impl)  # [B, T, H, dv]
+            o = chunk_attention(p, q_nope, q_pe, c_kv, k_pe, latent, pe, lengths, scale,
+                                attention_impl(cfg))  # [B, T, H, dv]
             new_cache = (latent, pe)
     else:
         with jax.named_scope("absorbed_attention"):

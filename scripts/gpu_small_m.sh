@@ -29,8 +29,9 @@
 #                                                    # (SD_CELLS; none: skipped), side by side, the XLA flags on
 #                                                    # both
 #   OUT=/tmp/out SKIP_TESTS=1 bash scripts/gpu_small_m.sh drafter  # the drafter alone (ddtree_full_scale.py's
-#                                                    # drafter rows, 1/8 and replicated, batch 1 and 10) with the
-#                                                    # XLA flags without and with the dot-merger pass disabled
+#                                                    # drafter rows, 1/8 and replicated, batch 1 and 10): XLA's
+#                                                    # attention with the XLA flags without and with the dot-merger
+#                                                    # pass disabled, then cuDNN's; its attention's GPU tests
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fused  # the fused decode path of marlin_moe (FLAG_FUSED): its GPU tests,
 #                                                    # the MoE alone at one device's M (defaults against +fused),
 #                                                    # then, where the GPU holds the full step (H200), the full step
@@ -87,13 +88,18 @@ if [ -n "${FIXED:-}" ]; then  # each custom call's kernels hot and after an L2 f
 fi
 
 case $MODE in
-drafter)  # the K2.5-DFlash-shaped drafter alone (sharded 1/8 and replicated, batch 1 and 10), the XLA flags without
-  # and with --xla_disable_hlo_passes=dot-merger (XLA merged its q/k/v and gate/up dots over copied weights)
+drafter)  # the K2.5-DFlash-shaped drafter alone (sharded 1/8 and replicated, batch 1 and 10): its attention on XLA with
+  # the XLA flags without and with --xla_disable_hlo_passes=dot-merger (XLA merged its q/k/v and gate/up dots over
+  # copied weights), then on cuDNN (drafter.block_attention) with the flags; then its GPU tests
   step drafter_merged 200 env XLA_FLAGS="${FLAGS% --xla_disable_hlo_passes=dot-merger}" python3 \
-    benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 --time-limit 0 --out "$OUT/results/drafter_merged" \
-    --commit "$KDTREE_COMMIT"
+    benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 --time-limit 0 --draft-attention xla \
+    --out "$OUT/results/drafter_merged" --commit "$KDTREE_COMMIT"
   step drafter 200 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
-    --time-limit 0 --out "$OUT/results/drafter" --commit "$KDTREE_COMMIT"
+    --time-limit 0 --draft-attention xla --out "$OUT/results/drafter" --commit "$KDTREE_COMMIT"
+  step drafter_cudnn 200 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
+    --time-limit 0 --draft-attention cudnn --out "$OUT/results/drafter_cudnn" --commit "$KDTREE_COMMIT"
+  step drafter_tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_model.py \
+    tests/test_long_context.py -k gpu
   ;;
 small_dot)
   SD_CELLS=${SD_CELLS:-4096:1x1,4096:1x9,4096:1x17,4096:10x1}

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import needs_gpu, rel_err
 
 import kdtree_jax as kj
 from kdtree_jax.model import KVCache, init_cache, prefill, step
@@ -228,3 +228,55 @@ def test_drafter_one_row_context_write_equals_a_row_of_the_batched_write():
     np.testing.assert_allclose(np.asarray(one.k[:, 0]), np.asarray(two.k[:, 0]), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(one.v[:, 0]), np.asarray(two.v[:, 0]), rtol=1e-6, atol=1e-6)
     assert np.abs(np.asarray(one.k[:, 0, 5:8])).sum() > 0 and not np.asarray(one.k[:, 0, 8:]).any()
+
+
+def _block_attention_inputs(dtype, b=3, bs=4, h=8, g=2, hd=16, s=40, seed=5):
+    rng = np.random.default_rng(seed)
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    return arr(b, bs, h, hd), arr(b, s, g, hd), arr(b, s, g, hd), arr(b, bs, g, hd), arr(b, bs, g, hd)
+
+
+@pytest.mark.parametrize("g", [1, 2, 8])
+def test_drafter_split_attention_equals_one_softmax(g):
+    """The drafter's block attention as two attentions joined by their log-sum-exp (the form cuDNN runs) equals the
+    one softmax over context and block, for grouped heads (8 query heads over 1, 2, 8 key/value heads) and rows
+    that see no context, part of it or all of it."""
+    from kdtree_jax.drafter import block_attention, split_block_attention
+    q, ck, cv, kb, vb = _block_attention_inputs(jnp.float32, g=g)
+    lengths = jnp.asarray([0, 17, 40], jnp.int32)
+    want = block_attention(q, ck, cv, kb, vb, lengths, 0.25, "xla")
+    got = split_block_attention(q, ck, cv, kb, vb, lengths, 0.25, "xla")
+    assert rel_err(got, want) <= 1e-5
+    # the context below each row's length counts, and only it: a key past it changed changes nothing
+    ck2 = ck.at[1, 17:].set(100.0)
+    np.testing.assert_allclose(np.asarray(split_block_attention(q, ck2, cv, kb, vb, lengths, 0.25, "xla")),
+                               np.asarray(got), rtol=1e-6, atol=1e-6)
+    assert rel_err(split_block_attention(q, ck.at[1, 16].set(3.0), cv, kb, vb, lengths, 0.25, "xla"), got) > 1e-4
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("h, g, hd", [(8, 1, 112), (64, 8, 112)])
+def test_gpu_drafter_cudnn_attention_matches_xla(h, g, hd):
+    """The drafter's block attention on cuDNN (two flash attentions joined by their log-sum-exp) equals the XLA
+    reference on fresh random bf16 inputs at K2.5-DFlash's head shapes (one device's share of 8 and all heads),
+    rows seeing no context, part of it and all of it; then a whole draft of the embedded drafter both ways."""
+    from kdtree_jax.drafter import block_attention
+    q, ck, cv, kb, vb = _block_attention_inputs(jnp.bfloat16, b=3, bs=16, h=h, g=g, hd=hd, s=4112, seed=7)
+    lengths = jnp.asarray([0, 700, 4096], jnp.int32)
+    fn = lambda impl: jax.jit(lambda *a: block_attention(*a, lengths, hd ** -0.5, impl))(q, ck, cv, kb, vb)
+    got, want = fn("cudnn"), fn("xla")
+    assert got.dtype == want.dtype == jnp.bfloat16 and got.shape == want.shape
+    assert rel_err(got, want) <= 2e-2
+
+    from kdtree_jax.drafter import draft
+    cfg = kj.configs.tiny(dtype="bfloat16")
+    d = kj.init_drafter(cfg, jax.random.key(9), num_layers=2, block_size=16, num_heads=8, num_kv_heads=2, head_dim=64)
+    rng = np.random.default_rng(8)
+    cache = d.start(2, 64)
+    cache = type(cache)(**{f: jnp.asarray(rng.standard_normal(getattr(cache, f).shape), getattr(cache, f).dtype)
+                           for f in ("k", "v")})
+    args = (d, kj.init_params(cfg, jax.random.key(10)), cache, jnp.asarray([5, 40], jnp.int32),
+            jnp.asarray([3, 9], jnp.int32))
+    got, want = (jax.jit(lambda *a, impl=impl: draft(*a, attention=impl))(*args) for impl in ("cudnn", "xla"))
+    assert rel_err(got, want) <= 2e-2
