@@ -334,7 +334,7 @@ def draft_bytes(drafter, params, dcache, context: int) -> float:
     """Bytes one draft must read: the drafter's layers and final norm, the target's lm_head (this device's shard),
     the context keys and values up to `context` (`fc` is read when context is added, in keep, not here)."""
     p = drafter.params
-    ctx = 2 * nbytes(dcache.k) * context / dcache.k.shape[2]
+    ctx = 2 * nbytes(dcache.k) * context / dcache.k[0].shape[1]
     return nbytes(p.layers) + nbytes(p.norm) + nbytes(params.lm_head) + ctx
 
 

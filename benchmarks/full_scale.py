@@ -224,7 +224,7 @@ def time_drafter(cfg, params, small: bool, context: int, batch: int, repeats: in
                 out = fn(*args)
             jax.block_until_ready(out)
             samples.append((time.perf_counter() - t0) / 5)
-    byts = nbytes(drafter.params) + nbytes(params.lm_head) + nbytes(dcache.k) * context / dcache.k.shape[2] * 2
+    byts = nbytes(drafter.params) + nbytes(params.lm_head) + nbytes(dcache.k) * context / dcache.k[0].shape[1] * 2
     return dict(step_s=float(np.median(samples)), bytes=byts, layers=drafter.cfg.num_layers, batch=batch,
                 context=context)
 

@@ -103,15 +103,80 @@ def _operands(args: str) -> list[str]:
     return re.findall(r"%([\w.\-]+)", args[:end])
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
+SLICES = ("slice", "dynamic-slice")  # what a fusion may do to an operand and be counted as reading only that part
+VIEWS = ("bitcast", "reshape")  # passed through on the way to those slices
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    """Each computation's instruction lines in HLO text, by its name (without the %)."""
+    comps, body = {}, None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            body = comps.setdefault(m.group(1), [])
+        elif line.startswith("}"):
+            body = None
+        elif body is not None:
+            body.append(line)
+    return comps
+
+
+def sliced_operand_bytes(body: list[str]) -> dict[int, int]:
+    """Of a fused computation's instruction lines: for each parameter that the computation only slices (every user a
+    `slice` or `dynamic-slice` of it, directly or through `bitcast` / `reshape`, whose users must then be slices in
+    turn), the bytes of those slices' outputs, by parameter number. Parameters used any other way (a dot, a
+    multiply, a dynamic-slice's index, the ROOT itself, ...) are left out: their kernel reads all of them."""
+    params, ops, users = {}, {}, {}
+    for line in body:
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        root, name, shape, op, rest = m.groups()
+        ops[name] = (op, shape_bytes(shape))
+        if root:
+            users.setdefault(name, []).append((None, 0))  # the fusion's output: read whole by whoever uses it
+        if op == "parameter":
+            number = re.match(r"\s*(\d+)", rest)
+            if number:
+                params[int(number.group(1))] = name
+        for position, operand in enumerate(_operands(rest)):
+            users.setdefault(operand, []).append((name, position))
+
+    def sliced(name: str, depth: int = 0) -> int | None:  # the bytes of the slices that `name` reaches; None: not all
+        if not users.get(name) or depth > 8:
+            return None
+        total = 0
+        for user, position in users[name]:
+            op, out = ops.get(user, (None, 0))
+            if op in SLICES and position == 0:
+                total += out
+            elif op in VIEWS:
+                part = sliced(user, depth + 1)
+                if part is None:
+                    return None
+                total += part
+            else:
+                return None
+        return total
+
+    return {i: b for i, name in params.items() if (b := sliced(name)) is not None}
+
+
 def entry_kernels(hlo: str) -> list[dict]:
     """The kernel-launching instructions of the ENTRY computation of optimized HLO text, in program order: name,
     kind (a fusion's name without its number, as the GPU profile names the kernel; a custom call's target; else the
-    opcode), kernels (launches: a custom call's from KERNELS_PER_CALL), bytes_out, bytes_in (its operands' shapes),
-    inputs (operand names, a bitcast or tuple element named by the instruction it views). Instructions that launch
-    nothing (parameters, tuples, bitcasts, ...) are left out."""
+    opcode), kernels (launches: a custom call's from KERNELS_PER_CALL), bytes_out (its output's shape), inputs
+    (operand names, a bitcast or tuple element named by the instruction it views), input_bytes_full (each operand's
+    whole shape), input_bytes (what the kernel reads of each operand: its whole shape, except an operand that a
+    fusion's computation only slices (`slice` / `dynamic-slice`, directly or through a bitcast or reshape), e.g. one
+    layer of weights stacked [L, ...]: the bytes of those slices) and bytes_in (their sum). Only a fusion's own
+    computation is read for slices, not the computations it calls in turn. Instructions that launch nothing
+    (parameters, tuples, bitcasts, ...) are left out."""
     start = hlo.find("\nENTRY ")
     if start < 0:
         raise ValueError("no ENTRY computation in this HLO text")
+    comps = None  # parsed on the first fusion
     shapes, alias, out = {}, {}, []
     for line in hlo[start:].splitlines()[1:]:
         if line.startswith("}"):
@@ -128,28 +193,39 @@ def entry_kernels(hlo: str) -> list[dict]:
             continue
         raw = _operands(rest)
         inputs = [alias.get(i, i) for i in raw]
+        full = [shapes.get(i, 0) for i in raw]
+        read = list(full)
         if op == "fusion":
             kind = re.sub(r"\.\d+$", "", name)
+            called = re.search(r"\bcalls=%([\w.\-]+)", rest)
+            if called:
+                if comps is None:
+                    comps = _computations(hlo)
+                for i, b in sliced_operand_bytes(comps.get(called.group(1), [])).items():
+                    if i < len(read):
+                        read[i] = min(read[i], b)
         elif op == "custom-call":
             target = re.search(r'custom_call_target="([^"]+)"', rest)
             kind = target.group(1) if target else "custom-call"
         else:
             kind = op
         out.append(dict(name=name, kind=kind, kernels=KERNELS_PER_CALL.get(kind, 1), bytes_out=shapes[name],
-                        bytes_in=sum(shapes.get(i, 0) for i in raw), inputs=inputs, custom=op == "custom-call",
-                        input_bytes=[shapes.get(i, 0) for i in raw]))
+                        bytes_in=sum(read), inputs=inputs, custom=op == "custom-call", input_bytes=read,
+                        input_bytes_full=full))
     return out
 
 
 def xla_bytes(k: dict) -> int:
-    """Bytes an XLA kernel moves: its operands and output, except that a slice of an array reads only the slice
-    (a dynamic-slice fusion: its output, twice) and an in-place update writes only the update (a
-    dynamic-update-slice or scatter fusion: its operands smaller than the output, twice). 0 for a custom call
+    """Bytes an XLA kernel moves, from its shapes: what it reads of its operands (`input_bytes`: each operand whole,
+    except one its fusion only slices, e.g. one layer of a stacked weight: that slice) plus its output. Two cases
+    differ: a dynamic-slice fusion moves its output twice (read, then written); an in-place update (a
+    dynamic-update-slice or scatter fusion) moves only the update: its operands whose whole size is below the
+    output's, twice (the operand of the output's size is the buffer updated in place, not read). 0 for a custom call
     (what it reads depends on its arguments' values: the routed experts, the cached length)."""
     if k["custom"]:
         return 0
     if any(w in k["kind"] for w in IN_PLACE):
-        return 2 * sum(b for b in k["input_bytes"] if b < k["bytes_out"])
+        return 2 * sum(b for b in k["input_bytes_full"] if b < k["bytes_out"])
     if "dynamic_slice" in k["kind"]:
         return 2 * k["bytes_out"]
     return k["bytes_in"] + k["bytes_out"]
@@ -308,8 +384,9 @@ def report(meta: dict, rows: list[dict], base: dict | None = None) -> str:
              f"jax {meta['jax']}, XLA_FLAGS `{meta.get('xla_flags') or 'none'}`; GEMM configurations are XLA's "
              f"defaults, where the GPU would autotune) and reports one {'drafter' if draft else 'MoE'} layer: the "
              "difference. Custom calls count as the kernels they launch; XLA's bytes: what XLA's own kernels read and "
-             "write, from their shapes (a slice counted as the slice, the custom calls left out); an intermediate is "
-             "an array of at least 1 MB that one kernel writes and another reads back.", "",
+             "write, from their shapes (each operand whole, except one that a fusion only slices, e.g. one layer of a "
+             "stacked weight, counted as the slice; an in-place update as the update; the custom calls left "
+             "out); an intermediate is an array of at least 1 MB that one kernel writes and another reads back.", "",
              "| cell | kernels a layer | XLA's bytes a layer (MB) | intermediates (MB) | kernels by kind |",
              "|---|---|---|---|---|"]
     old = {(r["batch"], r["t"]): r["layer"] for r in base["rows"]} if base else {}

@@ -25,7 +25,7 @@ from flax import struct
 from .config import ConfigError, ModelConfig
 from .kernels.mla_verify import combine_lse
 from .model import (ArrayInfo, KVCache, Params, attention_impl, embed, init_from_info, naive_attention_lse, rms_norm,
-                    stack_info, step)
+                    stack_info, step, write_rows)
 from .sharding import current_mesh, fitting_sharding, logical_to_spec
 from .validate import is_integer, is_real, shown
 
@@ -51,7 +51,9 @@ class DrafterProtocol(Protocol):
         """Raise ValueError when this drafter cannot draft for target cfg."""
 
     def start(self, batch: int, max_len: int) -> Any:
-        """The drafter's state for `batch` rows of up to `max_len` cache slots (a pytree, or None)."""
+        """The drafter's state for `batch` rows of up to `max_len` cache slots (a pytree, or None): every leaf has
+        the rows on axis 0 (the server puts a request's row in a slot of the batch there) and, where it holds
+        something per cache slot, the slots on axis 1 (the server's prefix cache keeps a prompt's first slots)."""
 
     def add_context(self, state: Any, hidden: jax.Array, starts: jax.Array) -> Any:
         """Take the target's hidden states [L, B, T, D] of T committed tokens at slots starts[b] + t."""
@@ -180,8 +182,11 @@ class Drafter:
 
 @struct.dataclass
 class DraftCache:
-    k: jax.Array  # [Ld, B, S, Hkv, hd]  context keys (k_norm, rope at the token's position)
-    v: jax.Array  # [Ld, B, S, Hkv, hd]  context values
+    """The context keys and values of every drafter layer, one array a layer (as the target's cache: a layer's whole
+    buffer goes to its attention, no slice of a stacked one copied out), rows on axis 0 and slots on axis 1."""
+
+    k: tuple[jax.Array, ...]  # per layer [B, S, Hkv, hd]  context keys (k_norm, rope at the token's position)
+    v: tuple[jax.Array, ...]  # per layer [B, S, Hkv, hd]  context values
 
 
 def target_layer_ids(num_target_layers: int, num_ctx: int) -> tuple[int, ...]:
@@ -258,14 +263,12 @@ def init_drafter(cfg: ModelConfig, key: jax.Array, num_layers: int = 1, block_si
 def init_draft_cache(d: DrafterConfig, batch: int, max_len: int) -> DraftCache:
     """An empty context cache; under a model-parallel mesh, split over the key/value heads like the drafter's k and v
     (where they divide)."""
-    shape = (d.num_layers, batch, max_len, d.num_kv_heads, d.head_dim)
-    zeros = lambda: jnp.zeros(shape, jnp.dtype(d.dtype))
+    shape = (batch, max_len, d.num_kv_heads, d.head_dim)
     mesh = current_mesh()
-    if mesh is None:
-        return DraftCache(k=zeros(), v=zeros())
-    where = fitting_sharding(mesh, shape, logical_to_spec(("layers", "batch", None, "kv_heads", None)))
-    place = lambda x: jax.lax.with_sharding_constraint(x, where)
-    return DraftCache(k=place(zeros()), v=place(zeros()))
+    where = None if mesh is None else fitting_sharding(mesh, shape, logical_to_spec(("batch", None, "kv_heads", None)))
+    place = (lambda x: x) if where is None else (lambda x: jax.lax.with_sharding_constraint(x, where))
+    layers = lambda: tuple(place(jnp.zeros(shape, jnp.dtype(d.dtype))) for _ in range(d.num_layers))
+    return DraftCache(k=layers(), v=layers())
 
 
 def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -299,12 +302,8 @@ def append_context(drafter: Drafter, cache: DraftCache, target_hidden: jax.Array
     t = ctx.shape[1]
     positions = starts[:, None] + jnp.arange(t)[None, :]
     k, v = jax.vmap(lambda lp: _kv(lp, ctx, positions, d))(p.layers)  # [Ld, B, T, Hkv, hd]
-    if cache.k.shape[1] == 1:  # one row: a plain update of every layer (vmapped, a scatter that reads old rows back)
-        write = lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s[0], axis=2)
-    else:
-        write = jax.vmap(jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0),
-                                  in_axes=(0, 0, 0)), in_axes=(0, 0, None))
-    return DraftCache(k=write(cache.k, k, starts), v=write(cache.v, v, starts))
+    write = lambda cs, new: tuple(write_rows(c, new[i], starts) for i, c in enumerate(cs))
+    return DraftCache(k=write(cache.k, k), v=write(cache.v, v))
 
 
 def block_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, kb: jax.Array, vb: jax.Array, lengths: jax.Array,
@@ -366,7 +365,7 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
 
     with jax.named_scope("drafter"):
         for i in range(d.num_layers):  # unrolled: each layer's weights read in place (a scan copied them per step)
-            x = layer(x, jax.tree.map(lambda a: a[i], p.layers), cache.k[i], cache.v[i])
+            x = layer(x, jax.tree.map(lambda a: a[i], p.layers), cache.k[i], cache.v[i])  # each layer's own buffer
         x = rms_norm(x[:, 1:], p.norm, d.rms_norm_eps)  # positions 1 .. bs-1 predict depths 1 .. bs-1
         return jnp.einsum("btd,dv->btv", x, target.lm_head, preferred_element_type=jnp.float32)
 

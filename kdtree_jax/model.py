@@ -422,6 +422,12 @@ def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array, cfg: ModelC
     on a sequence-sharded cache each device writes the rows of its own block)."""
     if cfg.cache_sharding == "sequence" and current_mesh() is not None:
         return write_rows_sequence(cache, new, starts)
+    return write_rows(cache, new, starts)
+
+
+def write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+    """cache [B, S, ...] with new [B, T, ...] written at slots starts[b] .. starts[b] + T - 1 of each row (in place;
+    a start past S - T is clamped to it)."""
     if cache.shape[0] == 1:  # one row: a plain update (the vmapped one is a scatter, whose out-of-bounds rule made
         # XLA read the old rows back and select: one more kernel per cache and layer at batch 1; both clamp the start)
         return jax.lax.dynamic_update_slice_in_dim(cache, new, starts[0], axis=1)

@@ -204,7 +204,7 @@ def drafter_loss(dparams, dcfg, target: Params, cfg: ModelConfig, seqs, anchors,
     a = anchors.shape[1]
     hidden = jax.lax.stop_gradient(_forward_jit(target, cfg, seqs).hidden)  # [L, B, T, D]
     ctx = append_context(drafter, init_draft_cache(dcfg, b, t), hidden, jnp.zeros((b,), jnp.int32))
-    rep = lambda x: jnp.repeat(x, a, axis=1)  # [Ld, B, ...] -> [Ld, B*A, ...]
+    rep = lambda x: jnp.repeat(x, a, axis=0)  # per layer [B, ...] -> [B*A, ...]
     ctx = jax.tree.map(rep, ctx)
     flat = anchors.reshape(-1)
     rows = jnp.repeat(jnp.arange(b), a)

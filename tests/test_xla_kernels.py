@@ -101,3 +101,121 @@ def test_report_puts_the_base_counts_beside_these():
     assert "kernels a layer (old -> now)" in text and "one MoE layer" in text
     text = report(dict(meta, program="draft"), [dict(batch=1, t=8, layer=layer)])
     assert "| 1 x 8 | 29 |" in text and "one drafter layer" in text and "--program draft" in text
+
+
+# Fusions reading a weight stacked [3, K, N] (a drafter's layers as one array): the first slices one layer off
+# (`slice`, then a bitcast to [K, N]); the second views it as [3, K * N] and dynamic-slices a row (the index is the
+# fusion's third operand, used as the dynamic-slice's index, not sliced); the third slices two layers; the fourth
+# multiplies the whole weight as well as slicing it; the fifth slices a bitcast of it that a dot also reads; the
+# sixth updates the stacked array in place.
+STACKED = """HloModule jit_draft, entry_computation_layout={()}
+
+%gemm_fusion_dot.1_computation (parameter_0: bf16[8,64], parameter_1: bf16[3,64,32]) -> bf16[8,32] {
+  %parameter_1 = bf16[3,64,32]{2,1,0} parameter(1), metadata={scheduling_name="parameter_1"}
+  %slice.1 = bf16[1,64,32]{2,1,0} slice(%parameter_1), slice={[1:2], [0:64], [0:32]}
+  %bitcast.1 = bf16[64,32]{1,0} bitcast(%slice.1)
+  %parameter_0 = bf16[8,64]{1,0} parameter(0)
+  ROOT %dot.1 = bf16[8,32]{1,0} dot(%parameter_0, %bitcast.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%gemm_fusion_dot.2_computation (parameter_0.1: bf16[8,64], parameter_1.1: bf16[3,64,32], parameter_2.1: s32[]) \
+-> bf16[8,32] {
+  %parameter_1.1 = bf16[3,64,32]{2,1,0} parameter(1)
+  %bitcast.2 = bf16[3,2048]{1,0} bitcast(%parameter_1.1)
+  %parameter_2.1 = s32[] parameter(2)
+  %constant.1 = s32[] constant(0)
+  %dynamic-slice.1 = bf16[1,2048]{1,0} dynamic-slice(%bitcast.2, %parameter_2.1, %constant.1), \
+dynamic_slice_sizes={1,2048}
+  %bitcast.3 = bf16[64,32]{1,0} bitcast(%dynamic-slice.1)
+  %parameter_0.1 = bf16[8,64]{1,0} parameter(0)
+  ROOT %dot.2 = bf16[8,32]{1,0} dot(%parameter_0.1, %bitcast.3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_add (param_0.1: bf16[3,64,32]) -> bf16[64,32] {
+  %param_0.1 = bf16[3,64,32]{2,1,0} parameter(0)
+  %slice.2 = bf16[1,64,32]{2,1,0} slice(%param_0.1), slice={[0:1], [0:64], [0:32]}
+  %reshape.1 = bf16[64,32]{1,0} reshape(%slice.2)
+  %slice.3 = bf16[1,64,32]{2,1,0} slice(%param_0.1), slice={[2:3], [0:64], [0:32]}
+  %reshape.2 = bf16[64,32]{1,0} reshape(%slice.3)
+  ROOT %add.1 = bf16[64,32]{1,0} add(%reshape.1, %reshape.2)
+}
+
+%fused_multiply (param_0.2: bf16[3,64,32]) -> bf16[3,64,32] {
+  %param_0.2 = bf16[3,64,32]{2,1,0} parameter(0)
+  %slice.4 = bf16[1,64,32]{2,1,0} slice(%param_0.2), slice={[0:1], [0:64], [0:32]}
+  %bitcast.4 = bf16[64,32]{1,0} bitcast(%slice.4)
+  %broadcast.1 = bf16[3,64,32]{2,1,0} broadcast(%bitcast.4), dimensions={1,2}
+  ROOT %multiply.1 = bf16[3,64,32]{2,1,0} multiply(%param_0.2, %broadcast.1)
+}
+
+%fused_computation.5 (param_0.3: bf16[8,2048], param_1.3: bf16[3,64,32]) -> bf16[8,3] {
+  %param_1.3 = bf16[3,64,32]{2,1,0} parameter(1)
+  %bitcast.5 = bf16[3,2048]{1,0} bitcast(%param_1.3)
+  %slice.5 = bf16[1,2048]{1,0} slice(%bitcast.5), slice={[0:1], [0:2048]}
+  %param_0.3 = bf16[8,2048]{1,0} parameter(0)
+  %dot.3 = bf16[8,3]{1,0} dot(%param_0.3, %bitcast.5), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %broadcast.2 = bf16[8,2048]{1,0} broadcast(%slice.5), dimensions={0,1}
+  ROOT %dot.4 = bf16[8,3]{1,0} dot(%broadcast.2, %bitcast.5), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%fused_dynamic_update_slice (param_0.4: bf16[3,64,32], param_1.4: bf16[1,64,32], param_2.4: s32[]) \
+-> bf16[3,64,32] {
+  %param_0.4 = bf16[3,64,32]{2,1,0} parameter(0)
+  %param_1.4 = bf16[1,64,32]{2,1,0} parameter(1)
+  %param_2.4 = s32[] parameter(2)
+  %constant.2 = s32[] constant(0)
+  ROOT %dynamic-update-slice.1 = bf16[3,64,32]{2,1,0} dynamic-update-slice(%param_0.4, %param_1.4, %param_2.4, \
+%constant.2, %constant.2)
+}
+
+ENTRY %main.2 (p_x: bf16[8,64], p_w: bf16[3,64,32], p_i: s32[], p_new: bf16[1,64,32]) -> bf16[8,32] {
+  %p_x = bf16[8,64]{1,0} parameter(0)
+  %p_w = bf16[3,64,32]{2,1,0} parameter(1)
+  %p_i = s32[] parameter(2)
+  %p_new = bf16[1,64,32]{2,1,0} parameter(3)
+  %gemm_fusion_dot.1 = bf16[8,32]{1,0} fusion(%p_x, %p_w), kind=kCustom, calls=%gemm_fusion_dot.1_computation, \
+backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %gemm_fusion_dot.2 = bf16[8,32]{1,0} fusion(%p_x, %p_w, %p_i), kind=kCustom, calls=%gemm_fusion_dot.2_computation
+  %loop_add_fusion = bf16[64,32]{1,0} fusion(%p_w), kind=kLoop, calls=%fused_add
+  %loop_multiply_fusion = bf16[3,64,32]{2,1,0} fusion(%p_w), kind=kLoop, calls=%fused_multiply
+  %bitcast.9 = bf16[8,2048]{1,0} bitcast(%loop_multiply_fusion)
+  %fusion.5 = bf16[8,3]{1,0} fusion(%bitcast.9, %p_w), kind=kCustom, calls=%fused_computation.5
+  %loop_dynamic_update_slice_fusion = bf16[3,64,32]{2,1,0} fusion(%p_w, %p_new, %p_i), kind=kLoop, \
+calls=%fused_dynamic_update_slice
+  ROOT %tuple = (bf16[8,32]{1,0}, bf16[8,32]{1,0}) tuple(%gemm_fusion_dot.1, %gemm_fusion_dot.2)
+}
+"""
+
+X = 8 * 64 * 2  # the activations [8, 64], bf16
+STACK = 3 * 64 * 32 * 2  # the stacked weight [3, 64, 32], bf16
+LAYER = 64 * 32 * 2  # one layer of it: [1, 64, 32] or [1, 2048]
+OUT = 8 * 32 * 2  # a product [8, 32]
+
+
+def test_a_stacked_weight_that_a_fusion_only_slices_counts_as_the_slice():
+    ks = {k["name"]: k for k in entry_kernels(STACKED)}
+    one = ks["gemm_fusion_dot.1"]  # slice of layer 1, then a bitcast
+    assert one["input_bytes_full"] == [X, STACK]
+    assert one["input_bytes"] == [X, LAYER] and one["bytes_in"] == X + LAYER
+    assert xla_bytes(one) == X + LAYER + OUT
+    two = ks["gemm_fusion_dot.2"]  # a bitcast, then a dynamic-slice of a row; the index operand is read whole
+    assert two["input_bytes"] == [X, LAYER, 4] and two["bytes_in"] == X + LAYER + 4
+    assert xla_bytes(two) == X + LAYER + 4 + OUT
+    both = ks["loop_add_fusion"]  # layers 0 and 2, each sliced and reshaped
+    assert both["input_bytes"] == [2 * LAYER] and xla_bytes(both) == 2 * LAYER + 64 * 32 * 2
+
+
+def test_a_stacked_weight_also_read_whole_counts_whole():
+    ks = {k["name"]: k for k in entry_kernels(STACKED)}
+    mul = ks["loop_multiply_fusion"]  # sliced, and multiplied whole
+    assert mul["input_bytes"] == [STACK] and mul["bytes_in"] == STACK
+    assert xla_bytes(mul) == STACK + STACK
+    view = ks["fusion.5"]  # its bitcast is sliced, and read by a dot
+    assert view["input_bytes"] == [8 * 2048 * 2, STACK] and xla_bytes(view) == 8 * 2048 * 2 + STACK + 8 * 3 * 2
+
+
+def test_an_in_place_update_of_a_stacked_array_still_counts_the_update():
+    ks = {k["name"]: k for k in entry_kernels(STACKED)}
+    dus = ks["loop_dynamic_update_slice_fusion"]
+    assert dus["input_bytes_full"] == [STACK, LAYER, 4] and dus["bytes_out"] == STACK
+    assert xla_bytes(dus) == 2 * (LAYER + 4)  # the stacked operand is the buffer updated in place

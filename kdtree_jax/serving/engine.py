@@ -157,7 +157,7 @@ class _Request:
 @dataclasses.dataclass(eq=False)
 class _Prefix:
     """A kept prompt: its tokens, and its rows of the caches, each `size` (a power of two) slots long: every layer's
-    latent [size, R] and rope key [size, dr], and the drafter's state with the slots on axis 1 (None: none)."""
+    latent [size, R] and rope key [size, dr], and the drafter's state's (slots on axis 0 of each leaf; None: none)."""
 
     tokens: np.ndarray  # int32 [T]
     rows: tuple  # (latent tuple, k_pe tuple, drafter state)
@@ -389,7 +389,7 @@ _empty_state_jit = jax.jit(_empty_state, static_argnames=("cfg", "batch", "cache
 
 def _resume(method: Method, params, cfg: ModelConfig, tokens, lengths, cache, rows: tuple, reused, chunk: int | None):
     """`method.start` for prompts whose first reused[b] tokens are cached: their rows (`_Prefix.rows`, stacked: [n,
-    size, ...], the drafter's state [.., n, size, ...]) copied into the empty cache, then the rest of each prompt,
+    size, ...], the drafter's state's leaves too) copied into the empty cache, then the rest of each prompt,
     tokens [n, T] (right-padded; lengths [n]), run after them by cached forwards (`model.step`, causal), in pieces of
     `chunk` tokens (None: one), the drafter taking its context from each. Returns (the next-token logits [n, V] at
     each prompt's last token, the cache with lengths reused + lengths, the drafter's state)."""
@@ -400,8 +400,7 @@ def _resume(method: Method, params, cfg: ModelConfig, tokens, lengths, cache, ro
                                 k_pe=tuple(map(put, cache.k_pe, k_pe)))
     draft = None
     if isinstance(method, Speculative):
-        draft = jax.tree.map(lambda c, r: c.at[:, :, :size].set(r.astype(c.dtype)),
-                             method.drafter.start(n, cache.max_len), draft_rows)
+        draft = jax.tree.map(put, method.drafter.start(n, cache.max_len), draft_rows)
     piece = tokens.shape[1] if chunk is None else chunk
 
     def body(carry, k):
@@ -429,8 +428,8 @@ def _admit(method: Method, params, cfg: ModelConfig, state: DecodeState, keys, s
     Each row is what the driver's `initial_state` makes (the same prefill, drafter state and first token as
     `generate`), its cache as long as the batch's; its first token is committed at out[b, M - max_new[b]] (M =
     out.shape[1]) and the target's log-probabilities of it written at its position. Every field but the loop key and
-    step count replaces the slot's row (nothing of the previous request remains); the drafter's state (a DraftCache,
-    [Ld, B, S, ...]) has its rows on axis 1.
+    step count replaces the slot's row (nothing of the previous request remains), the drafter's state's too (rows on
+    axis 0 of every leaf: `DrafterProtocol.start`).
     prefix: None, or (entries, reused int32 [n]): tokens are then the rest of prompts whose first reused[b] tokens'
     rows are entries[b] (`_Prefix.rows`, all of one size; `_resume`).
     options: the rows' (temperature f32 [n], top_k int32 [n], top_p f32 [n]) for a `RowSampler` (always filtered:
@@ -446,7 +445,7 @@ def _admit(method: Method, params, cfg: ModelConfig, state: DecodeState, keys, s
     else:
         entries, reused = prefix
         stack = lambda part: tuple(map(jnp.stack, zip(*(e[part] for e in entries))))  # per layer [n, size, .]
-        rows = (stack(0), stack(1), jax.tree.map(lambda *x: jnp.stack(x, axis=1), *(e[2] for e in entries)))
+        rows = (stack(0), stack(1), jax.tree.map(lambda *x: jnp.stack(x), *(e[2] for e in entries)))
         logits, cache, draft = _resume(method, params, cfg, tokens, lengths, cache, rows, reused, chunk)
     first = RowSampler(*options, key=now).choose(logits, jax.random.split(state.key)[1])  # as initial_state draws
     out, num_out, done, _ = commit(jnp.full((n, width), -1, jnp.int32), width - max_new, jnp.zeros((n,), bool),
@@ -458,7 +457,7 @@ def _admit(method: Method, params, cfg: ModelConfig, state: DecodeState, keys, s
 
     def put(name: str):
         if name == "draft":
-            own = jax.tree.map(lambda b, r: _put(b, r, slots, 1), state.draft[0], row.draft)
+            own = jax.tree.map(lambda b, r: _put(b, r, slots), state.draft[0], row.draft)
             return own, state.draft[1].write(slots, cache.lengths[:, None], tuple(v[:, None] for v in logprobs))
         return jax.tree.map(lambda b, r: _put(b, r, slots), getattr(state, name), getattr(row, name))
 
@@ -473,7 +472,7 @@ def _prefix_rows(state: DecodeState, slot, *, size: int) -> tuple:
         return jax.lax.slice_in_dim(jax.lax.dynamic_index_in_dim(x, slot, axis, keepdims=False), 0, size, axis=axis)
 
     return (tuple(take(x, 0) for x in state.cache.latent), tuple(take(x, 0) for x in state.cache.k_pe),
-            jax.tree.map(lambda x: take(x, 1), state.draft[0]))
+            jax.tree.map(lambda x: take(x, 0), state.draft[0]))
 
 
 @partial(jax.jit, static_argnames=("cfg", "top"))
