@@ -374,8 +374,9 @@ def parse_cells(text: str) -> list[tuple[int, int]]:
 
 def report(meta: dict, rows: list[dict], base: dict | None = None) -> str:
     draft = meta.get("program") == "draft"
-    what = ("the K2.5-DFlash-shaped drafter's block (`drafter.draft`) of one GPU of an ep=8 mesh"
-            if draft else "the step of one GPU of an ep=8 K2.6 mesh")
+    what = (f"the K2.5-DFlash-shaped drafter's block (`drafter.draft`, its attention on "
+            f"{meta.get('attention', 'xla')}) of one GPU of an ep=8 mesh" if draft else
+            "the step of one GPU of an ep=8 K2.6 mesh")
     lines = [f"# Kernels a layer, as XLA compiles the per-device {'draft' if draft else 'step'} ({meta['date']}, "
              f"commit {meta['commit']}, compiled for an {meta['target']} without a device)", "",
              f"Counted, not timed: `python benchmarks/xla_kernels.py{' --program draft' if draft else ''}` compiles "
