@@ -20,9 +20,10 @@ from .validate import shown
 DTYPES = ("float32", "bfloat16")
 EXPERT_FORMATS = ("bf16", "int4")
 KERNELS = ("xla", "ffi", "dense")
-FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "small_dot")
+FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "small_dot", "move_rows")
 # The custom calls kernels="ffi" runs unless ffi_ops names others: small_dot (the dense matmuls of a decode or verify
-# step) is opt-in: on the H200 it was slower than XLA's dots (docs/full_scale.md, 2026-12-05).
+# step) is opt-in: on the H200 it was slower than XLA's dots (docs/full_scale.md, 2026-12-05); move_rows (the accepted
+# rows of every layer's caches moved in one launch) is opt-in until its GPU tests and timing have run (2026-12-06).
 DEFAULT_FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route")
 CACHE_SHARDINGS = ("replicated", "sequence")
 

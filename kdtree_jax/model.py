@@ -29,6 +29,7 @@ from .quant import Int4Array, quantize_int4
 from .kernels.marlin_moe import marlin_moe
 from .kernels.mla_verify import combine_lse, mask_softmax, mla_prefix, mla_verify, tree_attention_lse
 from .kernels.moe_route import moe_route
+from .kernels.move_rows import move_rows, write_rows
 from .kernels.small_dot import FLAG_WEIGHT_PARAM, small_dot
 from .sharding import (ShardingError, checked_sharding, current_mesh, logical_to_spec, mla_head_parallel,
                        mla_sequence_parallel, moe_expert_parallel, replicated_call, sequence_sharded,
@@ -425,15 +426,6 @@ def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array, cfg: ModelC
     return write_rows(cache, new, starts)
 
 
-def write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    """cache [B, S, ...] with new [B, T, ...] written at slots starts[b] .. starts[b] + T - 1 of each row (in place;
-    a start past S - T is clamped to it)."""
-    if cache.shape[0] == 1:  # one row: a plain update (the vmapped one is a scatter, whose out-of-bounds rule made
-        # XLA read the old rows back and select: one more kernel per cache and layer at batch 1; both clamp the start)
-        return jax.lax.dynamic_update_slice_in_dim(cache, new, starts[0], axis=1)
-    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0))(cache, new, starts)
-
-
 def _take_rows(cache: jax.Array, slots: jax.Array, cfg: ModelConfig) -> jax.Array:
     """cache [B, S, C] -> [B, P, C]: the rows at slots [B, P] of each batch row (on a sequence-sharded cache, each
     device contributes the rows it holds; no gather of the cache)."""
@@ -447,7 +439,13 @@ def move_accepted(cache: KVCache, cfg: ModelConfig, starts: jax.Array, path: jax
 
     path [B, P] lists node indices in root-to-leaf order (padding -1: whatever lands past the accepted length is
     never read). Positions stay right: node path[j] has depth j and was roped at position starts + j.
+    With the move_rows custom call on (`cfg.impl`), outside a mesh (it is not partitioned), every layer's two caches
+    move in one launch; else a gather and an update per cache and layer.
     """
+    if cfg.impl("move_rows") == "ffi" and current_mesh() is None:
+        moved = move_rows(cache.latent + cache.k_pe, starts, path, n_nodes)
+        n = len(cache.latent)
+        return dataclasses.replace(cache, latent=moved[:n], k_pe=moved[n:])
     slots = starts[:, None] + jnp.clip(path, 0, n_nodes - 1)  # [B, P]
     move = lambda c: _write_rows(c, _take_rows(c, slots, cfg), starts, cfg)
     return dataclasses.replace(cache, latent=tuple(map(move, cache.latent)), k_pe=tuple(map(move, cache.k_pe)))

@@ -30,6 +30,7 @@ CPU_TARGETS = {
     "kdtree_marlin_moe": "KdMarlinMoeCpu",
     "kdtree_moe_route": "KdMoeRouteCpu",
     "kdtree_small_dot": "KdSmallDotCpu",
+    "kdtree_move_rows": "KdMoveRowsCpu",
 }
 CUDA_TARGETS = {
     "kdtree_tree_build": "KdTreeBuildCuda",
@@ -39,6 +40,7 @@ CUDA_TARGETS = {
     "kdtree_marlin_moe_fused": "KdMarlinMoeFusedCuda",
     "kdtree_moe_route": "KdMoeRouteCuda",
     "kdtree_small_dot": "KdSmallDotCuda",
+    "kdtree_move_rows": "KdMoveRowsCuda",
 }
 
 _cuda_error: str | None = None
