@@ -73,7 +73,7 @@ from full_scale import COMM_PER_LAYER_S, FAST_ALLREDUCE_S, TAU_QUOTED, nbytes, p
 from kdtree_jax.ddtree import DraftTree, Path, Speculative, accept, speculative, verify  # noqa: E402
 from kdtree_jax.decoding import Committed, DecodeState, Sampler, advance, no_reliability, nonfinite_rows  # noqa: E402
 from kdtree_jax.drafter import draft, init_draft_cache  # noqa: E402
-from kdtree_jax.model import StepOutput, attention_impl, init_cache  # noqa: E402
+from kdtree_jax.model import StepOutput, init_cache  # noqa: E402
 from kdtree_jax.sharding import trace_context  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -587,9 +587,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", type=ints, help="the tree budgets (default 8,16,32,64; --small: 8,16)")
     ap.add_argument("--drafters", type=ints, help="batch sizes of the drafter-alone timing (default: 1,10; "
                     "--small: 1,2; 0: none)")
-    ap.add_argument("--draft-attention", choices=("auto", "xla", "cudnn"), default="auto",
-                    help="the drafter-alone rows' attention (`drafter.block_attention`); auto: what the loop's "
-                         "drafter runs (`model.attention_impl`: cudnn on a GPU with the ffi kernels)")
+    ap.add_argument("--draft-attention", choices=("xla", "cudnn"), default="xla",
+                    help="the drafter-alone rows' attention (`drafter.block_attention`; default xla, what the loop's "
+                         "drafter runs)")
     ap.add_argument("--context", type=int, help="cached tokens (default 4096; --small: 256)")
     ap.add_argument("--steps", type=int, default=16, help="S: timed runs of S and 2S loop steps (default 16)")
     ap.add_argument("--warmup", type=int, default=2, help="loop steps of the first (compiling) call")
@@ -649,7 +649,7 @@ def main(argv=None) -> int:
     batches = [b for b in (args.drafters if args.drafters is not None else (SMALL_BATCHES if args.small else BATCHES))
                if b > 0]
     if batches:
-        attention = attention_impl(cfg) if args.draft_attention == "auto" else args.draft_attention
+        attention = args.draft_attention
         replicated = make_drafter(cfg, args.small, 1)
         for kind, dr in ((f"sharded (1/{args.n})", sharded), ("replicated", replicated)):
             for b in batches:

@@ -3,9 +3,11 @@ XLA's gather and in-place update per cache and layer against the `move_rows` cus
 
 One device's caches of K2.6 on an ep=8 mesh (the latent cache is not split by heads): `--layers` layers x (latent
 512 + rope key 64) bf16 rows, `--context` slots filled plus room for the tree; each row accepts a random path of
-`--p` nodes out of the tree's. Both forms are jitted with the caches donated and called back to back, each call on
-the last one's caches (as the decoding loop carries them); wall time per call, median of `--repeats` runs of
-`--calls` calls. Floor: the moved rows read and written once, at the copy bandwidth measured in the same run.
+`--p` nodes out of the tree's. Each form runs as one jitted program of K moves in a row, each on the last one's caches
+(as the decoding loop carries them), the caches donated; a move's time is the difference of the programs of
+`--calls` and 3 x `--calls` moves over the 2 x `--calls` moves between them (a call's dispatch, ~0.3 ms with 122
+arrays, cancels), median of `--repeats`. Floor: the moved rows read and written once, at the copy bandwidth
+measured in the same run.
 
     python benchmarks/move_rows.py                         # on a GPU: results/move_rows/
     python benchmarks/move_rows.py --small --out /tmp/x    # CPU smoke run (float32, 3 layers)
@@ -40,17 +42,27 @@ def make_case(layers: int, batch: int, context: int, nodes: int, p: int, dtype, 
 
 
 def time_move(impl: str, caches, starts, path, nodes: int, calls: int, repeats: int) -> float:
+    """Seconds a move: (program of 3 x calls moves - program of calls moves) / (2 x calls), median of repeats."""
     import jax
     from kdtree_jax.kernels.move_rows import move_rows
-    fn = jax.jit(lambda c, s, q: move_rows(c, s, q, nodes, impl=impl), donate_argnums=0)
-    caches = jax.block_until_ready(fn(caches, starts, path))  # compile
+
+    def chain(k):
+        def run(c, s, q):
+            for _ in range(k):  # unrolled: a while loop's condition would cost more than the move
+                c = move_rows(c, s, q, nodes, impl=impl)
+            return c
+        return jax.jit(run, donate_argnums=0)
+
+    short, long = chain(calls), chain(3 * calls)
+    caches = jax.block_until_ready(long(short(caches, starts, path), starts, path))  # compile both
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            caches = fn(caches, starts, path)
-        jax.block_until_ready(caches)
-        samples.append((time.perf_counter() - t0) / calls)
+        spans = []
+        for fn in (short, long):
+            t0 = time.perf_counter()
+            caches = jax.block_until_ready(fn(caches, starts, path))
+            spans.append(time.perf_counter() - t0)
+        samples.append((spans[1] - spans[0]) / (2 * calls))
     return statistics.median(samples)
 
 
@@ -61,8 +73,9 @@ def write_report(out: str, meta: dict, rows: list[dict]) -> None:
     lines = [f"# The accepted rows moved into place: XLA against the move_rows custom call ({meta['date']}, "
              f"{meta['device']}, commit {meta['commit']})", "",
              f"{meta['layers']} layers x 2 caches (latent 512, rope key 64, {meta['dtype']}) of one device, context "
-             f"{meta['context']}, a path of {meta['p']} nodes a row; wall time per call of the jitted move, caches "
-             f"donated, calls queued back to back (median of {meta['repeats']} x {meta['calls']}). Floor: the moved "
+             f"{meta['context']}, a path of {meta['p']} nodes a row; a move's time: programs of {meta['calls']} and "
+             f"{3 * meta['calls']} moves in a row, the difference over {2 * meta['calls']} (dispatch cancels; median "
+             f"of {meta['repeats']}). Floor: the moved "
              f"rows read and written once at {meta['copy_Bps'] / 1e12:.2f} TB/s "
              f"({'measured in this run' if meta['copy_measured'] else 'assumed: no GPU'}). "
              "`python benchmarks/move_rows.py`.", "",
@@ -99,7 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,10", help="rows, comma-separated (default 1,10)")
     ap.add_argument("--nodes", default="17,65", help="tree nodes (root included), comma-separated (default 17,65)")
     ap.add_argument("--p", type=int, default=8, help="path nodes moved a row (the drafter's block; default 8)")
-    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--calls", type=int, default=10, help="moves in the short program (the long one: 3x)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--small", action="store_true", help="3 layers, context 64, float32 (CPU smoke run)")
     args = ap.parse_args(argv)
@@ -107,7 +120,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     from common import ceilings
     if args.small:
-        args.layers, args.context, args.calls, args.repeats = 3, 64, 3, 2
+        args.layers, args.context, args.calls, args.repeats = 3, 64, 2, 2
     dtype = jnp.float32 if args.small else jnp.bfloat16
     gpu = jax.default_backend() == "gpu"
     copy_Bps = ceilings()["copy_Bps"] if gpu else 4.0e12

@@ -327,7 +327,7 @@ def compile_step(layers: int, batch: int, t: int, context: int, n: int, ffi_ops,
     return lowered.compile().as_text()
 
 
-def compile_draft(layers: int, batch: int, context: int, n: int, sharding, attention: str = "cudnn") -> str:
+def compile_draft(layers: int, batch: int, context: int, n: int, sharding, attention: str = "xla") -> str:
     """The optimized HLO of one draft (`drafter.draft`: the block's logits over this device's vocabulary shard) of the
     K2.5-DFlash-shaped drafter split n ways (`ddtree_full_scale.make_drafter`) with `layers` layers, `batch` rows
     after `context` cached tokens, its attention on `attention` (`drafter.block_attention`)."""
@@ -459,8 +459,8 @@ def main(argv=None) -> int:
     ap.add_argument("--program", choices=("step", "draft"), default="step",
                     help="step: the target's verify step (cells BxT); draft: the drafter's block (cells Bx8: batch "
                          "x the block; its layers are the difference of --layers + 1 and --layers drafter layers)")
-    ap.add_argument("--attention", choices=("cudnn", "xla"), default="cudnn", help="--program draft: the drafter's "
-                    "attention (`drafter.block_attention`; default cudnn, what a GPU runs with the ffi kernels)")
+    ap.add_argument("--attention", choices=("xla", "cudnn"), default="xla", help="--program draft: the drafter's "
+                    "attention (`drafter.block_attention`; default xla, what the drafter runs)")
     ap.add_argument("--no-flags", action="store_true", help="compile without the XLA flags the kdtree-jax commands "
                     "set (kdtree_jax.xla_flags.GPU_FLAGS); with them by default")
     ap.add_argument("--hlo", action="store_true", help="also write each cell's optimized HLO (L + 1 layers) to --out")

@@ -24,8 +24,8 @@ from flax import struct
 
 from .config import ConfigError, ModelConfig
 from .kernels.mla_verify import combine_lse
-from .model import (ArrayInfo, KVCache, Params, attention_impl, embed, init_from_info, naive_attention_lse, rms_norm,
-                    stack_info, step, write_rows)
+from .model import (ArrayInfo, KVCache, Params, embed, init_from_info, naive_attention_lse, rms_norm, stack_info, step,
+                    write_rows)
 from .sharding import current_mesh, fitting_sharding, logical_to_spec
 from .validate import is_integer, is_real, shown
 
@@ -175,9 +175,10 @@ class Drafter:
 
     def propose(self, target: Params, cfg: ModelConfig, state: DraftCache, cache: KVCache, bonus: jax.Array,
                 key: jax.Array) -> jax.Array:
-        """One forward of the block (`draft`), its attention on cuDNN where the target runs its attention custom
-        call on a GPU (`model.attention_impl`)."""
-        return draft(self, target, state, cache.lengths, bonus, attention_impl(cfg))
+        """One forward of the block (`draft`), its attention XLA's one softmax: cuDNN's two flash attentions
+        (`block_attention` "cudnn") were slower for one device's share of the K2.5-DFlash drafter (H100, 2026-12-06:
+        1.11 against 0.80 ms a draft at batch 1, 1.33 against 1.26 at 10; docs/full_scale.md)."""
+        return draft(self, target, state, cache.lengths, bonus)
 
 
 @struct.dataclass
@@ -312,9 +313,11 @@ def block_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, kb: jax.Array, v
     lengths[b] and the whole block's kb, vb [B, bs, G, hd] (G heads, each shared by H / G query heads). Returns
     [B, bs, H, hd] in q's dtype.
 
-    impl "xla": one softmax over the context and the block together (the reference). "cudnn": the two parts as
-    cuDNN's flash attention each (`model.naive_attention_lse`: one launch where XLA makes ~13 kernels of the
-    scores, masks, softmax and products), joined by their log-sum-exp (`split_block_attention`)."""
+    impl "xla": one softmax over the context and the block together (the reference, and what the drafter runs).
+    "cudnn": the two parts as cuDNN's flash attention each (`model.naive_attention_lse`: two launches where XLA
+    makes ~13 kernels of the scores, masks, softmax and products), joined by their log-sum-exp
+    (`split_block_attention`); fewer kernels, but slower at one device's share of the K2.5-DFlash drafter (H100,
+    2026-12-06), faster only replicated at batch 10."""
     if impl != "xla":
         return split_block_attention(q, ck, cv, kb, vb, lengths, scale, impl).astype(q.dtype)
     b, bs, h, hd = q.shape
@@ -345,7 +348,7 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
 
     The block [bonus, MASK, ...] sits at positions lengths[b] .. lengths[b] + block_size - 1 and sees the
     context slots < lengths[b] of `cache` plus the whole block (bidirectional). attention: `block_attention`'s impl
-    ("xla" or "cudnn"; `Drafter.propose` takes the target's `model.attention_impl`).
+    ("xla", what `Drafter.propose` runs, or "cudnn").
     """
     p, d = drafter.params, drafter.cfg
     b, bs = bonus.shape[0], d.block_size

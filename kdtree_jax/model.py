@@ -459,8 +459,8 @@ def _expand_kv(p: Attention, latent: jax.Array, pe: jax.Array) -> tuple[jax.Arra
 
 
 def attention_impl(cfg: ModelConfig) -> str:
-    """The naive attention's implementation (`naive_attention_lse`, a prompt piece's and the drafter's): "cudnn"
-    on a GPU where the model runs its attention custom call (mla_verify on "ffi"), else "xla"."""
+    """The naive attention's implementation (`naive_attention_lse`, a prompt piece's): "cudnn" on a GPU where the
+    model runs its attention custom call (mla_verify on "ffi"), else "xla"."""
     return "cudnn" if cfg.impl("mla_verify") == "ffi" and jax.default_backend() == "gpu" else "xla"
 
 

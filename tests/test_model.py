@@ -275,7 +275,7 @@ def test_gpu_drafter_cudnn_attention_matches_xla(h, g, hd):
     d = kj.init_drafter(cfg, jax.random.key(9), num_layers=2, block_size=16, num_heads=8, num_kv_heads=2, head_dim=64)
     rng = np.random.default_rng(8)
     cache = d.start(2, 64)
-    cache = type(cache)(**{f: jnp.asarray(rng.standard_normal(getattr(cache, f).shape), getattr(cache, f).dtype)
+    cache = type(cache)(**{f: tuple(jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in getattr(cache, f))
                            for f in ("k", "v")})
     args = (d, kj.init_params(cfg, jax.random.key(10)), cache, jnp.asarray([5, 40], jnp.int32),
             jnp.asarray([3, 9], jnp.int32))

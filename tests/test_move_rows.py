@@ -164,3 +164,17 @@ def test_gpu_narrow_rows_and_loop():
 
     for g, w in zip(run("ffi"), run("xla")):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_benchmark_smoke(tmp_path):
+    """benchmarks/move_rows.py --small runs on the CPU and writes its table, numbers and plot."""
+    import json
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import move_rows as bench
+    assert bench.main(["--small", "--out", str(tmp_path), "--batches", "2", "--nodes", "9"]) == 0
+    saved = json.load(open(tmp_path / "move_rows.json"))
+    assert [(r["batch"], r["nodes"]) for r in saved["rows"]] == [(2, 9)]
+    assert saved["rows"][0]["bytes"] == 2 * 2 * 8 * 3 * (512 + 64) * 4  # read + write, rows, path, layers, f32
+    assert (tmp_path / "move_rows.png").stat().st_size > 0 and "| 2 | 9 |" in (tmp_path / "move_rows.md").read_text()

@@ -110,6 +110,12 @@ def _step_calls(params, cfg, target="kdtree_small_dot") -> int:
 def test_decode_step_runs_small_dot_only_where_the_config_asks():
     # The o projection of the absorbed attention once took the attention kernel's impl (mla_verify "ffi") for its
     # own and ran small_dot whatever ffi_ops said, and on a mesh too, where the custom call is not partitioned.
+    # On the CPU devices (a mesh of 4 of them), also where a GPU is the default device.
+    with jax.default_device(jax.devices("cpu")[0]):
+        _small_dot_only_where_asked()
+
+
+def _small_dot_only_where_asked():
     cfg, params = _bf16_model()
     off = dataclasses.replace(cfg, kernels="ffi")
     on = dataclasses.replace(cfg, kernels="ffi", ffi_ops=kj.config.FFI_OPS)
@@ -117,7 +123,7 @@ def test_decode_step_runs_small_dot_only_where_the_config_asks():
     assert _step_calls(params, off, "kdtree_mla_verify") >= 1  # the control: the attention kernel is in the program
     assert _step_calls(params, off) == 0
     assert _step_calls(params, on) >= cfg.num_hidden_layers  # at least every layer's o projection
-    sharded = kj.shard_params(params, on, kj.make_mesh(ep=4, devices=jax.devices()[:4]))
+    sharded = kj.shard_params(params, on, kj.make_mesh(ep=4, devices=jax.devices("cpu")[:4]))
     assert _step_calls(sharded, on) == 0
 
 

@@ -198,6 +198,11 @@ def test_tree_build_cpu_ties(seed, b, l, v, budget, dtype):
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("budget", [1, 16, 64, 256, 1024])
 def test_levels_algorithm_equals_heap(budget, ties):
+    with jax.default_device(jax.devices("cpu")[0]):  # the levels algorithm is a CPU target (for tests)
+        _levels_equal_heap(budget, ties)
+
+
+def _levels_equal_heap(budget, ties):
     for seed in range(3):
         v = [97, 1000, 32000][seed]
         x = draft_logits(100 * budget + seed + 50 * ties, 4, [7, 15, 16][seed], v, jnp.bfloat16 if ties else
@@ -211,6 +216,11 @@ def test_levels_algorithm_equals_heap(budget, ties):
 
 def test_levels_algorithm_flat_and_peaked():
     """Inputs that overflow the level store: flat depths (trim path), exact-tie plateaus (level cap path)."""
+    with jax.default_device(jax.devices("cpu")[0]):  # the levels algorithm is a CPU target (for tests)
+        _levels_flat_and_peaked()
+
+
+def _levels_flat_and_peaked():
     rng = np.random.default_rng(7)
     flat = np.full((2, 15, 2048), -30.0, np.float32)
     flat[:, :, :600] = rng.integers(0, 3, size=(2, 15, 600)) * 0.01  # 600 near-equal tokens per depth
