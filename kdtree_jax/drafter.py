@@ -261,10 +261,20 @@ def init_drafter(cfg: ModelConfig, key: jax.Array, num_layers: int = 1, block_si
     return Drafter(params=init_from_info(drafter_info(d), key, cfg.group_size, shardings), cfg=d)
 
 
+SLOT_MULTIPLE = 256  # the drafter's cache slots are rounded up to this: XLA padded a cache of other lengths (a copy
+# of the values and of the probabilities a layer, for the GEMM's tiles; deviceless H200 compile, 2026-12-06)
+
+
+def draft_slots(max_len: int) -> int:
+    """The drafter's cache slots for a target cache of `max_len`: rounded up to SLOT_MULTIPLE (the slots past
+    max_len are never written or seen)."""
+    return -(-max_len // SLOT_MULTIPLE) * SLOT_MULTIPLE
+
+
 def init_draft_cache(d: DrafterConfig, batch: int, max_len: int) -> DraftCache:
-    """An empty context cache; under a model-parallel mesh, split over the key/value heads like the drafter's k and v
-    (where they divide)."""
-    shape = (batch, max_len, d.num_kv_heads, d.head_dim)
+    """An empty context cache of `draft_slots(max_len)` slots; under a model-parallel mesh, split over the key/value
+    heads like the drafter's k and v (where they divide)."""
+    shape = (batch, draft_slots(max_len), d.num_kv_heads, d.head_dim)
     mesh = current_mesh()
     where = None if mesh is None else fitting_sharding(mesh, shape, logical_to_spec(("batch", None, "kv_heads", None)))
     place = (lambda x: x) if where is None else (lambda x: jax.lax.with_sharding_constraint(x, where))

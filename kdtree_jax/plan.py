@@ -10,8 +10,9 @@ Per GPU (docs/plan.md explains each term):
   latent cache   (kv_lora_rank + qk_rope_head_dim) values per token per layer in the model dtype, replicated over the
                  model axes ep x tp (every head reads all of it) and split over dp along the batch only when dp
                  divides the batch; generate sizes it at context + budget + 1 slots, rounded up to CACHE_ALIGN.
-                 A drafter's context cache (keys and values per drafter layer) has the same slots and rows, its
-                 key/value heads split over ep x tp where they divide.
+                 A drafter's context cache (keys and values per drafter layer) has the same rows and slots rounded
+                 up to a multiple of 256 (drafter.draft_slots), its key/value heads split over ep x tp where they
+                 divide.
   activations    an estimate of the largest live buffers of one DDTree verify step over concurrency x (budget + 1)
                  tokens, with the custom calls (kernels="ffi"): every layer's output (kept for the drafter), working
                  hidden states, one layer's attention and routed-expert buffers, the vocabulary-sharded fp32 logits.
@@ -31,7 +32,7 @@ from . import configs
 from .builtin import PACKAGE_DIR
 from .checkpoint import read_json
 from .config import ModelConfig
-from .drafter import DrafterConfig, drafter_info
+from .drafter import DrafterConfig, draft_slots, drafter_info
 from .model import ArrayInfo, Layer, Params, check_model_fits, param_info
 from .sharding import MESH_AXES, ShardingError, logical_to_spec
 
@@ -254,7 +255,7 @@ def plan(cfg: ModelConfig, dcfg: DrafterConfig | None, mesh: dict[str, int], con
     d_per_row = 0
     if dcfg is not None:  # its key/value heads split over ep x tp where they divide, as init_draft_cache places them
         split = mesh["ep"] * mesh["tp"] if dcfg.num_kv_heads % (mesh["ep"] * mesh["tp"]) == 0 else 1
-        d_per_row = (2 * dcfg.num_layers * slots * dcfg.num_kv_heads // split * dcfg.head_dim
+        d_per_row = (2 * dcfg.num_layers * draft_slots(slots) * dcfg.num_kv_heads // split * dcfg.head_dim
                      * jnp.dtype(dcfg.dtype).itemsize)
     notes = []
     if rows == concurrency and mesh["dp"] > 1:

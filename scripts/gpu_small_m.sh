@@ -204,6 +204,10 @@ for splits in (16, 64):
 "
   ;;
 ab)
+  MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)  # (2026-12-06: an H100 spent
+  # its 260 s running out of memory)
+  [ "${MEM:-0}" -lt 120000 ] && { echo "GPU of ${MEM} MiB: the full step does not fit (an H200 is needed)" |
+    tee -a "$LOG"; exit 1; }
   # BASE_DIR: the older commit's kdtree_jax, kdtree_converters and ffi/ (git archive <commit> into a folder the call
   # carries), with its libraries in BASE_DIR/lib (else built here); it runs this commit's benchmark script
   BASE_DIR=${BASE_DIR:?BASE_DIR=<folder of the older commit> is required}
