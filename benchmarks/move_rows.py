@@ -6,8 +6,9 @@ One device's caches of K2.6 on an ep=8 mesh (the latent cache is not split by he
 `--p` nodes out of the tree's. Each form runs as one jitted program of K moves in a row, each on the last one's caches
 (as the decoding loop carries them), the caches donated; a move's time is the difference of the programs of
 `--calls` and 3 x `--calls` moves over the 2 x `--calls` moves between them (a call's dispatch, ~0.3 ms with 122
-arrays, cancels), median of `--repeats`. Floor: the moved rows read and written once, at the copy bandwidth
-measured in the same run.
+arrays, cancels), median of `--repeats`. On a GPU each form's short program also runs under the profiler: its
+kernels' GPU time and launches a move (the wall-clock difference can be below its resolution for one launch of a few
+µs). Floor: the moved rows read and written once, at the copy bandwidth measured in the same run.
 
     python benchmarks/move_rows.py                         # on a GPU: results/move_rows/
     python benchmarks/move_rows.py --small --out /tmp/x    # CPU smoke run (float32, 3 layers)
@@ -41,9 +42,14 @@ def make_case(layers: int, batch: int, context: int, nodes: int, p: int, dtype, 
     return caches, jnp.full((batch,), context, jnp.int32), jnp.asarray(path)
 
 
-def time_move(impl: str, caches, starts, path, nodes: int, calls: int, repeats: int) -> float:
-    """Seconds a move: (program of 3 x calls moves - program of calls moves) / (2 x calls), median of repeats."""
+def time_move(impl: str, caches, starts, path, nodes: int, calls: int, repeats: int, profile: bool) -> dict:
+    """{"wall_s": (program of 3 x calls moves - program of calls moves) / (2 x calls), median of repeats; with
+    profile, "gpu_s" and "kernels": the short program's GPU time and launches over its calls moves, 3 runs}."""
+    import glob
+    import tempfile
+
     import jax
+    from profile_tools import parse_trace
     from kdtree_jax.kernels.move_rows import move_rows
 
     def chain(k):
@@ -63,7 +69,17 @@ def time_move(impl: str, caches, starts, path, nodes: int, calls: int, repeats: 
             caches = jax.block_until_ready(fn(caches, starts, path))
             spans.append(time.perf_counter() - t0)
         samples.append((spans[1] - spans[0]) / (2 * calls))
-    return statistics.median(samples)
+    out = dict(wall_s=statistics.median(samples))
+    if profile:
+        logdir, runs = tempfile.mkdtemp(prefix="kdtree_move_"), 3
+        with jax.profiler.trace(logdir, create_perfetto_trace=True):
+            for _ in range(runs):
+                caches = short(caches, starts, path)
+            jax.block_until_ready(caches)
+        prof = parse_trace(sorted(glob.glob(os.path.join(logdir, "**", "perfetto_trace.json*"), recursive=True))[-1])
+        out.update(gpu_s=prof["busy_us"] * 1e-6 / (runs * calls),
+                   kernels=sum(n for n, _ in prof["kernels"].values()) / (runs * calls))
+    return out
 
 
 def write_report(out: str, meta: dict, rows: list[dict]) -> None:
@@ -79,10 +95,15 @@ def write_report(out: str, meta: dict, rows: list[dict]) -> None:
              f"rows read and written once at {meta['copy_Bps'] / 1e12:.2f} TB/s "
              f"({'measured in this run' if meta['copy_measured'] else 'assumed: no GPU'}). "
              "`python benchmarks/move_rows.py`.", "",
-             "| batch | tree nodes | XLA µs | custom call µs | speedup | floor µs |", "|---|---|---|---|---|---|"]
+             "| batch | tree nodes | XLA µs (wall) | custom call µs (wall) | XLA GPU µs | custom call GPU µs | "
+             "kernels (XLA, call) | floor µs |", "|---|---|---|---|---|---|---|---|"]
+    def gpu(r, form, key, fmt):
+        return format(r[form][key] * (1e6 if key == "gpu_s" else 1), fmt) if key in r[form] else "-"
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['nodes']} | {r['xla_s'] * 1e6:.1f} | {r['ffi_s'] * 1e6:.1f} | "
-                     f"{r['xla_s'] / r['ffi_s']:.2f}x | {r['floor_s'] * 1e6:.2f} |")
+        lines.append(f"| {r['batch']} | {r['nodes']} | {r['xla']['wall_s'] * 1e6:.1f} | {r['ffi']['wall_s'] * 1e6:.1f}"
+                     f" | {gpu(r, 'xla', 'gpu_s', '.1f')} | {gpu(r, 'ffi', 'gpu_s', '.1f')} | "
+                     f"{gpu(r, 'xla', 'kernels', '.0f')}, {gpu(r, 'ffi', 'kernels', '.0f')} | "
+                     f"{r['floor_s'] * 1e6:.2f} |")
     with open(os.path.join(out, "move_rows.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     import matplotlib
@@ -91,10 +112,11 @@ def write_report(out: str, meta: dict, rows: list[dict]) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     labels = [f"B={r['batch']}\nN={r['nodes']}" for r in rows]
     x = np.arange(len(rows))
-    ax.bar(x - 0.2, [r["xla_s"] * 1e6 for r in rows], 0.4, label="XLA (gather + update a cache)")
-    ax.bar(x + 0.2, [r["ffi_s"] * 1e6 for r in rows], 0.4, label="move_rows (one launch)")
+    key = "gpu_s" if all("gpu_s" in r["xla"] for r in rows) else "wall_s"
+    ax.bar(x - 0.2, [r["xla"][key] * 1e6 for r in rows], 0.4, label="XLA (gather + update a cache)")
+    ax.bar(x + 0.2, [r["ffi"][key] * 1e6 for r in rows], 0.4, label="move_rows (one launch)")
     ax.set_xticks(x, labels)
-    ax.set_ylabel("µs a step")
+    ax.set_ylabel("GPU µs a step" if key == "gpu_s" else "µs a step (wall)")
     ax.set_title(f"Accepted rows moved, {meta['layers']} layers ({meta['device']})", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -112,7 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,10", help="rows, comma-separated (default 1,10)")
     ap.add_argument("--nodes", default="17,65", help="tree nodes (root included), comma-separated (default 17,65)")
     ap.add_argument("--p", type=int, default=8, help="path nodes moved a row (the drafter's block; default 8)")
-    ap.add_argument("--calls", type=int, default=10, help="moves in the short program (the long one: 3x)")
+    ap.add_argument("--calls", type=int, default=4, help="moves in the short program (the long one: 3x)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--small", action="store_true", help="3 layers, context 64, float32 (CPU smoke run)")
     args = ap.parse_args(argv)
@@ -130,11 +152,11 @@ def main(argv=None) -> int:
         for n in (int(v) for v in args.nodes.split(",")):
             caches, starts, path = make_case(args.layers, b, args.context, n, args.p, dtype, rng)
             moved = 2 * b * args.p * sum(c.shape[-1] * c.dtype.itemsize for c in caches)
-            xla = time_move("xla", caches, starts, path, n, args.calls, args.repeats)
+            xla = time_move("xla", caches, starts, path, n, args.calls, args.repeats, gpu)
             caches, starts, path = make_case(args.layers, b, args.context, n, args.p, dtype, rng)
-            ffi = time_move("ffi", caches, starts, path, n, args.calls, args.repeats)
-            rows.append(dict(batch=b, nodes=n, xla_s=xla, ffi_s=ffi, bytes=moved, floor_s=moved / copy_Bps))
-            print(f"B={b} N={n}: XLA {xla * 1e6:.1f} µs, move_rows {ffi * 1e6:.1f} µs", flush=True)
+            ffi = time_move("ffi", caches, starts, path, n, args.calls, args.repeats, gpu)
+            rows.append(dict(batch=b, nodes=n, xla=xla, ffi=ffi, bytes=moved, floor_s=moved / copy_Bps))
+            print(f"B={b} N={n}: XLA {xla} move_rows {ffi} (s a move)", flush=True)
             del caches
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, commit=args.commit,
                 layers=args.layers, context=args.context, p=args.p, calls=args.calls, repeats=args.repeats,

@@ -30,6 +30,24 @@ inline xffi::Error CudaStatus(cudaError_t err, const char* op, const char* what)
   if (err == cudaSuccess) return xffi::Error::Success();
   return xffi::Error::Internal(std::string(op) + ": " + what + ": " + cudaGetErrorString(err));
 }
+
+// kernel<<<grid, threads, smem, stream>>>(args...), as a programmatic dependent (PDL) of the kernel before it on the
+// stream if pdl (the kernel then waits with griddepcontrol.wait before it reads what that kernel wrote).
+template <typename... Params, typename... Args>
+xffi::Error LaunchKernel(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStream_t stream, bool pdl,
+                         const char* op, const char* what, Args... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = pdl ? 1 : 0;
+  return CudaStatus(cudaLaunchKernelEx(&config, kernel, args...), op, what);
+}
 #endif
 
 // mla_verify: q [B, N, H, R], q_pe [B, N, H, dr], latent [B, S, R], pe [B, S, dr], cache_lens [B],

@@ -1581,21 +1581,10 @@ unsigned GridFor(int64_t work, int64_t per_block) {
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65536 ? 65536 : blocks));
 }
 
-// kernel<<<grid, threads, smem, stream>>>(args...), as a programmatic dependent of the kernel before it if pdl.
 template <typename... Params, typename... Args>
 ffi::Error Launch(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStream_t stream, bool pdl,
                   const char* what, Args... args) {
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = &attr;
-  config.numAttrs = pdl ? 1 : 0;
-  return kdtree::CudaStatus(cudaLaunchKernelEx(&config, kernel, args...), "marlin_moe", what);
+  return kdtree::LaunchKernel(kernel, grid, threads, smem, stream, pdl, "marlin_moe", what, args...);
 }
 
 // Blocks of a kernel that fit on the current device at once (occupancy x SMs), queried once per kernel and device

@@ -14,6 +14,11 @@
 //   * With several splits, each block writes its normalized partial output, its row max and its row sum (fp32),
 //     and a second kernel combines them in a fixed order (deterministic; no atomics, nothing to clear).
 //     The split count is the extent of the partials output's second axis (the Python wrapper plans it).
+//   * Launches: both kernels are programmatic dependents (PDL) of the kernel before them. The attention kernel sets
+//     up its barriers, then waits (griddepcontrol.wait) for the previous kernel's writes before it reads anything,
+//     and lets the combine launch at once; the combine waits for the attention kernel's partials the same way and
+//     lets the next kernel launch. So each launch overlaps the tail of the kernel before it. Flag bit 0: plain
+//     launches.
 // Generic path (any other dtype or head size, R <= 1024, dr <= 256): one warp per query row, online softmax on
 // CUDA cores. Correct but slow: it exists so that every shape the CPU handler takes also runs on the GPU.
 
@@ -24,6 +29,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda_common.cuh"
 #include "handler_checks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -32,6 +38,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr float kInf = INFINITY;
+constexpr int64_t kFlagPlain = 1;  // plain launches instead of programmatic dependent ones
 
 // ------------------------------------------------------------------------------------------------------------------
 // Fast path
@@ -89,10 +96,6 @@ __device__ __forceinline__ KeyRange BlockKeys(const FastParams& p, int b, int sp
   r.first = split * per;
   r.count = max(0, min(tiles, r.first + per) - r.first);
   return r;
-}
-
-__device__ __forceinline__ uint32_t SmemAddress(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
 __device__ __forceinline__ void BarInit(uint32_t bar, int count) {
@@ -513,6 +516,8 @@ __global__ void __launch_bounds__(kThreads, 1) MlaVerifyKernel(const FastParams 
     BarInit(bars + 8 * kBarPEmpty, 4);
   }
   __syncthreads();
+  GridDependencyWait();  // the queries, caches, lengths and mask were written by the kernels before this one
+  LaunchDependents();    // the combine may launch; it waits for this grid to end before it reads the partials
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
@@ -540,6 +545,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32) CombineKernel(const float*
   __shared__ float4 sums[kCombineWarps][kRank / 4];
   const int qm = blockIdx.x, b = blockIdx.y, t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const size_t first = static_cast<size_t>(b) * splits * m + qm;  // stats row of split i: first + i * m
+  GridDependencyWait();  // the attention kernel's partials
+  LaunchDependents();
 
   float mx = -kInf;
   for (int i = t; i < splits; i += kCombineWarps * 32) {
@@ -692,6 +699,12 @@ __global__ void __launch_bounds__(128) GenericKernel(const GenericParams<T> p) {
 
 ffi::Error LastError(const char* what) { return kdtree::CudaStatus(cudaGetLastError(), "mla_verify", what); }
 
+template <typename... Params, typename... Args>
+ffi::Error Launch(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStream_t stream, bool pdl,
+                  const char* what, Args... args) {
+  return kdtree::LaunchKernel(kernel, grid, threads, smem, stream, pdl, "mla_verify", what, args...);
+}
+
 template <typename T>
 ffi::Error LaunchGeneric(cudaStream_t stream, const GenericParams<T>& p) {
   const int64_t rows = static_cast<int64_t>(p.b) * p.n * p.h;
@@ -707,6 +720,7 @@ ffi::Error MlaVerifyCudaImpl(cudaStream_t stream,
                              ffi::Buffer<ffi::S32> cache_lens,     // [B]
                              ffi::Buffer<ffi::PRED> tree_mask,     // [B, N, N]
                              float scale,                          // softmax scale
+                             int64_t flags,                        // bit 0: plain launches (fast path)
                              ffi::Result<ffi::AnyBuffer> out,      // [B, N, H, R]
                              ffi::Result<ffi::Buffer<ffi::F32>> part,    // [B, splits, M or 0, R]
                              ffi::Result<ffi::Buffer<ffi::F32>> stats) { // [B, splits, M or 0, 2]
@@ -758,12 +772,15 @@ ffi::Error MlaVerifyCudaImpl(cudaStream_t stream,
     }
     const dim3 grid(static_cast<unsigned>((M + kRows - 1) / kRows), static_cast<unsigned>(splits),
                     static_cast<unsigned>(B));
-    MlaVerifyKernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
-    if (ffi::Error e = LastError("kernel launch"); e.failure()) return e;
+    const bool pdl = !(flags & kFlagPlain);
+    if (ffi::Error e = Launch(MlaVerifyKernel, grid, kThreads, kSmemBytes, stream, pdl, "kernel launch", p);
+        e.failure()) {
+      return e;
+    }
     if (splits > 1) {
-      CombineKernel<<<dim3(static_cast<unsigned>(M), static_cast<unsigned>(B)), kCombineWarps * 32, 0, stream>>>(
-          p.part, p.stats, p.out, p.m, p.splits);
-      return LastError("combine launch");
+      return Launch(CombineKernel, dim3(static_cast<unsigned>(M), static_cast<unsigned>(B)), kCombineWarps * 32, 0,
+                    stream, pdl, "combine launch", static_cast<const float*>(p.part),
+                    static_cast<const float2*>(p.stats), p.out, p.m, p.splits);
     }
     return ffi::Error::Success();
   }
@@ -811,6 +828,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KdMlaVerifyCuda, MlaVerifyCudaImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()       // cache_lens [B]
                                   .Arg<ffi::Buffer<ffi::PRED>>()      // tree_mask [B, N, N]
                                   .Attr<float>("scale")               // softmax scale
+                                  .Attr<int64_t>("flags")             // bit 0: plain launches
                                   .Ret<ffi::AnyBuffer>()              // out [B, N, H, R]
                                   .Ret<ffi::Buffer<ffi::F32>>()       // partial outputs [B, splits, M, R]
                                   .Ret<ffi::Buffer<ffi::F32>>(),      // partial (max, sum) [B, splits, M, 2]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ import numpy as np
 from . import _registry
 
 FAST_RANK, FAST_ROPE = 512, 64  # the head sizes of the CUDA fast path (bf16 only)
+FLAG_PLAIN = 1  # the CUDA fast path's kernels launched plainly, not as programmatic dependents (PDL) of the last
 _ROWS, _KEYS = 64, 64  # the fast path's query rows per block and keys per tile
 MAX_SPLITS = 1024
 
@@ -107,6 +109,15 @@ def plan_splits(b: int, n: int, h: int, s: int, sms: int | None = None) -> int:
     return good[0] if good else max(range(1, cap + 1), key=lambda sp: (busy(sp), -sp))
 
 
+def launch_flags() -> np.int64:
+    """The CUDA fast path's launch flags, from KDTREE_JAX_MLA_PDL (read at trace time): "1" or unset 0 (both kernels
+    programmatic dependents of the kernel before them), "0" FLAG_PLAIN (for A/B runs); any other value is refused."""
+    value = os.environ.get("KDTREE_JAX_MLA_PDL", "1").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"KDTREE_JAX_MLA_PDL must be 1 (PDL launches, the default) or 0 (plain), got {value!r}")
+    return np.int64(FLAG_PLAIN if value == "0" else 0)
+
+
 def mla_verify(q_nope_absorbed: jax.Array, q_pe: jax.Array, latent_cache: jax.Array, pe_cache: jax.Array,
                cache_lens: jax.Array, tree_mask: jax.Array, scale: float, *, impl: str = "ffi",
                num_splits: int | None = None) -> jax.Array:
@@ -140,7 +151,8 @@ def mla_verify(q_nope_absorbed: jax.Array, q_pe: jax.Array, latent_cache: jax.Ar
         return jax.ffi.ffi_call("kdtree_mla_verify", out, vmap_method="sequential")(*args, **attrs)
 
     def cuda(*args):
-        return jax.ffi.ffi_call("kdtree_mla_verify", [out, *scratch], vmap_method="sequential")(*args, **attrs)[0]
+        return jax.ffi.ffi_call("kdtree_mla_verify", [out, *scratch], vmap_method="sequential")(
+            *args, **attrs, flags=launch_flags())[0]
 
     def other(*args):
         return mla_verify_ref(*args, scale)
@@ -263,7 +275,7 @@ def mla_prefix(q_lat: jax.Array, q_pe: jax.Array, latent: jax.Array, pe: jax.Arr
     def cuda(q, qp, lat, pe_, vis):
         none = jnp.zeros((b, t, t), bool)
         _, part, stats = jax.ffi.ffi_call("kdtree_mla_verify", shapes, vmap_method="sequential")(
-            q, qp, lat, pe_, vis, none, scale=np.float32(scale))
+            q, qp, lat, pe_, vis, none, scale=np.float32(scale), flags=launch_flags())
         peak2, rowsum = stats[..., 0], stats[..., 1]  # [B, splits, M]: log2-scaled row max, row sum
         top = jnp.max(jnp.where(rowsum > 0, peak2, -jnp.inf), axis=1)  # [B, M]
         top = jnp.where(jnp.isfinite(top), top, 0.0)
