@@ -65,7 +65,7 @@ device_description_str: "NVIDIA H200"
 
 # GPU kernels each custom call launches at small M, as the H200 profiles show them (docs/full_scale.md): marlin_moe's
 # stream path align + gate/up + down + combine; mla_verify's kernel + its split combine.
-KERNELS_PER_CALL = {"kdtree_marlin_moe": 4, "kdtree_marlin_moe_fused": 2, "kdtree_mla_verify": 2,
+KERNELS_PER_CALL = {"kdtree_marlin_moe": 4, "kdtree_marlin_moe_fused": 2, "kdtree_mla_verify": 2, "kdtree_mla_pre": 1,
                     "kdtree_moe_route": 1, "kdtree_small_dot": 1, "kdtree_tree_build": 1, "kdtree_tree_accept": 1}
 NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "bitcast", "tuple", "after-all", "partition-id",
                "replica-id", "opt-barrier"}
@@ -209,7 +209,12 @@ def entry_kernels(hlo: str) -> list[dict]:
             kind = target.group(1) if target else "custom-call"
         else:
             kind = op
-        out.append(dict(name=name, kind=kind, kernels=KERNELS_PER_CALL.get(kind, 1), bytes_out=shapes[name],
+        written = shapes[name]
+        aliasing = re.search(r"output_to_operand_aliasing=\{((?:\{[\d,\s]*\}:\s*\(\d+,\s*\{[\d,\s]*\}\),?\s*)+)\}",
+                             rest)
+        if aliasing:  # results that are operands updated in place (a custom call's caches) are not new arrays
+            written -= sum(full[int(i)] for i in re.findall(r"\((\d+),", aliasing.group(1)) if int(i) < len(full))
+        out.append(dict(name=name, kind=kind, kernels=KERNELS_PER_CALL.get(kind, 1), bytes_out=written,
                         bytes_in=sum(read), inputs=inputs, custom=op == "custom-call", input_bytes=read,
                         input_bytes_full=full))
     return out

@@ -20,11 +20,12 @@ from .validate import shown
 DTYPES = ("float32", "bfloat16")
 EXPERT_FORMATS = ("bf16", "int4")
 KERNELS = ("xla", "ffi", "dense")
-FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "small_dot", "move_rows")
+FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "small_dot", "move_rows", "mla_pre")
 # The custom calls kernels="ffi" runs unless ffi_ops names others: small_dot (the dense matmuls of a decode or verify
 # step) is opt-in: on the H200 it was slower than XLA's dots (docs/full_scale.md, 2026-12-05). move_rows (the accepted
 # rows of every layer's caches moved in one launch) is on: its GPU tests pass and, on an H100 (2026-12-06), XLA's move
-# took 118-170 µs a step at 61 layers where the custom call's was below the wall-clock method's resolution.
+# took 118-170 µs a step at 61 layers where the custom call's was below the wall-clock method's resolution. mla_pre
+# (the projections between qkv_a and the attention in one launch) is opt-in until its GPU tests and timing have run.
 DEFAULT_FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "move_rows")
 CACHE_SHARDINGS = ("replicated", "sequence")
 

@@ -27,6 +27,8 @@ from flax import struct
 from .config import ModelConfig
 from .quant import Int4Array, quantize_int4
 from .kernels.marlin_moe import marlin_moe
+from .kernels.mla_pre import FLAG_WEIGHT_PARAM as MLA_PRE_WEIGHT_PARAM, MAX_ROWS as MLA_PRE_MAX_ROWS
+from .kernels.mla_pre import apply_rope, mla_pre, rms_norm  # noqa: F401 (apply_rope, rms_norm: re-exported)
 from .kernels.mla_verify import combine_lse, mask_softmax, mla_prefix, mla_verify, tree_attention_lse
 from .kernels.moe_route import moe_route
 from .kernels.move_rows import move_rows, write_rows
@@ -357,13 +359,6 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """w * normalize(x), normalized in fp32 and cast back before the weight (as Hugging Face does)."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return w * y.astype(x.dtype)
-
-
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
@@ -406,16 +401,6 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.
     inv_freq, factor = rope_frequencies(cfg)
     angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, dr/2]
     return jnp.cos(angle) * factor, jnp.sin(angle) * factor
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, T, (H,) dr]; the output keeps the interleaved order."""
-    if x.ndim == 4:  # per-head queries: broadcast the tables over heads
-        cos, sin = cos[:, :, None], sin[:, :, None]
-    pairs = x.reshape(*x.shape[:-1], -1, 2)
-    x1, x2 = pairs[..., 0].astype(jnp.float32), pairs[..., 1].astype(jnp.float32)
-    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.reshape(x.shape).astype(x.dtype)
 
 
 def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -533,6 +518,15 @@ def _dot(x: jax.Array, w: jax.Array, impl: str, out_dtype=None) -> jax.Array:
     return jnp.tensordot(x, w, axes=1, preferred_element_type=out_dtype)
 
 
+def pre_impl(cfg: ModelConfig, mode: str, rows: int) -> str:
+    """How an absorbed-mode layer computes its queries and cache rows from qkv_a's output: "ffi" (`kernels.mla_pre`,
+    one custom call, where the config picks it, no mesh splits the model, the model has a query latent and the step
+    has at most MLA_PRE_MAX_ROWS tokens) or "xla" (the model's own operations)."""
+    ok = (mode == "absorbed" and cfg.impl("mla_pre") == "ffi" and current_mesh() is None and bool(cfg.q_lora_rank)
+          and rows <= MLA_PRE_MAX_ROWS)
+    return "ffi" if ok else "xla"
+
+
 def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None, lengths=None, tree_mask=None):
     """Multi-head latent attention of x [B, T, D]. Returns (out [B, T, D], (latent, k_pe) for the cache).
 
@@ -548,6 +542,15 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
     impl = dense_impl(cfg)
     with jax.named_scope("qkv_a"):
         a = _dot(x, p.qkv_a, impl)  # [B, T, Rq + R + dr]
+    if pre_impl(cfg, mode, x.shape[0] * x.shape[1]) == "ffi":  # norms, q_b, rope, cache writes, k_b: one launch
+        with jax.named_scope("mla_pre"):
+            q_lat, q_pe, latent, pe = mla_pre(a, p.q_a_norm, p.kv_a_norm, p.q_b, p.k_b, cos, sin, cache_layer[0],
+                                              cache_layer[1], lengths.astype(jnp.int32), eps=cfg.rms_norm_eps,
+                                              flags=MLA_PRE_WEIGHT_PARAM)
+        with jax.named_scope("absorbed_attention"):
+            o_lat = mla_verify(q_lat, q_pe, latent, pe, lengths, tree_mask, scale, impl=cfg.impl("mla_verify"))
+            o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dt), p.v_b)  # [B, T, H, dv]
+        return _o_projection(p, o, dt, impl), (latent, pe)
     with jax.named_scope("q"):
         cq = rms_norm(a[..., :rq], p.q_a_norm, cfg.rms_norm_eps) if rq else x  # [B, T, Rq]
         q = jnp.einsum("btr,hkr->bthk", cq, p.q_b)  # [B, T, H, dn + dr] (XLA's dot: small_dot takes [K, N])
@@ -590,13 +593,16 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
                 o_lat = attend(q_lat, q_pe, latent, pe, lengths, tree_mask, scale)  # [B, T, H, R]
             o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dt), p.v_b)  # [B, T, H, dv]
             new_cache = (latent, pe)
+    return _o_projection(p, o, dt, impl), new_cache
+
+
+def _o_projection(p: Attention, o: jax.Array, dt, impl: str) -> jax.Array:
+    """The heads' values o [B, T, H, dv] -> [B, T, D]."""
     with jax.named_scope("o"):
         if impl == "ffi":  # heads and their values as one K
             hv = p.o.shape[0] * p.o.shape[1]
-            out = _dot(o.astype(dt).reshape(*o.shape[:-2], hv), p.o.reshape(hv, -1), impl)
-        else:
-            out = jnp.einsum("bthv,hvd->btd", o.astype(dt), p.o)
-    return out, new_cache
+            return _dot(o.astype(dt).reshape(*o.shape[:-2], hv), p.o.reshape(hv, -1), impl)
+        return jnp.einsum("bthv,hvd->btd", o.astype(dt), p.o)
 
 
 def swiglu(p: MLP, x: jax.Array, impl: str = "xla") -> jax.Array:

@@ -31,6 +31,7 @@ CPU_TARGETS = {
     "kdtree_moe_route": "KdMoeRouteCpu",
     "kdtree_small_dot": "KdSmallDotCpu",
     "kdtree_move_rows": "KdMoveRowsCpu",
+    "kdtree_mla_pre": "KdMlaPreCpu",
 }
 CUDA_TARGETS = {
     "kdtree_tree_build": "KdTreeBuildCuda",
@@ -41,6 +42,7 @@ CUDA_TARGETS = {
     "kdtree_moe_route": "KdMoeRouteCuda",
     "kdtree_small_dot": "KdSmallDotCuda",
     "kdtree_move_rows": "KdMoveRowsCuda",
+    "kdtree_mla_pre": "KdMlaPreCuda",
 }
 
 _cuda_error: str | None = None

@@ -1,0 +1,379 @@
+// mla_pre, CUDA handler (sm_90a): the function of mla_pre.cc (which has the math) in one launch.
+//
+// Fast path (bf16, dn = 128, dr = 64, R = 512, Rq in {512, 1024, 1536, 2048}, M <= 32 rows): a thread-block cluster
+// of kCluster = 8 blocks per head, 8 warps a block.
+//   0. Each block loads its weights into registers, the 24 rows of q_b[h] it owns (rows 24 c .. 24 c + 23 for
+//      cluster rank c) and the 64 rows of k_b[:, h] it absorbs into (latent columns 64 c .. 64 c + 63); with flag
+//      bit 0 (the weights are the program's inputs, which no kernel writes) before waiting for the kernel before it
+//      (PDL), so that their latency hides behind that kernel's tail.
+//   1. Every block normalizes all M rows of the query latent into shared memory (cq, bf16, as the model rounds).
+//      Row m's key-value part (norm -> latent cache, rope -> rope-key cache) is written by block m mod (H 8).
+//   2. q = cq . q_b for its 24 rows: lane l of a warp takes 16-byte weight chunks l, l + 32, ... of a row and every
+//      row's matching cq chunk, fp32 sums per token; the 32 lanes' sums of the M tokens are added by a butterfly of
+//      31 shuffles, after which lane m holds token m's sum (rounded to bf16, as the model rounds q).
+//   3. The rows that are rope dimensions are rotated and stored as q_pe; the q_nope rows stay in shared memory.
+//      A cluster barrier, then every block reads the head's 128 q_nope rows from the blocks that hold them
+//      (distributed shared memory) and computes its 64 absorbed columns: q_lat[m, h, i] = q_nope[m] . k_b[i, h].
+//   A final cluster barrier keeps each block alive until no other block reads its shared memory.
+// Sums run in another order than the CPU handler's, so results agree to rounding, not bit for bit.
+// Any other shape or dtype: the Python wrapper runs the reference instead (no CUDA kernel here).
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda_common.cuh"
+#include "handler_checks.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+using F32Mat = ffi::Buffer<ffi::F32, 2>;
+using I32Vec = ffi::Buffer<ffi::S32, 1>;
+namespace cg = cooperative_groups;
+
+namespace {
+
+constexpr int kCluster = 8;          // blocks per head
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kDn = 128, kDr = 64, kRank = 512, kDq = kDn + kDr;
+constexpr int kRowsPerBlock = kDq / kCluster;   // 24 rows of q_b
+constexpr int kRowsPerWarp = kRowsPerBlock / kWarps;  // 3
+constexpr int kColsPerBlock = kRank / kCluster;  // 64 absorbed columns
+constexpr int kMaxM = 32;
+
+struct Params {
+  const __nv_bfloat16* a;    // [M, Rq + R + dr]
+  const __nv_bfloat16* wq;   // [Rq]
+  const __nv_bfloat16* wkv;  // [R]
+  const __nv_bfloat16* qb;   // [H, dq, Rq]
+  const __nv_bfloat16* kb;   // [R, H, dn]
+  const float* cos;          // [M, dr / 2]
+  const float* sin;          // [M, dr / 2]
+  const int32_t* starts;     // [B]
+  __nv_bfloat16* q_lat;      // [M, H, R]
+  __nv_bfloat16* q_pe;       // [M, H, dr]
+  __nv_bfloat16* lat;        // [B, S, R]
+  __nv_bfloat16* pe;         // [B, S, dr]
+  int m, t, h, s;
+  float eps;
+  bool early;                // the weights are program inputs no kernel writes: load them before the PDL wait
+};
+
+__device__ __forceinline__ float Round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+__device__ __forceinline__ void Unpack(const uint4& v, float (&f)[8]) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(p[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ uint4 Pack(const float (&f)[8]) {
+  uint4 v;
+  __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  return v;
+}
+
+__device__ __forceinline__ float WarpSum(float x, int width = 32) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    if (o < width) x += __shfl_xor_sync(0xffffffffu, x, o);
+  }
+  return x;
+}
+
+// acc[0 .. 2 kHalf - 1] of every lane summed with lane ^ kOff's: this lane keeps the lower kHalf values (lane bit
+// kOff clear) or the upper ones, added to its partner's, in acc[0 .. kHalf - 1]; then the next bit down.
+template <int kOff, int kHalf>
+__device__ __forceinline__ void ButterflyStep(float (&acc)[kMaxM], int lane) {
+  const bool upper = lane & kOff;
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) {
+    const float send = upper ? acc[i] : acc[i + kHalf];
+    const float keep = upper ? acc[i + kHalf] : acc[i];
+    acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, kOff);
+  }
+  if constexpr (kOff > 1) ButterflyStep<kOff / 2, kHalf / 2>(acc, lane);
+}
+
+// acc[0 .. 31] of every lane summed over groups of 2 kOff0 lanes (kOff0 = 16: the warp; 8: half-warps) by a
+// butterfly (each step halves the values a lane keeps): afterwards lane l of a group holds the sums of values
+// (l % (2 kOff0)) 32 / (2 kOff0) .. + 32 / (2 kOff0) - 1 in acc[0 ..] (the warp: value l; half-warps: 2 l, 2 l + 1).
+template <int kOff0>
+__device__ __forceinline__ void ButterflySum(float (&acc)[kMaxM]) {
+  ButterflyStep<kOff0, kMaxM / 2>(acc, threadIdx.x & 31);
+}
+
+// Norm of one row of n = 256 kChunksPerLane elements (x, weight w) by one warp: round(w * round(x / rms)) into dst.
+template <int kChunksPerLane>
+__device__ __forceinline__ void NormRow(const __nv_bfloat16* x, const uint4 (&w)[kChunksPerLane], float eps,
+                                        __nv_bfloat16* dst) {
+  const int lane = threadIdx.x & 31;
+  constexpr int n = 256 * kChunksPerLane;
+  float v[kChunksPerLane][8];
+  float ss = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kChunksPerLane; ++c) {
+    Unpack(reinterpret_cast<const uint4*>(x)[lane + 32 * c], v[c]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss += v[c][e] * v[c][e];
+  }
+  const float inv = rsqrtf(WarpSum(ss) / static_cast<float>(n) + eps);
+#pragma unroll
+  for (int c = 0; c < kChunksPerLane; ++c) {
+    float wf[8], o[8];
+    Unpack(w[c], wf);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = wf[e] * Round(v[c][e] * inv);
+    reinterpret_cast<uint4*>(dst)[lane + 32 * c] = Pack(o);
+  }
+}
+
+template <int kChunks>  // Rq / 256: 16-byte chunks of a query-latent row per lane
+__global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
+  constexpr int kRq = 256 * kChunks;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  __nv_bfloat16* cq = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [M, Rq]
+  __shared__ float q_rows[kRowsPerBlock][kMaxM];                     // this block's rows of q (rounded)
+  __shared__ __align__(16) float q_nope[kMaxM][kDn];                 // the head's q_nope, gathered
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int head = blockIdx.x / kCluster;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int c = lane & 15, half = lane >> 4;  // the absorption's half-warps: chunk c of column 2 u + half
+
+  // 0. weights into registers (independent of the kernel before this one when they are the program's inputs)
+  if (!p.early) GridDependencyWait();
+  uint4 wqb[kRowsPerWarp][kChunks];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int row = rank * kRowsPerBlock + warp * kRowsPerWarp + r;
+    const uint4* src = reinterpret_cast<const uint4*>(p.qb + (static_cast<int64_t>(head) * kDq + row) * kRq);
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) wqb[r][k] = src[lane + 32 * k];
+  }
+  uint4 wkb[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int col = rank * kColsPerBlock + warp * 8 + 2 * u + half;
+    wkb[u] = reinterpret_cast<const uint4*>(p.kb + (static_cast<int64_t>(col) * p.h + head) * kDn)[c];
+  }
+  uint4 wq[kChunks], wkv[2];
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) wq[k] = reinterpret_cast<const uint4*>(p.wq)[lane + 32 * k];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) wkv[k] = reinterpret_cast<const uint4*>(p.wkv)[lane + 32 * k];
+
+  GridDependencyWait();  // a, the rope tables, the starts and the caches come from the kernels before this one
+  LaunchDependents();
+
+  // 1. the query latent of every row, normalized; this block's rows of the key-value part into the caches
+  const int64_t width = kRq + kRank + kDr;
+  for (int m = warp; m < p.m; m += kWarps) NormRow<kChunks>(p.a + m * width, wq, p.eps, cq + m * kRq);
+  const int block = head * kCluster + rank, blocks = p.h * kCluster;
+  for (int m = block + warp * blocks; m < p.m; m += kWarps * blocks) {
+    const int b = m / p.t;
+    const int slot = min(max(p.starts[b], 0), p.s - p.t) + m % p.t;
+    const int64_t dst = static_cast<int64_t>(b) * p.s + slot;
+    NormRow<2>(p.a + m * width + kRq, wkv, p.eps, p.lat + dst * kRank);
+    const __nv_bfloat162 x = reinterpret_cast<const __nv_bfloat162*>(p.a + m * width + kRq + kRank)[lane];
+    const float2 xf = __bfloat1622float2(x);
+    const float cs = p.cos[m * (kDr / 2) + lane], sn = p.sin[m * (kDr / 2) + lane];
+    reinterpret_cast<__nv_bfloat162*>(p.pe + dst * kDr)[lane] =
+        __floats2bfloat162_rn(xf.x * cs - xf.y * sn, xf.y * cs + xf.x * sn);
+  }
+  __syncthreads();
+
+  // 2. q for this warp's rows: per lane, fp32 sums over its chunks for every token; then the butterfly
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    float acc[kMaxM];
+#pragma unroll
+    for (int m = 0; m < kMaxM; ++m) acc[m] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      float w[8];
+      Unpack(wqb[r][k], w);
+#pragma unroll
+      for (int m = 0; m < kMaxM; ++m) {
+        if (m < p.m) {
+          float x[8];
+          Unpack(reinterpret_cast<const uint4*>(cq + m * kRq)[lane + 32 * k], x);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[m] += w[e] * x[e];
+        }
+      }
+    }
+    ButterflySum<16>(acc);
+    q_rows[warp * kRowsPerWarp + r][lane] = Round(acc[0]);  // lane m: token m (rows m >= M hold zeros)
+  }
+  __syncthreads();
+
+  // 3. the rope rows rotated into q_pe; the q_nope rows shared with the cluster
+  for (int i = threadIdx.x; i < (kRowsPerBlock / 2) * p.m; i += kThreads) {
+    const int pair = i % (kRowsPerBlock / 2), m = i / (kRowsPerBlock / 2);
+    const int row = rank * kRowsPerBlock + 2 * pair;
+    if (row < kDn) continue;
+    const int j = (row - kDn) / 2;
+    const float x1 = q_rows[2 * pair][m], x2 = q_rows[2 * pair + 1][m];
+    const float cs = p.cos[m * (kDr / 2) + j], sn = p.sin[m * (kDr / 2) + j];
+    reinterpret_cast<__nv_bfloat162*>(p.q_pe + (static_cast<int64_t>(m) * p.h + head) * kDr)[j] =
+        __floats2bfloat162_rn(x1 * cs - x2 * sn, x2 * cs + x1 * sn);
+  }
+  cluster.sync();  // every block's q rows are written
+  for (int i = threadIdx.x; i < kDn * p.m; i += kThreads) {
+    const int n = i % kDn, m = i / kDn;
+    const float* peer = cluster.map_shared_rank(&q_rows[0][0], n / kRowsPerBlock);
+    q_nope[m][n] = peer[(n % kRowsPerBlock) * kMaxM + m];
+  }
+  __syncthreads();
+
+  // the absorption: half-warp `half` of warp w takes columns 8 w + 2 u + half, lane chunk c (8 of the 128 dn)
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    float w[8];
+    Unpack(wkb[u], w);
+    float acc[kMaxM];
+#pragma unroll
+    for (int m = 0; m < kMaxM; ++m) {
+      acc[m] = 0.0f;
+      if (m < p.m) {
+        const float4 x0 = reinterpret_cast<const float4*>(&q_nope[m][8 * c])[0];
+        const float4 x1 = reinterpret_cast<const float4*>(&q_nope[m][8 * c])[1];
+        acc[m] = ((w[0] * x0.x + w[1] * x0.y) + (w[2] * x0.z + w[3] * x0.w)) +
+                 ((w[4] * x1.x + w[5] * x1.y) + (w[6] * x1.z + w[7] * x1.w));
+      }
+    }
+    ButterflySum<8>(acc);  // lane c of the half-warp: tokens 2 c and 2 c + 1
+    const int col = rank * kColsPerBlock + warp * 8 + 2 * u + half;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int m = 2 * c + e;
+      if (m < p.m) p.q_lat[(static_cast<int64_t>(m) * p.h + head) * kRank + col] = __float2bfloat16_rn(acc[e]);
+    }
+  }
+  cluster.sync();  // no block leaves while another may still read its q rows
+}
+
+template <int kChunks>
+ffi::Error Launch(cudaStream_t stream, const Params& p) {
+  auto kernel = MlaPreKernel<kChunks>;
+  const int smem = p.m * 256 * kChunks * 2;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+    return kdtree::CudaStatus(cudaGetLastError(), "mla_pre", "raising the shared-memory limit");
+  }
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = 1;
+  attrs[1].id = cudaLaunchAttributeClusterDimension;
+  attrs[1].val.clusterDim.x = kCluster;
+  attrs[1].val.clusterDim.y = 1;
+  attrs[1].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(p.h * kCluster));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attrs;
+  config.numAttrs = 2;
+  return kdtree::CudaStatus(cudaLaunchKernelEx(&config, kernel, p), "mla_pre", "kernel launch");
+}
+
+ffi::Error MlaPreCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer qn, ffi::AnyBuffer kvn, ffi::AnyBuffer qb,
+                      ffi::AnyBuffer kb, F32Mat cos, F32Mat sin,
+                      I32Vec starts, ffi::AnyBuffer lat_in, ffi::AnyBuffer pe_in, float eps,
+                      int64_t flags, ffi::Result<ffi::AnyBuffer> q_lat, ffi::Result<ffi::AnyBuffer> q_pe,
+                      ffi::Result<ffi::AnyBuffer> lat, ffi::Result<ffi::AnyBuffer> pe) {
+  const auto ad = a.dimensions(), qd = qb.dimensions(), kd = kb.dimensions(), ld = lat_in.dimensions();
+  for (ffi::DataType u : {a.element_type(), qn.element_type(), kvn.element_type(), qb.element_type(),
+                          kb.element_type(), lat_in.element_type(), pe_in.element_type(), q_lat->element_type(),
+                          q_pe->element_type()}) {
+    if (u != ffi::DataType::BF16) return ffi::Error::InvalidArgument("mla_pre: the CUDA handler takes bfloat16");
+  }
+  if (ad.size() != 2 || qd.size() != 3 || kd.size() != 3 || ld.size() != 3 || pe_in.dimensions().size() != 3) {
+    return ffi::Error::InvalidArgument("mla_pre: a [M, C], q_b [H, dn + dr, Rq], k_b [R, H, dn], caches [B, S, *]");
+  }
+  const int64_t m = ad[0], h = qd[0], rq = qd[2], b = ld[0], s = ld[1];
+  if (qd[1] != kDq || kd[0] != kRank || kd[1] != h || kd[2] != kDn || ld[2] != kRank || ad[1] != rq + kRank + kDr ||
+      pe_in.dimensions()[0] != b || pe_in.dimensions()[1] != s || pe_in.dimensions()[2] != kDr || b < 1 ||
+      m % b || m < 1 || m > kMaxM || m / b > s || starts.element_count() != static_cast<size_t>(b) ||
+      cos.element_count() != static_cast<size_t>(m * kDr / 2) || sin.element_count() != cos.element_count() ||
+      qn.element_count() != static_cast<size_t>(rq) || kvn.element_count() != static_cast<size_t>(kRank) ||
+      h < 1 || h > 65535 / kCluster || s > INT32_MAX / 2) {
+    return ffi::Error::InvalidArgument("mla_pre: the CUDA handler takes dn = 128, dr = 64, R = 512, 1 <= B T <= 32 "
+                                       "(got a " + kdtree::ShapeString(ad) + ", q_b " + kdtree::ShapeString(qd) +
+                                       ", k_b " + kdtree::ShapeString(kd) + ", latent " + kdtree::ShapeString(ld) +
+                                       ")");
+  }
+  if (lat->untyped_data() != lat_in.untyped_data() &&
+      cudaMemcpyAsync(lat->untyped_data(), lat_in.untyped_data(), lat_in.size_bytes(), cudaMemcpyDeviceToDevice,
+                      stream) != cudaSuccess) {
+    return kdtree::CudaStatus(cudaGetLastError(), "mla_pre", "copying the latent cache");
+  }
+  if (pe->untyped_data() != pe_in.untyped_data() &&
+      cudaMemcpyAsync(pe->untyped_data(), pe_in.untyped_data(), pe_in.size_bytes(), cudaMemcpyDeviceToDevice,
+                      stream) != cudaSuccess) {
+    return kdtree::CudaStatus(cudaGetLastError(), "mla_pre", "copying the rope-key cache");
+  }
+  Params p;
+  p.a = static_cast<const __nv_bfloat16*>(a.untyped_data());
+  p.wq = static_cast<const __nv_bfloat16*>(qn.untyped_data());
+  p.wkv = static_cast<const __nv_bfloat16*>(kvn.untyped_data());
+  p.qb = static_cast<const __nv_bfloat16*>(qb.untyped_data());
+  p.kb = static_cast<const __nv_bfloat16*>(kb.untyped_data());
+  p.cos = cos.typed_data();
+  p.sin = sin.typed_data();
+  p.starts = starts.typed_data();
+  p.q_lat = static_cast<__nv_bfloat16*>(q_lat->untyped_data());
+  p.q_pe = static_cast<__nv_bfloat16*>(q_pe->untyped_data());
+  p.lat = static_cast<__nv_bfloat16*>(lat->untyped_data());
+  p.pe = static_cast<__nv_bfloat16*>(pe->untyped_data());
+  p.m = static_cast<int>(m);
+  p.t = static_cast<int>(m / b);
+  p.h = static_cast<int>(h);
+  p.s = static_cast<int>(s);
+  p.eps = eps;
+  p.early = flags & 1;
+  switch (rq) {
+    case 512: return Launch<2>(stream, p);
+    case 1024: return Launch<4>(stream, p);
+    case 1536: return Launch<6>(stream, p);
+    case 2048: return Launch<8>(stream, p);
+    default:
+      return ffi::Error::InvalidArgument("mla_pre: the CUDA handler takes Rq in {512, 1024, 1536, 2048}, got " +
+                                         std::to_string(rq));
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KdMlaPreCuda, MlaPreCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // a [M, Rq + R + dr] (qkv_a's output)
+                                  .Arg<ffi::AnyBuffer>()               // q_a_norm [Rq]
+                                  .Arg<ffi::AnyBuffer>()               // kv_a_norm [R]
+                                  .Arg<ffi::AnyBuffer>()               // q_b [H, dn + dr, Rq]
+                                  .Arg<ffi::AnyBuffer>()               // k_b [R, H, dn]
+                                  .Arg<F32Mat>()     // cos [M, dr / 2]
+                                  .Arg<F32Mat>()     // sin [M, dr / 2]
+                                  .Arg<I32Vec>()     // starts [B]
+                                  .Arg<ffi::AnyBuffer>()               // latent cache [B, S, R] (aliased)
+                                  .Arg<ffi::AnyBuffer>()               // rope-key cache [B, S, dr] (aliased)
+                                  .Attr<float>("eps")                  // the norms' epsilon
+                                  .Attr<int64_t>("flags")              // bit 0: the weights are program inputs
+                                  .Ret<ffi::AnyBuffer>()               // q_lat [M, H, R]
+                                  .Ret<ffi::AnyBuffer>()               // q_pe [M, H, dr]
+                                  .Ret<ffi::AnyBuffer>()               // latent cache, rows written
+                                  .Ret<ffi::AnyBuffer>(),              // rope-key cache, rows written
+                              {xla::ffi::Traits::kCmdBufferCompatible});
