@@ -40,10 +40,10 @@
 #                                                    # without and with it (KDTREE_JAX_MOE_FUSED=1, then =one:
 #                                                    # one block an SM; FUSED_CELLS), side by side, the XLA flags
 #                                                    # on all three
-#   OUT=/tmp/out bash scripts/gpu_small_m.sh mla_pdl  # mla_verify's GPU tests, then the full step (H200) with its two
-#                                                    # kernels launched as programmatic dependents (the default)
-#                                                    # and plainly (KDTREE_JAX_MLA_PDL=0), side by side, the XLA
-#                                                    # flags on both (PDL_CELLS)
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh mla_pdl  # the full step (H200) with mla_verify's two kernels launched
+#                                                    # plainly (the default) and as programmatic dependents
+#                                                    # (KDTREE_JAX_MLA_PDL=1), side by side, the XLA flags on both
+#                                                    # (PDL_CELLS); then mla_verify's GPU tests with PDL
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh mla_pre  # mla_pre's and mla_verify's GPU tests, then the full step (H200)
 #                                                    # without and with mla_pre (the projections between qkv_a and
 #                                                    # the attention in one launch), side by side, the XLA flags on
@@ -153,13 +153,14 @@ mla_pdl)  # the step first (a call's device time is short), then the tests
   if [ "${MEM:-0}" -lt 120000 ]; then
     echo "GPU of ${MEM} MiB: the full step does not fit" | tee -a "$LOG"
   else
-    step plain 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" KDTREE_JAX_MLA_PDL=0 python3 benchmarks/full_scale.py \
+    step plain 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py \
       --out "$OUT/results/plain" --cells "$PDL_CELLS" --profile 4096:1x1 --repeats 3 --commit "$KDTREE_COMMIT+mla_plain"
-    step new 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/new" \
-      --cells "$PDL_CELLS" --profile 4096:1x1,4096:1x17 --repeats 3 --commit "$KDTREE_COMMIT" \
+    step new 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" KDTREE_JAX_MLA_PDL=1 python3 benchmarks/full_scale.py \
+      --out "$OUT/results/new" --cells "$PDL_CELLS" --profile 4096:1x1,4096:1x17 --repeats 3 --commit "$KDTREE_COMMIT+mla_pdl" \
       --base "$OUT/results/plain/full_scale.json"
   fi
-  step mla_tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_mla_verify.py
+  step mla_tests 150 env JAX_PLATFORMS=cuda,cpu KDTREE_JAX_MLA_PDL=1 python3 -m pytest -q -rA -p no:cacheprovider \
+    tests/test_mla_verify.py
   ;;
 mla_pre)
   step pre_tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_mla_pre.py \

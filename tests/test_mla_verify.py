@@ -227,6 +227,19 @@ def tiny():
     return cfg, kj.init_params(cfg, jax.random.key(0))
 
 
+def test_launch_flags_follow_the_environment(monkeypatch):
+    """KDTREE_JAX_MLA_PDL: unset or 0 plain launches (FLAG_PLAIN), 1 programmatic dependents (0); others refused."""
+    from kdtree_jax.kernels.mla_verify import FLAG_PLAIN, launch_flags
+    monkeypatch.delenv("KDTREE_JAX_MLA_PDL", raising=False)
+    assert launch_flags() == FLAG_PLAIN
+    for value, want in (("0", FLAG_PLAIN), ("1", 0), (" 1 ", 0)):
+        monkeypatch.setenv("KDTREE_JAX_MLA_PDL", value)
+        assert launch_flags() == want
+    monkeypatch.setenv("KDTREE_JAX_MLA_PDL", "yes")
+    with pytest.raises(ValueError, match="KDTREE_JAX_MLA_PDL"):
+        launch_flags()
+
+
 def test_model_ffi_equals_xla_for_decode_and_tree_verify(tiny, monkeypatch):
     """kernels="ffi" routes the absorbed attention through mla_verify; same logits as kernels="xla"."""
     cfg, params = tiny

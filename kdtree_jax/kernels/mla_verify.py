@@ -110,12 +110,13 @@ def plan_splits(b: int, n: int, h: int, s: int, sms: int | None = None) -> int:
 
 
 def launch_flags() -> np.int64:
-    """The CUDA fast path's launch flags, from KDTREE_JAX_MLA_PDL (read at trace time): "1" or unset 0 (both kernels
-    programmatic dependents of the kernel before them), "0" FLAG_PLAIN (for A/B runs); any other value is refused."""
-    value = os.environ.get("KDTREE_JAX_MLA_PDL", "1").strip()
+    """The CUDA fast path's launch flags, from KDTREE_JAX_MLA_PDL (read at trace time): "1" 0 (both kernels
+    programmatic dependents of the kernel before them), "0" or unset FLAG_PLAIN (plain launches: the default until
+    the PDL launches have run their GPU tests and been timed); any other value is refused."""
+    value = os.environ.get("KDTREE_JAX_MLA_PDL", "0").strip()
     if value not in ("0", "1", ""):
-        raise ValueError(f"KDTREE_JAX_MLA_PDL must be 1 (PDL launches, the default) or 0 (plain), got {value!r}")
-    return np.int64(FLAG_PLAIN if value == "0" else 0)
+        raise ValueError(f"KDTREE_JAX_MLA_PDL must be 1 (PDL launches) or 0 (plain, the default), got {value!r}")
+    return np.int64(0 if value == "1" else FLAG_PLAIN)
 
 
 def mla_verify(q_nope_absorbed: jax.Array, q_pe: jax.Array, latent_cache: jax.Array, pe_cache: jax.Array,
