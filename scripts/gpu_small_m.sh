@@ -14,9 +14,9 @@
 #                                                    # of the custom calls in a 3-layer step; FIXED=1, before the
 #                                                    # mode's steps: benchmarks/fixed_cost.py)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh tests   # the GPU tests of every custom call (the "done when"):
-#                                                    # marlin_moe, mla_verify, moe_route, small_dot, tree kernels,
-#                                                    # move_rows, cuDNN attention (MOVE_BENCH=1: first
-#                                                    # benchmarks/move_rows.py)
+#                                                    # mla_pre, move_rows, tree kernels, moe_route, mla_verify,
+#                                                    # small_dot, marlin_moe, cuDNN attention (MOVE_BENCH=1: first
+#                                                    # benchmarks/move_rows.py; ALL_TESTS=1: every test of the files)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh moe_m1  # why one expert at M = 1 takes ~30 µs for a ~5 µs floor:
 #                                                    # benchmarks/fixed_cost.py (the MoE's span, with and without
 #                                                    # PDL), then ncu of each kernel of marlin_moe at M = 1 (one
@@ -84,11 +84,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | 
 if [ "$MODE" = tests ]; then  # MOVE_BENCH=1: first benchmarks/move_rows.py (XLA's move against the custom call)
   [ -n "${MOVE_BENCH:-}" ] && step move_rows 90 python3 benchmarks/move_rows.py --out "$OUT/results/move_rows" \
     --commit "$KDTREE_COMMIT"
-  # the newest first and marlin_moe's last (on an H100, 2026-12-06, the files in the old order did not finish in 480 s:
-  # the run stopped in test_tree_kernels, and test_move_rows never ran); then the cuDNN attention's GPU tests
-  step all_tests 480 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_move_rows.py \
-    tests/test_tree_kernels.py tests/test_moe_route.py tests/test_mla_verify.py tests/test_small_dot.py \
-    tests/test_marlin_moe.py
+  # the tests marked gpu (200 on 2026-12-06), the newest files first and marlin_moe's last; ALL_TESTS=1: every test
+  # of those files, whose CPU tests then run on the GPU too (on an H100, 2026-12-06, 373 tests took ~580 s in all,
+  # more than one step's 480 s); then the cuDNN attention's GPU tests
+  SEL=(-m gpu)
+  [ -n "${ALL_TESTS:-}" ] && SEL=()
+  step all_tests 480 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider "${SEL[@]}" \
+    tests/test_mla_pre.py tests/test_move_rows.py tests/test_tree_kernels.py tests/test_moe_route.py \
+    tests/test_mla_verify.py tests/test_small_dot.py tests/test_marlin_moe.py
   step attention_tests 120 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider \
     tests/test_model.py tests/test_long_context.py -k gpu
   exit 0
