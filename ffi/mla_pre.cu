@@ -144,7 +144,8 @@ __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
   constexpr int kRq = 256 * kChunks;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   __nv_bfloat16* cq = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [M, Rq]
-  __shared__ float q_rows[kRowsPerBlock][kMaxM];                     // this block's rows of q (rounded)
+  __shared__ float q_rows[kRowsPerBlock][kMaxM + 1];  // this block's rows of q (rounded; + 1: no bank conflicts
+                                                      // when the cluster gathers a token's column)
   __shared__ __align__(16) float q_nope[kMaxM][kDn];                 // the head's q_nope, gathered
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
@@ -234,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
   for (int i = threadIdx.x; i < kDn * p.m; i += kThreads) {
     const int n = i % kDn, m = i / kDn;
     const float* peer = cluster.map_shared_rank(&q_rows[0][0], n / kRowsPerBlock);
-    q_nope[m][n] = peer[(n % kRowsPerBlock) * kMaxM + m];
+    q_nope[m][n] = peer[(n % kRowsPerBlock) * (kMaxM + 1) + m];
   }
   __syncthreads();
 
@@ -268,8 +269,10 @@ __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
 template <int kChunks>
 ffi::Error Launch(cudaStream_t stream, const Params& p) {
   auto kernel = MlaPreKernel<kChunks>;
-  const int smem = p.m * 256 * kChunks * 2;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+  const int smem = p.m * 256 * kChunks * 2;  // cq [M, Rq] bf16; the limit is set for the largest M (one value, so
+  // that calls from several host threads never lower it under one another's launch)
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxM * 256 * kChunks * 2) !=
+      cudaSuccess) {
     return kdtree::CudaStatus(cudaGetLastError(), "mla_pre", "raising the shared-memory limit");
   }
   cudaLaunchAttribute attrs[2];

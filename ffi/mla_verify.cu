@@ -505,7 +505,6 @@ __global__ void __launch_bounds__(kThreads, 1) MlaVerifyKernel(const FastParams 
   uint8_t* smem = smem_raw + ((1024 - (SmemAddress(smem_raw) & 1023)) & 1023);
   const uint32_t base = SmemAddress(smem);
   const int m0 = blockIdx.x * kRows, split = blockIdx.y, b = blockIdx.z;
-  const KeyRange r = BlockKeys(p, b, split);
   if (threadIdx.x == 0) {
     const uint32_t bars = base + kSmemBars;
     BarInit(bars + 8 * (kBarFull + 0), 128);
@@ -518,6 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1) MlaVerifyKernel(const FastParams 
   __syncthreads();
   GridDependencyWait();  // the queries, caches, lengths and mask were written by the kernels before this one
   LaunchDependents();    // the combine may launch; it waits for this grid to end before it reads the partials
+  const KeyRange r = BlockKeys(p, b, split);  // reads the lengths: after the wait
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");

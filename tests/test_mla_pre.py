@@ -421,6 +421,7 @@ def test_gpu_poisoned_donated_caches_never_leak_nan(b, t, h):
     (3, 11, 8, 1536, 128, 64, 512, jnp.bfloat16),  # B T = 33 > MAX_ROWS
     (1, 9, 8, 1536, 64, 64, 512, jnp.bfloat16),  # dn = 64
     (2, 3, 4, 320, 128, 64, 512, jnp.bfloat16),  # Rq not a multiple of 256
+    (1, 2, 2, 768, 128, 64, 512, jnp.bfloat16),  # Rq a multiple of 256 without a kernel instance (FAST_RQ)
     (1, 9, 8, 512, 128, 64, 512, jnp.float32),  # float32
     (2, 3, 2, 64, 16, 8, 32, jnp.bfloat16),  # the CPU tests' small heads
 ])

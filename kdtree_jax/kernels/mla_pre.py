@@ -29,6 +29,7 @@ from .move_rows import write_rows
 FLAG_WEIGHT_PARAM = 1  # q_b, k_b and the norms are program inputs no kernel writes: loaded before the PDL wait
 MAX_ROWS = 32  # tokens (B x T) of one call on the CUDA fast path; more run the reference
 FAST_SHAPE = dict(dn=128, dr=64, r=512)  # the CUDA fast path's head sizes (Kimi K2 / DeepSeek-V3), bf16
+FAST_RQ = (512, 1024, 1536, 2048)  # and query-latent widths (its kernel's instances)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -97,10 +98,10 @@ def mla_pre(a: jax.Array, q_a_norm: jax.Array, kv_a_norm: jax.Array, q_b: jax.Ar
     kernels clamp it to 0, the reference's `dynamic_update_slice` counts it from the end). The caches come back
     with the T rows written (in place).
 
-    impl="ffi": the custom call (C++ on CPU; CUDA on GPU for bf16 with dn = 128, dr = 64, R = 512 and B T <=
-    MAX_ROWS, the reference otherwise and on other platforms); impl="xla": `mla_pre_ref`. Not partitioned: under a
-    mesh, use the reference. flags: FLAG_WEIGHT_PARAM only where the weights are the program's inputs (the
-    model's), so that the CUDA kernel may read them before the kernel before it has ended.
+    impl="ffi": the custom call (C++ on CPU; CUDA on GPU for bf16 with dn = 128, dr = 64, R = 512, Rq in FAST_RQ
+    and B T <= MAX_ROWS, the reference otherwise and on other platforms); impl="xla": `mla_pre_ref`. Not
+    partitioned: under a mesh, use the reference. flags: FLAG_WEIGHT_PARAM only where the weights are the
+    program's inputs (the model's), so that the CUDA kernel may read them before the kernel before it has ended.
     """
     b, t, h, dn, dr, rq, r, s = _check(a, q_a_norm, kv_a_norm, q_b, k_b, cos, sin, latent, pe, starts)
     if impl == "xla":
@@ -112,7 +113,7 @@ def mla_pre(a: jax.Array, q_a_norm: jax.Array, kv_a_norm: jax.Array, q_b: jax.Ar
     outs = [jax.ShapeDtypeStruct((m, h, r), a.dtype), jax.ShapeDtypeStruct((m, h, dr), a.dtype),
             jax.ShapeDtypeStruct(latent.shape, latent.dtype), jax.ShapeDtypeStruct(pe.shape, pe.dtype)]
     fast = (a.dtype == jnp.bfloat16 and (dn, dr, r) == tuple(FAST_SHAPE.values()) and m <= MAX_ROWS
-            and rq % 256 == 0)
+            and rq in FAST_RQ)
 
     def call(a, qn, kvn, qb, kb, cos, sin, starts, latent, pe):
         q_lat, q_pe, latent, pe = jax.ffi.ffi_call("kdtree_mla_pre", outs, vmap_method="sequential",
