@@ -8,9 +8,10 @@
 //      (PDL), so that their latency hides behind that kernel's tail.
 //   1. Every block normalizes all M rows of the query latent into shared memory (cq, bf16, as the model rounds).
 //      Row m's key-value part (norm -> latent cache, rope -> rope-key cache) is written by block m mod (H 8).
-//   2. q = cq . q_b for its 24 rows: lane l of a warp takes 16-byte weight chunks l, l + 32, ... of a row and every
-//      row's matching cq chunk, fp32 sums per token; the 32 lanes' sums of the M tokens are added by a butterfly of
-//      31 shuffles, after which lane m holds token m's sum (rounded to bf16, as the model rounds q).
+//   2. q = cq . q_b for its 24 rows (3 a warp): lane l of a warp takes 16-byte weight chunks l, l + 32, ... of its
+//      rows and, 16 tokens at a time, each token's matching cq chunk (read once for the three rows), fp32 sums per
+//      token; the 32 lanes' 16 sums are added by a butterfly of 15 shuffles and one more exchange, after which lanes
+//      2 j and 2 j + 1 hold token j's sum (rounded to bf16, as the model rounds q).
 //   3. The rows that are rope dimensions are rotated and stored as q_pe; the q_nope rows stay in shared memory.
 //      A cluster barrier, then every block reads the head's 128 q_nope rows from the blocks that hold them
 //      (distributed shared memory) and computes its 64 absorbed columns: q_lat[m, h, i] = q_nope[m] . k_b[i, h].
@@ -93,9 +94,12 @@ __device__ __forceinline__ float WarpSum(float x, int width = 32) {
 }
 
 // acc[0 .. 2 kHalf - 1] of every lane summed with lane ^ kOff's: this lane keeps the lower kHalf values (lane bit
-// kOff clear) or the upper ones, added to its partner's, in acc[0 .. kHalf - 1]; then the next bit down.
-template <int kOff, int kHalf>
-__device__ __forceinline__ void ButterflyStep(float (&acc)[kMaxM], int lane) {
+// kOff clear) or the upper ones, added to its partner's, in acc[0 .. kHalf - 1]; then the next bit down, while a
+// lane keeps more than one value. With N = 32 values and kOff = 8 (half-warps): afterwards lane l holds the 16
+// lanes' sums of values 2 (l % 16) and 2 (l % 16) + 1. With N = 16 and kOff = 16: lane l holds the sum over the 16
+// lanes of its parity of value l / 2 (one more exchange with lane ^ 1 completes the warp's sum).
+template <int N, int kOff, int kHalf>
+__device__ __forceinline__ void ButterflyStep(float (&acc)[N], int lane) {
   const bool upper = lane & kOff;
 #pragma unroll
   for (int i = 0; i < kHalf; ++i) {
@@ -103,15 +107,7 @@ __device__ __forceinline__ void ButterflyStep(float (&acc)[kMaxM], int lane) {
     const float keep = upper ? acc[i + kHalf] : acc[i];
     acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, kOff);
   }
-  if constexpr (kOff > 1) ButterflyStep<kOff / 2, kHalf / 2>(acc, lane);
-}
-
-// acc[0 .. 31] of every lane summed over groups of 2 kOff0 lanes (kOff0 = 16: the warp; 8: half-warps) by a
-// butterfly (each step halves the values a lane keeps): afterwards lane l of a group holds the sums of values
-// (l % (2 kOff0)) 32 / (2 kOff0) .. + 32 / (2 kOff0) - 1 in acc[0 ..] (the warp: value l; half-warps: 2 l, 2 l + 1).
-template <int kOff0>
-__device__ __forceinline__ void ButterflySum(float (&acc)[kMaxM]) {
-  ButterflyStep<kOff0, kMaxM / 2>(acc, threadIdx.x & 31);
+  if constexpr (kOff > 1 && kHalf > 1) ButterflyStep<N, kOff / 2, kHalf / 2>(acc, lane);
 }
 
 // Norm of one row of n = 256 kChunksPerLane elements (x, weight w) by one warp: round(w * round(x / rms)) into dst.
@@ -195,28 +191,40 @@ __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
   }
   __syncthreads();
 
-  // 2. q for this warp's rows: per lane, fp32 sums over its chunks for every token; then the butterfly
+  // 2. q for this warp's rows, 16 tokens at a time: each cq chunk is read from shared memory once for the warp's
+  // three rows (fp32 sums per lane), then each row's 16 sums go through the butterfly and one last exchange
+  constexpr int kGroup = 16;
+  for (int m0 = 0; m0 < p.m; m0 += kGroup) {
+    float acc[kRowsPerWarp][kGroup];
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    float acc[kMaxM];
+    for (int r = 0; r < kRowsPerWarp; ++r) {
 #pragma unroll
-    for (int m = 0; m < kMaxM; ++m) acc[m] = 0.0f;
+      for (int j = 0; j < kGroup; ++j) acc[r][j] = 0.0f;
+    }
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
-      float w[8];
-      Unpack(wqb[r][k], w);
+      float w[kRowsPerWarp][8];
 #pragma unroll
-      for (int m = 0; m < kMaxM; ++m) {
-        if (m < p.m) {
+      for (int r = 0; r < kRowsPerWarp; ++r) Unpack(wqb[r][k], w[r]);
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+        if (m0 + j < p.m) {
           float x[8];
-          Unpack(reinterpret_cast<const uint4*>(cq + m * kRq)[lane + 32 * k], x);
+          Unpack(reinterpret_cast<const uint4*>(cq + (m0 + j) * kRq)[lane + 32 * k], x);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[m] += w[e] * x[e];
+          for (int r = 0; r < kRowsPerWarp; ++r) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[r][j] += w[r][e] * x[e];
+          }
         }
       }
     }
-    ButterflySum<16>(acc);
-    q_rows[warp * kRowsPerWarp + r][lane] = Round(acc[0]);  // lane m: token m (rows m >= M hold zeros)
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      ButterflyStep<kGroup, 16, kGroup / 2>(acc[r], lane);
+      acc[r][0] += __shfl_xor_sync(0xffffffffu, acc[r][0], 1);
+      if (!(lane & 1)) q_rows[warp * kRowsPerWarp + r][m0 + lane / 2] = Round(acc[r][0]);  // tokens >= M: zeros
+    }
   }
   __syncthreads();
 
@@ -255,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
                  ((w[4] * x1.x + w[5] * x1.y) + (w[6] * x1.z + w[7] * x1.w));
       }
     }
-    ButterflySum<8>(acc);  // lane c of the half-warp: tokens 2 c and 2 c + 1
+    ButterflyStep<kMaxM, 8, kMaxM / 2>(acc, lane);  // lane c of the half-warp: tokens 2 c and 2 c + 1
     const int col = rank * kColsPerBlock + warp * 8 + 2 * u + half;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
