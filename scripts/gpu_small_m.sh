@@ -47,7 +47,9 @@
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh mla_pre  # mla_pre's and mla_verify's GPU tests, then the full step (H200)
 #                                                    # without and with mla_pre (the projections between qkv_a and
 #                                                    # the attention in one launch), side by side, the XLA flags on
-#                                                    # both (PRE_CELLS)
+#                                                    # both (PRE_CELLS; PRE_PDL=1: a third run with
+#                                                    # mla_verify's PDL launches too; on an H100 all runs at
+#                                                    # LAYERS_SMALL = 40 layers)
 #
 # Environment: KDTREE_COMMIT stamps the results (default: git rev-parse --short HEAD); KDTREE_JAX_FFI_DIR = prebuilt
 # libraries of this build (else built here); CELLS, PROFILE = full_scale.py's --cells / --profile; SKIP_TESTS=1
@@ -165,18 +167,26 @@ mla_pdl)  # the step first (a call's device time is short), then the tests
   step mla_tests 150 env JAX_PLATFORMS=cuda,cpu KDTREE_JAX_MLA_PDL=1 python3 -m pytest -q -rA -p no:cacheprovider \
     tests/test_mla_verify.py
   ;;
-mla_pre)
+mla_pre)  # on a GPU of < 120 GB (H100) the A/B runs LAYERS_SMALL (default 40) layers on both sides, so their
+  # difference is measured at that depth, not projected; PRE_PDL=1 adds a third run: + mla_verify's PDL launches
   step pre_tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_mla_pre.py \
     tests/test_mla_verify.py -k gpu
   MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  [ "${MEM:-0}" -lt 120000 ] && { echo "GPU of ${MEM} MiB: the full step does not fit" | tee -a "$LOG"; exit 0; }
+  DEPTH=()
+  [ "${MEM:-0}" -lt 120000 ] && { DEPTH=(--layers "${LAYERS_SMALL:-40}"); echo "GPU of ${MEM} MiB: ${DEPTH[*]}" | tee -a "$LOG"; }
   PRE_CELLS=${PRE_CELLS:-4096:1x1,4096:1x17}
   OPS=tree_build,tree_accept,mla_verify,marlin_moe,moe_route,move_rows
-  step base 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/base" \
-    --cells "$PRE_CELLS" --profile "${PRE_PROFILE:-4096:1x1}" --repeats 3 --commit "$KDTREE_COMMIT" --ffi-ops "$OPS"
-  step pre 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/pre" \
+  LIMIT=${PRE_LIMIT:-200}
+  step base "$LIMIT" "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/base" \
+    --cells "$PRE_CELLS" --profile "${PRE_PROFILE:-4096:1x1}" --repeats 3 --commit "$KDTREE_COMMIT" --ffi-ops "$OPS" \
+    "${DEPTH[@]}"
+  step pre "$LIMIT" "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/pre" \
     --cells "$PRE_CELLS" --profile "${PRE_PROFILE:-4096:1x1}" --repeats 3 --commit "$KDTREE_COMMIT+mla_pre" \
-    --ffi-ops "$OPS,mla_pre" --base "$OUT/results/base/full_scale.json"
+    --ffi-ops "$OPS,mla_pre" --base "$OUT/results/base/full_scale.json" "${DEPTH[@]}"
+  [ -n "${PRE_PDL:-}" ] && step pre_pdl "$LIMIT" "${BIG[@]}" XLA_FLAGS="$FLAGS" KDTREE_JAX_MLA_PDL=1 python3 \
+    benchmarks/full_scale.py --out "$OUT/results/pre_pdl" --cells "$PRE_CELLS" --profile "${PRE_PROFILE:-4096:1x1}" \
+    --repeats 3 --commit "$KDTREE_COMMIT+mla_pre+mla_pdl" --ffi-ops "$OPS,mla_pre" \
+    --base "$OUT/results/pre/full_scale.json" "${DEPTH[@]}"
   ;;
 moe_m1)  # SKIP_FIXED=1: without fixed_cost.py; SKIP_SECTIONS=1: without ncu's sections (the stall profile alone)
   [ -z "${SKIP_FIXED:-}" ] && step fixed 200 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
