@@ -12,7 +12,8 @@ kernels (GPU time per launch, from a profile) in two settings inside one compile
 
 Cases, one device's share of K2.6 on an ep=8 mesh at C = 1 (`--small`: tiny shapes for a CPU smoke run, wall times
 only): moe_route (M = 1, E = 384, k = 8), mla_verify (B = 1, N = 1, H = 8, S = 4,096; and N = 17), marlin_moe (M = 1,
-48 local experts, one of the 8 slots local; and the same with plain launches, flag FLAG_SERIAL), and the control:
+48 local experts, one of the 8 slots local; and the same with plain launches, flag FLAG_SERIAL), mla_pre (M = 1 and
+17, 8 heads, Rq = 1,536: the custom call and XLA's own operations), and the control:
 XLA's own fusion of an RMSNorm over [1, 7168]. For the MoE, also the span from its first kernel's start to its last
 kernel's end: with programmatic dependent launch each kernel starts early and waits for the one before it, so the
 per-kernel times overstate each kernel and the chain's length is only seen whole.
@@ -87,6 +88,27 @@ def cases(small: bool):
         lambda a, dep: marlin_moe(a[0] + dep.astype(bf), a[1], a[2], *a[3], experts_total=e, flags=FLAG_SERIAL),
         (x, ids, weights, experts))
 
+    # mla_pre at one device's share (8 heads, Rq 1536): the custom call and XLA's own operations (its reference);
+    # the caches are carried by the loop (fn returns (y, new inputs)), so that both update them in place
+    from kdtree_jax.kernels.mla_pre import mla_pre
+    hq, rq = (2, 512) if small else (8, 1536)
+    q_b = (0.03 * jax.random.normal(next(key), (hq, 192, rq), jnp.float32)).astype(bf)
+    k_b = (0.1 * jax.random.normal(next(key), (r, hq, 128), jnp.float32)).astype(bf)
+    qn, kvn = (1.0 + 0.1 * jax.random.normal(next(key), (w,), jnp.float32).astype(bf) for w in (rq, r))
+    for n in (1, 17):
+        a = jax.random.normal(next(key), (1, n, rq + r + dr), bf)
+        ang = jax.random.uniform(next(key), (1, n, dr // 2), jnp.float32, 0.0, 6.28)
+        caches = (jax.random.normal(next(key), (1, s, r), bf), jax.random.normal(next(key), (1, s, dr), bf))
+        for impl in ("ffi", "xla"):
+            def pre(args, dep, impl=impl):
+                a, qn, kvn, q_b, k_b, cos, sin, lat, pe, starts = args
+                q_lat, q_pe, lat, pe = mla_pre(a + dep.astype(bf), qn, kvn, q_b, k_b, cos, sin, lat, pe, starts,
+                                               eps=1e-6, impl=impl)
+                return (q_lat, (a, qn, kvn, q_b, k_b, cos, sin, lat, pe, starts))
+            label = "custom call" if impl == "ffi" else "XLA reference"
+            out[f"mla_pre 1x{n} ({label})"] = (pre, (a, qn, kvn, q_b, k_b, jnp.cos(ang), jnp.sin(ang), *caches,
+                                                      jnp.full((1,), s - n, jnp.int32)))
+
     norm = jnp.ones((d,), bf)
 
     def rms(a, dep):
@@ -108,6 +130,8 @@ def loop(fn, calls: int, flush: bool):
             buf = buf * jnp.asarray(1.0001, buf.dtype)
             dep = dep + 0.0 * jnp.sum(buf, dtype=jnp.float32)  # every element read (a slice would let XLA skip it)
         y = fn(inputs, dep)
+        if isinstance(y, tuple):  # (output, the inputs of the next call): state the op updates in place
+            y, inputs = y
         return inputs, buf, 0.0 * jnp.sum(y.astype(jnp.float32))
 
     return jax.jit(lambda inputs, buf: jax.lax.fori_loop(0, calls, body, (inputs, buf, jnp.float32(0.0)))[2])

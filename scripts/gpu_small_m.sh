@@ -44,6 +44,8 @@
 #                                                    # plainly (the default) and as programmatic dependents
 #                                                    # (KDTREE_JAX_MLA_PDL=1), side by side, the XLA flags on both
 #                                                    # (PDL_CELLS); then mla_verify's GPU tests with PDL
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh pre_ncu  # mla_pre's kernel alone: fixed_cost.py (hot, cold; against
+#                                                    # XLA's operations), then ncu of it at M = 1 and 17
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh mla_pre  # mla_pre's and mla_verify's GPU tests, then the full step (H200)
 #                                                    # without and with mla_pre (the projections between qkv_a and
 #                                                    # the attention in one launch), side by side, the XLA flags on
@@ -187,6 +189,40 @@ mla_pre)  # on a GPU of < 120 GB (H100) the A/B runs LAYERS_SMALL (default 40) l
     benchmarks/full_scale.py --out "$OUT/results/pre_pdl" --cells "$PRE_CELLS" --profile "${PRE_PROFILE:-4096:1x1}" \
     --repeats 3 --commit "$KDTREE_COMMIT+mla_pre+mla_pdl" --ffi-ops "$OPS,mla_pre" \
     --base "$OUT/results/pre/full_scale.json" "${DEPTH[@]}"
+  ;;
+pre_ncu)  # why mla_pre's kernel takes ~32 µs a layer in the full step (H100, 40 layers, 1 x 1): fixed_cost.py
+  # (hot and cold, the custom call against XLA's operations, M = 1 and 17), then ncu of MlaPreKernel alone at both M
+  # (sections, then sampled stalls per SASS instruction)
+  step fixed 200 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
+  cat > "$OUT/results/pre1.py" <<'PY'
+import jax, jax.numpy as jnp
+from kdtree_jax.kernels.mla_pre import mla_pre
+key = iter(jax.random.split(jax.random.key(0), 16))
+bf, h, rq, r, dr, s = jnp.bfloat16, 8, 1536, 512, 64, 4096
+q_b = (0.03 * jax.random.normal(next(key), (h, 192, rq))).astype(bf)
+k_b = (0.1 * jax.random.normal(next(key), (r, h, 128))).astype(bf)
+qn, kvn = jnp.ones((rq,), bf), jnp.ones((r,), bf)
+fns = []
+for n in (1, 17):
+    a = jax.random.normal(next(key), (1, n, rq + r + dr), bf)
+    ang = jax.random.uniform(next(key), (1, n, dr // 2))
+    lat, pe = jax.random.normal(next(key), (1, s, r), bf), jax.random.normal(next(key), (1, s, dr), bf)
+    st = jnp.full((1,), s - n, jnp.int32)
+    f = jax.jit(lambda a, lat, pe, ang=ang, st=st: mla_pre(a, qn, kvn, q_b, k_b, jnp.cos(ang), jnp.sin(ang), lat, pe,
+                                                            st, eps=1e-6)[:2])
+    fns.append((f, a, lat, pe))
+for _ in range(3):  # 2 launches an iteration: ncu skips the first iteration's
+    jax.block_until_ready([f(a, lat, pe) for f, a, lat, pe in fns])
+PY
+  step ncu_pre 150 ncu --kernel-name "regex:MlaPreKernel" --launch-skip 2 --launch-count 2 --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section WarpStateStats \
+    --section SchedulerStats python3 "$OUT/results/pre1.py"
+  grep -E "^  [A-Za-z].*Kernel|Duration|DRAM Throughput|Achieved Occupancy|No Eligible|Registers Per|Grid Size|Cluster|Stall|Warp Cycles" \
+    "$OUT/results/ncu_pre.log" | tee -a "$LOG" | head -80
+  step ncu_pre_src 150 ncu --kernel-name "regex:MlaPreKernel" --launch-skip 2 --launch-count 2 --section WarpStateStats \
+    --section SourceCounters -f -o /tmp/ncu_pre python3 "$OUT/results/pre1.py"
+  ncu --import /tmp/ncu_pre.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/results/src_pre.csv.gz"
+  TAIL=120 step src_top 60 python3 benchmarks/ncu_source_top.py "$OUT/results/src_pre.csv.gz" --top 25
   ;;
 moe_m1)  # SKIP_FIXED=1: without fixed_cost.py; SKIP_SECTIONS=1: without ncu's sections (the stall profile alone)
   [ -z "${SKIP_FIXED:-}" ] && step fixed 200 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
