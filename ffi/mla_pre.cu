@@ -1,21 +1,27 @@
 // mla_pre, CUDA handler (sm_90a): the function of mla_pre.cc (which has the math) in one launch.
 //
 // Fast path (bf16, dn = 128, dr = 64, R = 512, Rq in {512, 1024, 1536, 2048}, M <= 32 rows): a thread-block cluster
-// of kCluster = 8 blocks per head, 8 warps a block.
-//   0. Each block loads its weights into registers, the 24 rows of q_b[h] it owns (rows 24 c .. 24 c + 23 for
-//      cluster rank c) and the 64 rows of k_b[:, h] it absorbs into (latent columns 64 c .. 64 c + 63); with flag
-//      bit 0 (the weights are the program's inputs, which no kernel writes) before waiting for the kernel before it
-//      (PDL), so that their latency hides behind that kernel's tail.
+// of kCluster = 8 blocks per head, 8 warps a block. Both products run on the tensor cores (mma.sync m16n8k16, bf16 in,
+// fp32 sums), the weights as the A operand held in registers, the tokens as B (8 a tile) read from shared memory.
+//   0. Each block loads its weights into registers: the 24 rows of q_b[h] it owns (rows 24 c .. 24 c + 23 for cluster
+//      rank c; two 16-row tiles, the second half empty), warp w taking the query-latent columns w Rq / 8 ..
+//      (w + 1) Rq / 8 - 1; and 16 of the 64 latent columns it absorbs into (64 c .. 64 c + 63) over half of dn. With
+//      flag bit 0 (the weights are the program's inputs, which no kernel writes) before waiting for the kernel before
+//      it (PDL), so that their latency hides behind that kernel's tail.
 //   1. Every block normalizes all M rows of the query latent into shared memory (cq, bf16, as the model rounds).
-//      Row m's key-value part (norm -> latent cache, rope -> rope-key cache) is written by block m mod (H 8).
-//   2. q = cq . q_b for its 24 rows (3 a warp): lane l of a warp takes 16-byte weight chunks l, l + 32, ... of its
-//      rows and, 16 tokens at a time, each token's matching cq chunk (read once for the three rows), fp32 sums per
-//      token; the 32 lanes' 16 sums are added by a butterfly of 15 shuffles and one more exchange, after which lanes
-//      2 j and 2 j + 1 hold token j's sum (rounded to bf16, as the model rounds q).
+//      Row m's key-value part (norm -> latent cache, rope -> rope-key cache) is written by block m mod (8 H).
+//   2. q = cq . q_b for its 24 rows: each warp's partial sums over its columns, one 8-token tile at a time, into
+//      shared memory, then summed over the 8 warps and rounded to bf16 (as the model rounds q).
 //   3. The rows that are rope dimensions are rotated and stored as q_pe; the q_nope rows stay in shared memory.
 //      A cluster barrier, then every block reads the head's 128 q_nope rows from the blocks that hold them
-//      (distributed shared memory) and computes its 64 absorbed columns: q_lat[m, h, i] = q_nope[m] . k_b[i, h].
+//      (distributed shared memory) and computes its 64 absorbed columns: q_lat[m, h, i] = q_nope[m] . k_b[i, h],
+//      the two halves of dn summed through shared memory.
 //   A final cluster barrier keeps each block alive until no other block reads its shared memory.
+// Lane (g, t) (g = lane / 4, t = lane % 4) loads 16 bytes, elements 8 t .. 8 t + 7 of a 32-wide chunk, of each A row
+// and B token it holds; mma step s (two per chunk) takes elements 8 t + 4 s .. + 3 as the fragment's k = 2 t, 2 t + 1,
+// 2 t + 8, 2 t + 9. A and B use the same reordering of k, so the sum is unchanged and every load is 16 bytes.
+// The code is small on purpose (no loop over tokens unrolled): an earlier version, unrolled to 8,248 instructions,
+// spent 70% of its warps' time waiting for instructions (ncu, H100: 37 µs at M = 1).
 // Sums run in another order than the CPU handler's, so results agree to rounding, not bit for bit.
 // Any other shape or dtype: the Python wrapper runs the reference instead (no CUDA kernel here).
 
@@ -43,9 +49,11 @@ constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kDn = 128, kDr = 64, kRank = 512, kDq = kDn + kDr;
 constexpr int kRowsPerBlock = kDq / kCluster;   // 24 rows of q_b
-constexpr int kRowsPerWarp = kRowsPerBlock / kWarps;  // 3
 constexpr int kColsPerBlock = kRank / kCluster;  // 64 absorbed columns
 constexpr int kMaxM = 32;
+constexpr int kRedPitch = kMaxM + 8;   // floats a row of partial sums (float2 stores of 16 lanes: no bank conflicts)
+constexpr int kNopePitch = kDn + 32;   // bf16 a q_nope row (rows 64 bytes apart mod 128: 16-byte B loads conflict-free)
+__host__ __device__ constexpr int CqPitch(int rq) { return rq + 32; }  // bf16 a cq row, for the same reason
 
 struct Params {
   const __nv_bfloat16* a;    // [M, Rq + R + dr]
@@ -93,21 +101,12 @@ __device__ __forceinline__ float WarpSum(float x, int width = 32) {
   return x;
 }
 
-// acc[0 .. 2 kHalf - 1] of every lane summed with lane ^ kOff's: this lane keeps the lower kHalf values (lane bit
-// kOff clear) or the upper ones, added to its partner's, in acc[0 .. kHalf - 1]; then the next bit down, while a
-// lane keeps more than one value. With N = 32 values and kOff = 8 (half-warps): afterwards lane l holds the 16
-// lanes' sums of values 2 (l % 16) and 2 (l % 16) + 1. With N = 16 and kOff = 16: lane l holds the sum over the 16
-// lanes of its parity of value l / 2 (one more exchange with lane ^ 1 completes the warp's sum).
-template <int N, int kOff, int kHalf>
-__device__ __forceinline__ void ButterflyStep(float (&acc)[N], int lane) {
-  const bool upper = lane & kOff;
-#pragma unroll
-  for (int i = 0; i < kHalf; ++i) {
-    const float send = upper ? acc[i] : acc[i + kHalf];
-    const float keep = upper ? acc[i + kHalf] : acc[i];
-    acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, kOff);
-  }
-  if constexpr (kOff > 1 && kHalf > 1) ButterflyStep<N, kOff / 2, kHalf / 2>(acc, lane);
+// The A fragment of mma step s from 16-byte rows lo (fragment rows g) and hi (rows g + 8): see the header.
+__device__ __forceinline__ void FragA(uint32_t (&a)[4], const uint4& lo, const uint4& hi, int s) {
+  a[0] = s ? lo.z : lo.x;
+  a[1] = s ? hi.z : hi.x;
+  a[2] = s ? lo.w : lo.y;
+  a[3] = s ? hi.w : hi.y;
 }
 
 // Norm of one row of n = 256 kChunksPerLane elements (x, weight w) by one warp: round(w * round(x / rms)) into dst.
@@ -135,35 +134,41 @@ __device__ __forceinline__ void NormRow(const __nv_bfloat16* x, const uint4 (&w)
   }
 }
 
-template <int kChunks>  // Rq / 256: 16-byte chunks of a query-latent row per lane
+template <int kChunks>  // Rq / 256: 32-wide chunks of the query latent a warp multiplies (Rq / 8 columns)
 __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
-  constexpr int kRq = 256 * kChunks;
+  constexpr int kRq = 256 * kChunks, kCq = CqPitch(kRq), kWarpCols = kRq / kWarps;
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  __nv_bfloat16* cq = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [M, Rq]
+  __nv_bfloat16* cq = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [M rounded up to 8, kCq]
+  __shared__ __align__(16) float red[kWarps * kRowsPerBlock * kRedPitch];  // partial sums (q, then q_lat)
   __shared__ float q_rows[kRowsPerBlock][kMaxM + 1];  // this block's rows of q (rounded; + 1: no bank conflicts
                                                       // when the cluster gathers a token's column)
-  __shared__ __align__(16) float q_nope[kMaxM][kDn];                 // the head's q_nope, gathered
+  __shared__ __align__(16) __nv_bfloat16 q_nope[kMaxM][kNopePitch];  // the head's q_nope, gathered
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int head = blockIdx.x / kCluster;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int c = lane & 15, half = lane >> 4;  // the absorption's half-warps: chunk c of column 2 u + half
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
 
   // 0. weights into registers (independent of the kernel before this one when they are the program's inputs)
   if (!p.early) GridDependencyWait();
-  uint4 wqb[kRowsPerWarp][kChunks];
+  uint4 wa0[kChunks], wa1[kChunks], wa2[kChunks];  // q_b rows g, g + 8 (tile 0) and 16 + g (tile 1)
+  {
+    const __nv_bfloat16* src = p.qb + (static_cast<int64_t>(head) * kDq + rank * kRowsPerBlock + g) * kRq +
+                               warp * kWarpCols + 8 * t4;
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int row = rank * kRowsPerBlock + warp * kRowsPerWarp + r;
-    const uint4* src = reinterpret_cast<const uint4*>(p.qb + (static_cast<int64_t>(head) * kDq + row) * kRq);
-#pragma unroll
-    for (int k = 0; k < kChunks; ++k) wqb[r][k] = src[lane + 32 * k];
+    for (int c = 0; c < kChunks; ++c) {
+      wa0[c] = *reinterpret_cast<const uint4*>(src + 32 * c);
+      wa1[c] = *reinterpret_cast<const uint4*>(src + 8 * kRq + 32 * c);
+      wa2[c] = *reinterpret_cast<const uint4*>(src + 16 * kRq + 32 * c);
+    }
   }
-  uint4 wkb[4];
+  const int half = warp >> 2, tile = warp & 3;  // the absorption: dn half, 16-column tile of the block's 64
+  uint4 wkb[2][2];                              // [chunk][rows g, g + 8]
 #pragma unroll
-  for (int u = 0; u < 4; ++u) {
-    const int col = rank * kColsPerBlock + warp * 8 + 2 * u + half;
-    wkb[u] = reinterpret_cast<const uint4*>(p.kb + (static_cast<int64_t>(col) * p.h + head) * kDn)[c];
+  for (int r = 0; r < 2; ++r) {
+    const int col = rank * kColsPerBlock + 16 * tile + g + 8 * r;
+    const __nv_bfloat16* src = p.kb + (static_cast<int64_t>(col) * p.h + head) * kDn + 64 * half + 8 * t4;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) wkb[c][r] = *reinterpret_cast<const uint4*>(src + 32 * c);
   }
   uint4 wq[kChunks], wkv[2];
 #pragma unroll
@@ -176,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
 
   // 1. the query latent of every row, normalized; this block's rows of the key-value part into the caches
   const int64_t width = kRq + kRank + kDr;
-  for (int m = warp; m < p.m; m += kWarps) NormRow<kChunks>(p.a + m * width, wq, p.eps, cq + m * kRq);
+  for (int m = warp; m < p.m; m += kWarps) NormRow<kChunks>(p.a + m * width, wq, p.eps, cq + m * kCq);
   const int block = head * kCluster + rank, blocks = p.h * kCluster;
   for (int m = block + warp * blocks; m < p.m; m += kWarps * blocks) {
     const int b = m / p.t;
@@ -191,40 +196,37 @@ __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
   }
   __syncthreads();
 
-  // 2. q for this warp's rows, 16 tokens at a time: each cq chunk is read from shared memory once for the warp's
-  // three rows (fp32 sums per lane), then each row's 16 sums go through the butterfly and one last exchange
-  constexpr int kGroup = 16;
-  for (int m0 = 0; m0 < p.m; m0 += kGroup) {
-    float acc[kRowsPerWarp][kGroup];
+  // 2. q: this warp's partial sums of the block's 24 rows over its columns, 8 tokens a tile (tokens >= M read
+  // whatever the padded rows of cq hold; their columns are never used)
+#pragma unroll 1
+  for (int n0 = 0; n0 < p.m; n0 += 8) {
+    float d0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const __nv_bfloat16* x = cq + (n0 + g) * kCq + warp * kWarpCols + 8 * t4;
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
+    for (int c = 0; c < kChunks; ++c) {
+      const uint4 b = *reinterpret_cast<const uint4*>(x + 32 * c);
+      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-      for (int j = 0; j < kGroup; ++j) acc[r][j] = 0.0f;
-    }
-#pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-      float w[kRowsPerWarp][8];
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) Unpack(wqb[r][k], w[r]);
-#pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
-        if (m0 + j < p.m) {
-          float x[8];
-          Unpack(reinterpret_cast<const uint4*>(cq + (m0 + j) * kRq)[lane + 32 * k], x);
-#pragma unroll
-          for (int r = 0; r < kRowsPerWarp; ++r) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[r][j] += w[r][e] * x[e];
-          }
-        }
+      for (int s = 0; s < 2; ++s) {
+        uint32_t a[4];
+        FragA(a, wa0[c], wa1[c], s);
+        MmaAt(d0, a, s ? b.z : b.x, s ? b.w : b.y);
+        FragA(a, wa2[c], zero, s);
+        MmaAt(d1, a, s ? b.z : b.x, s ? b.w : b.y);
       }
     }
+    float* r = red + warp * kRowsPerBlock * kRedPitch + n0 + 2 * t4;
+    *reinterpret_cast<float2*>(r + g * kRedPitch) = make_float2(d0[0], d0[1]);
+    *reinterpret_cast<float2*>(r + (g + 8) * kRedPitch) = make_float2(d0[2], d0[3]);
+    *reinterpret_cast<float2*>(r + (g + 16) * kRedPitch) = make_float2(d1[0], d1[1]);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kRowsPerBlock * p.m; i += kThreads) {
+    const int row = i / p.m, m = i % p.m;
+    float sum = 0.0f;
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      ButterflyStep<kGroup, 16, kGroup / 2>(acc[r], lane);
-      acc[r][0] += __shfl_xor_sync(0xffffffffu, acc[r][0], 1);
-      if (!(lane & 1)) q_rows[warp * kRowsPerWarp + r][m0 + lane / 2] = Round(acc[r][0]);  // tokens >= M: zeros
-    }
+    for (int w = 0; w < kWarps; ++w) sum += red[(w * kRowsPerBlock + row) * kRedPitch + m];
+    q_rows[row][m] = Round(sum);
   }
   __syncthreads();
 
@@ -243,33 +245,34 @@ __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
   for (int i = threadIdx.x; i < kDn * p.m; i += kThreads) {
     const int n = i % kDn, m = i / kDn;
     const float* peer = cluster.map_shared_rank(&q_rows[0][0], n / kRowsPerBlock);
-    q_nope[m][n] = peer[(n % kRowsPerBlock) * (kMaxM + 1) + m];
+    q_nope[m][n] = __float2bfloat16_rn(peer[(n % kRowsPerBlock) * (kMaxM + 1) + m]);  // exact: rounded already
   }
   __syncthreads();
 
-  // the absorption: half-warp `half` of warp w takes columns 8 w + 2 u + half, lane chunk c (8 of the 128 dn)
+  // the absorption: warp (half, tile) sums its 16 columns over dn half `half`; red holds [2][64][kRedPitch]
+#pragma unroll 1
+  for (int n0 = 0; n0 < p.m; n0 += 8) {
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const __nv_bfloat16* x = &q_nope[n0 + g][64 * half + 8 * t4];
 #pragma unroll
-  for (int u = 0; u < 4; ++u) {
-    float w[8];
-    Unpack(wkb[u], w);
-    float acc[kMaxM];
+    for (int c = 0; c < 2; ++c) {
+      const uint4 b = *reinterpret_cast<const uint4*>(x + 32 * c);
 #pragma unroll
-    for (int m = 0; m < kMaxM; ++m) {
-      acc[m] = 0.0f;
-      if (m < p.m) {
-        const float4 x0 = reinterpret_cast<const float4*>(&q_nope[m][8 * c])[0];
-        const float4 x1 = reinterpret_cast<const float4*>(&q_nope[m][8 * c])[1];
-        acc[m] = ((w[0] * x0.x + w[1] * x0.y) + (w[2] * x0.z + w[3] * x0.w)) +
-                 ((w[4] * x1.x + w[5] * x1.y) + (w[6] * x1.z + w[7] * x1.w));
+      for (int s = 0; s < 2; ++s) {
+        uint32_t a[4];
+        FragA(a, wkb[c][0], wkb[c][1], s);
+        MmaAt(d, a, s ? b.z : b.x, s ? b.w : b.y);
       }
     }
-    ButterflyStep<kMaxM, 8, kMaxM / 2>(acc, lane);  // lane c of the half-warp: tokens 2 c and 2 c + 1
-    const int col = rank * kColsPerBlock + warp * 8 + 2 * u + half;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int m = 2 * c + e;
-      if (m < p.m) p.q_lat[(static_cast<int64_t>(m) * p.h + head) * kRank + col] = __float2bfloat16_rn(acc[e]);
-    }
+    float* r = red + (half * kColsPerBlock + 16 * tile) * kRedPitch + n0 + 2 * t4;
+    *reinterpret_cast<float2*>(r + g * kRedPitch) = make_float2(d[0], d[1]);
+    *reinterpret_cast<float2*>(r + (g + 8) * kRedPitch) = make_float2(d[2], d[3]);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kColsPerBlock * p.m; i += kThreads) {
+    const int col = i % kColsPerBlock, m = i / kColsPerBlock;
+    const float v = red[col * kRedPitch + m] + red[(kColsPerBlock + col) * kRedPitch + m];
+    p.q_lat[(static_cast<int64_t>(m) * p.h + head) * kRank + rank * kColsPerBlock + col] = __float2bfloat16_rn(v);
   }
   cluster.sync();  // no block leaves while another may still read its q rows
 }
@@ -277,9 +280,10 @@ __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
 template <int kChunks>
 ffi::Error Launch(cudaStream_t stream, const Params& p) {
   auto kernel = MlaPreKernel<kChunks>;
-  const int smem = p.m * 256 * kChunks * 2;  // cq [M, Rq] bf16; the limit is set for the largest M (one value, so
-  // that calls from several host threads never lower it under one another's launch)
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxM * 256 * kChunks * 2) !=
+  constexpr int kRow = CqPitch(256 * kChunks) * 2;  // bytes a row of cq
+  const int smem = ((p.m + 7) / 8 * 8) * kRow;  // cq [M rounded up to a tile, Rq + 32] bf16; the limit is set for the
+  // largest M (one value, so that calls from several host threads never lower it under one another's launch)
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxM * kRow) !=
       cudaSuccess) {
     return kdtree::CudaStatus(cudaGetLastError(), "mla_pre", "raising the shared-memory limit");
   }
