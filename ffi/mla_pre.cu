@@ -11,12 +11,14 @@
 //   1. Every block normalizes all M rows of the query latent into shared memory (cq, bf16, as the model rounds).
 //      Row m's key-value part (norm -> latent cache, rope -> rope-key cache) is written by block m mod (8 H).
 //   2. q = cq . q_b for its 24 rows: each warp's partial sums over its columns, one 8-token tile at a time, into
-//      shared memory, then summed over the 8 warps and rounded to bf16 (as the model rounds q).
-//   3. The rows that are rope dimensions are rotated and stored as q_pe; the q_nope rows stay in shared memory.
-//      A cluster barrier, then every block reads the head's 128 q_nope rows from the blocks that hold them
-//      (distributed shared memory) and computes its 64 absorbed columns: q_lat[m, h, i] = q_nope[m] . k_b[i, h],
-//      the two halves of dn summed through shared memory.
-//   A final cluster barrier keeps each block alive until no other block reads its shared memory.
+//      shared memory, then summed over the 8 warps and rounded to bf16 (as the model rounds q). A q_nope value is
+//      stored into every block of the cluster (distributed shared memory: stores, nothing waits on them), a rope
+//      value kept for step 3.
+//   3. The rows that are rope dimensions are rotated and stored as q_pe. A cluster barrier (every block now holds
+//      the head's 128 q_nope rows), then each block computes its 64 absorbed columns: q_lat[m, h, i] =
+//      q_nope[m] . k_b[i, h], the two halves of dn summed through shared memory.
+//   The cluster's blocks first meet at a barrier split in two (arrive at the start, wait before the first store into
+//   another block), so that no block writes into one that has not started.
 // Lane (g, t) (g = lane / 4, t = lane % 4) loads 16 bytes, elements 8 t .. 8 t + 7 of a 32-wide chunk, of each A row
 // and B token it holds; mma step s (two per chunk) takes elements 8 t + 4 s .. + 3 as the fragment's k = 2 t, 2 t + 1,
 // 2 t + 8, 2 t + 9. A and B use the same reordering of k, so the sum is unchanged and every load is 16 bytes.
@@ -72,6 +74,10 @@ struct Params {
   float eps;
   bool early;                // the weights are program inputs no kernel writes: load them before the PDL wait
 };
+
+// The cluster barrier in two halves: arrive (relaxed: orders nothing), then wait.
+__device__ __forceinline__ void ClusterArrive() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void ClusterWait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
 
 __device__ __forceinline__ float Round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
@@ -140,13 +146,13 @@ __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   __nv_bfloat16* cq = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [M rounded up to 8, kCq]
   __shared__ __align__(16) float red[kWarps * kRowsPerBlock * kRedPitch];  // partial sums (q, then q_lat)
-  __shared__ float q_rows[kRowsPerBlock][kMaxM + 1];  // this block's rows of q (rounded; + 1: no bank conflicts
-                                                      // when the cluster gathers a token's column)
-  __shared__ __align__(16) __nv_bfloat16 q_nope[kMaxM][kNopePitch];  // the head's q_nope, gathered
+  __shared__ float q_rope[kRowsPerBlock][kMaxM];  // this block's rope rows of q (rounded)
+  __shared__ __align__(16) __nv_bfloat16 q_nope[kMaxM][kNopePitch];  // the head's q_nope, stored by the cluster
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int head = blockIdx.x / kCluster;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  ClusterArrive();  // this block has started (waited for before the first store into another block)
 
   // 0. weights into registers (independent of the kernel before this one when they are the program's inputs)
   if (!p.early) GridDependencyWait();
@@ -221,33 +227,34 @@ __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
     *reinterpret_cast<float2*>(r + (g + 16) * kRedPitch) = make_float2(d1[0], d1[1]);
   }
   __syncthreads();
+  ClusterWait();  // every block of the cluster has started
   for (int i = threadIdx.x; i < kRowsPerBlock * p.m; i += kThreads) {
-    const int row = i / p.m, m = i % p.m;
+    const int row = i / p.m, m = i % p.m, n = rank * kRowsPerBlock + row;
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += red[(w * kRowsPerBlock + row) * kRedPitch + m];
-    q_rows[row][m] = Round(sum);
+    if (n < kDn) {  // q_nope: into every block's copy
+      const __nv_bfloat16 v = __float2bfloat16_rn(sum);
+#pragma unroll
+      for (int b = 0; b < kCluster; ++b) cluster.map_shared_rank(&q_nope[0][0], b)[m * kNopePitch + n] = v;
+    } else {
+      q_rope[row][m] = Round(sum);
+    }
   }
   __syncthreads();
 
-  // 3. the rope rows rotated into q_pe; the q_nope rows shared with the cluster
+  // 3. the rope rows rotated into q_pe; then the cluster's q_nope stores complete
   for (int i = threadIdx.x; i < (kRowsPerBlock / 2) * p.m; i += kThreads) {
     const int pair = i % (kRowsPerBlock / 2), m = i / (kRowsPerBlock / 2);
     const int row = rank * kRowsPerBlock + 2 * pair;
     if (row < kDn) continue;
     const int j = (row - kDn) / 2;
-    const float x1 = q_rows[2 * pair][m], x2 = q_rows[2 * pair + 1][m];
+    const float x1 = q_rope[2 * pair][m], x2 = q_rope[2 * pair + 1][m];
     const float cs = p.cos[m * (kDr / 2) + j], sn = p.sin[m * (kDr / 2) + j];
     reinterpret_cast<__nv_bfloat162*>(p.q_pe + (static_cast<int64_t>(m) * p.h + head) * kDr)[j] =
         __floats2bfloat162_rn(x1 * cs - x2 * sn, x2 * cs + x1 * sn);
   }
-  cluster.sync();  // every block's q rows are written
-  for (int i = threadIdx.x; i < kDn * p.m; i += kThreads) {
-    const int n = i % kDn, m = i / kDn;
-    const float* peer = cluster.map_shared_rank(&q_rows[0][0], n / kRowsPerBlock);
-    q_nope[m][n] = __float2bfloat16_rn(peer[(n % kRowsPerBlock) * (kMaxM + 1) + m]);  // exact: rounded already
-  }
-  __syncthreads();
+  cluster.sync();  // (release, acquire) every block's q_nope stores are visible here
 
   // the absorption: warp (half, tile) sums its 16 columns over dn half `half`; red holds [2][64][kRedPitch]
 #pragma unroll 1
@@ -274,7 +281,6 @@ __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
     const float v = red[col * kRedPitch + m] + red[(kColsPerBlock + col) * kRedPitch + m];
     p.q_lat[(static_cast<int64_t>(m) * p.h + head) * kRank + rank * kColsPerBlock + col] = __float2bfloat16_rn(v);
   }
-  cluster.sync();  // no block leaves while another may still read its q rows
 }
 
 template <int kChunks>
