@@ -8,7 +8,8 @@
 //      (w + 1) Rq / 8 - 1; and 16 of the 64 latent columns it absorbs into (64 c .. 64 c + 63) over half of dn. With
 //      flag bit 0 (the weights are the program's inputs, which no kernel writes) before waiting for the kernel before
 //      it (PDL), so that their latency hides behind that kernel's tail.
-//   1. Every block normalizes all M rows of the query latent into shared memory (cq, bf16, as the model rounds).
+//   1. Every block copies all M rows of the query latent into shared memory (cp.async, all in flight at once) and
+//      normalizes them there (cq, bf16, as the model rounds).
 //      Row m's key-value part (norm -> latent cache, rope -> rope-key cache) is written by block m mod (8 H).
 //   2. q = cq . q_b for its 24 rows: each warp's partial sums over its columns, one 8-token tile at a time, into
 //      shared memory, then summed over the 8 warps and rounded to bf16 (as the model rounds q). A q_nope value is
@@ -115,7 +116,8 @@ __device__ __forceinline__ void FragA(uint32_t (&a)[4], const uint4& lo, const u
   a[3] = s ? hi.w : hi.y;
 }
 
-// Norm of one row of n = 256 kChunksPerLane elements (x, weight w) by one warp: round(w * round(x / rms)) into dst.
+// Norm of one row of n = 256 kChunksPerLane elements (x, weight w) by one warp: round(w * round(x / rms)) into dst
+// (which may be x: each lane writes the chunks it read).
 template <int kChunksPerLane>
 __device__ __forceinline__ void NormRow(const __nv_bfloat16* x, const uint4 (&w)[kChunksPerLane], float eps,
                                         __nv_bfloat16* dst) {
@@ -185,9 +187,14 @@ __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
   GridDependencyWait();  // a, the rope tables, the starts and the caches come from the kernels before this one
   LaunchDependents();
 
-  // 1. the query latent of every row, normalized; this block's rows of the key-value part into the caches
+  // 1. the query latent of every row copied into shared memory (every copy in flight at once), normalized there in
+  // place after this block's rows of the key-value part went to the caches
   const int64_t width = kRq + kRank + kDr;
-  for (int m = warp; m < p.m; m += kWarps) NormRow<kChunks>(p.a + m * width, wq, p.eps, cq + m * kCq);
+  for (int i = threadIdx.x; i < p.m * (kRq / 8); i += kThreads) {
+    const int m = i / (kRq / 8), k = i % (kRq / 8);
+    CopyAsync16Cg(SmemAddress(cq + m * kCq + 8 * k), p.a + m * width + 8 * k);
+  }
+  CopyCommit();
   const int block = head * kCluster + rank, blocks = p.h * kCluster;
   for (int m = block + warp * blocks; m < p.m; m += kWarps * blocks) {
     const int b = m / p.t;
@@ -200,6 +207,9 @@ __global__ void __launch_bounds__(kThreads, 1) MlaPreKernel(const Params p) {
     reinterpret_cast<__nv_bfloat162*>(p.pe + dst * kDr)[lane] =
         __floats2bfloat162_rn(xf.x * cs - xf.y * sn, xf.y * cs + xf.x * sn);
   }
+  CopyWait<0>();
+  __syncthreads();
+  for (int m = warp; m < p.m; m += kWarps) NormRow<kChunks>(cq + m * kCq, wq, p.eps, cq + m * kCq);
   __syncthreads();
 
   // 2. q: this warp's partial sums of the block's 24 rows over its columns, 8 tokens a tile (tokens >= M read

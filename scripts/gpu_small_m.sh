@@ -189,7 +189,7 @@ mla_pre)  # on a GPU of < 120 GB (H100) the A/B runs LAYERS_SMALL (default 40) l
     benchmarks/full_scale.py --out "$OUT/results/pre_pdl" --cells "$PRE_CELLS" --profile "${PRE_PROFILE:-4096:1x1}" \
     --repeats 3 --commit "$KDTREE_COMMIT+mla_pre+mla_pdl" --ffi-ops "$OPS,mla_pre" \
     --base "$OUT/results/pre/full_scale.json" "${DEPTH[@]}"
-  [ -n "${PRE_PDL:-}" ] && step pdl_tests 150 env JAX_PLATFORMS=cuda,cpu KDTREE_JAX_MLA_PDL=1 python3 -m pytest -q -rA \
+  [ -n "${PRE_PDL:-}" ] && [ -z "${SKIP_PDL_TESTS:-}" ] && step pdl_tests 150 env JAX_PLATFORMS=cuda,cpu KDTREE_JAX_MLA_PDL=1 python3 -m pytest -q -rA \
     -p no:cacheprovider tests/test_mla_verify.py tests/test_mla_pre.py -k gpu
   ;;
 pre_ncu)  # why mla_pre's kernel takes ~32 µs a layer in the full step (H100, 40 layers, 1 x 1): fixed_cost.py
