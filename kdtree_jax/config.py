@@ -26,7 +26,7 @@ FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route",
 # rows of every layer's caches moved in one launch) is on: its GPU tests pass and, on an H100 (2026-12-06), XLA's move
 # took 118-170 µs a step at 61 layers where the custom call's was below the wall-clock method's resolution. mla_pre
 # (the projections between qkv_a and the attention in one launch, 7 kernels a layer fewer) is on: its GPU tests pass
-# and on an H100 (2026-12-06, 40 layers, three A/Bs) the step at 1 x 1 was 2-6% faster, at 1 x 17 within +-2%.
+# and on an H100 (2026-12-06, 40 layers, three A/Bs) the step at 1 x 1 was 2-5% faster, at 1 x 17 within +-1.5%.
 DEFAULT_FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "move_rows", "mla_pre")
 CACHE_SHARDINGS = ("replicated", "sequence")
 
