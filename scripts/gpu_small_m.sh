@@ -46,6 +46,8 @@
 #                                                    # (PDL_CELLS); then mla_verify's GPU tests with PDL
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh pre_ncu  # mla_pre's kernel alone: fixed_cost.py (hot, cold; against
 #                                                    # XLA's operations), then ncu of it at M = 1 and 17
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh stalls  # ncu's sampled stalls of mla_verify's, moe_route's and the
+#                                                    # MoE's align/combine kernels at small M (fixed_cost.py's cases)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh mla_pre  # mla_pre's and mla_verify's GPU tests, then the full step (H200)
 #                                                    # without and with mla_pre (the projections between qkv_a and
 #                                                    # the attention in one launch), side by side, the XLA flags on
@@ -225,6 +227,29 @@ PY
     --section SourceCounters -f -o /tmp/ncu_pre python3 "$OUT/results/pre1.py"
   ncu --import /tmp/ncu_pre.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/results/src_pre.csv.gz"
   TAIL=120 step src_top 60 python3 benchmarks/ncu_source_top.py "$OUT/results/src_pre.csv.gz" --top 25
+  ;;
+stalls)  # where the small-M custom calls' warps wait (is instruction fetch their fixed cost, as it was mla_pre's?):
+  # ncu sections, then sampled stalls per SASS instruction, of MlaVerifyKernel and its combine (1 x 1, 1 x 17, 4k
+  # cache), RouteKernel (M = 1, 384 experts) and the MoE's align and combine (M = 1), fixed_cost.py's cases
+  cat > "$OUT/results/stalls.py" <<'PY'
+import sys, jax
+sys.path.insert(0, "benchmarks")
+from fixed_cost import cases
+picked = [v for k, v in cases(False).items() if k.startswith(("mla_verify", "moe_route", "marlin_moe M=1 (1 local)"))
+          and "plain" not in k]
+fns = [(jax.jit(fn), inputs) for fn, inputs in picked]
+for _ in range(3):  # 7 matching launches an iteration: ncu skips the first iteration's, profiles the second's
+    jax.block_until_ready([f(inputs, jax.numpy.float32(0.0)) for f, inputs in fns])
+PY
+  K="regex:MlaVerifyKernel|RouteKernel|AlignKernel|CombineKernel"
+  step ncu_stalls 150 ncu --kernel-name "$K" --launch-skip 7 --launch-count 7 --section SpeedOfLight --section LaunchStats \
+    --section Occupancy --section WarpStateStats python3 "$OUT/results/stalls.py"
+  grep -E "^  [A-Za-z].*Kernel|Duration|DRAM Throughput|No Eligible|Warp Cycles Per Issued|Grid Size|Registers Per" \
+    "$OUT/results/ncu_stalls.log" | tee -a "$LOG" | head -80
+  step ncu_stalls_src 150 ncu --kernel-name "$K" --launch-skip 7 --launch-count 7 --section WarpStateStats \
+    --section SourceCounters -f -o /tmp/ncu_stalls python3 "$OUT/results/stalls.py"
+  ncu --import /tmp/ncu_stalls.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/results/src_stalls.csv.gz"
+  TAIL=200 step src_top 60 python3 benchmarks/ncu_source_top.py "$OUT/results/src_stalls.csv.gz" --top 12
   ;;
 moe_m1)  # SKIP_FIXED=1: without fixed_cost.py; SKIP_SECTIONS=1: without ncu's sections (the stall profile alone)
   [ -z "${SKIP_FIXED:-}" ] && step fixed 200 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
