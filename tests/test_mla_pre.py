@@ -276,9 +276,11 @@ def test_bad_impl():
 
 @pytest.fixture(scope="module")
 def tiny():
-    """The tiny fp32 model with kernels="ffi" without and with mla_pre in ffi_ops, and its params."""
-    off = kj.configs.tiny(kernels="ffi")
-    on = dataclasses.replace(off, ffi_ops=off.ffi_ops + ("mla_pre",))
+    """The tiny fp32 model with kernels="ffi" without and with mla_pre in ffi_ops (the default has it), and its
+    params."""
+    on = kj.configs.tiny(kernels="ffi")
+    off = dataclasses.replace(on, ffi_ops=tuple(op for op in on.ffi_ops if op != "mla_pre"))
+    assert "mla_pre" in kj.config.DEFAULT_FFI_OPS
     assert off.impl("mla_pre") == "xla" and on.impl("mla_pre") == "ffi"
     return off, on, kj.init_params(on, jax.random.key(0))
 
