@@ -1,4 +1,5 @@
-"""The instructions of each GEMM kernel's main loop, counted from its SASS (the count METHOD asks for before a change).
+"""The instructions of each GEMM kernel's main loop, counted from its SASS (the count METHOD asks for before a change);
+with --sizes, every kernel's whole length instead.
 
 A kernel whose loop is issue-bound gets faster only with fewer instructions per loop trip, and the compiler decides
 how many there are: `(w >> 4) & 0x000F000F | 0x43004300` written in C compiled to two LOP3 where one does, `s % n`
@@ -10,7 +11,11 @@ no cuobjdump (this project's CPU machines have nvcc and ptxas only), the `nvidia
 `pip download --no-deps nvidia-cuda-cuobjdump` and unzip it. A cubin of one file:
 `nvcc -cubin -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I <jaxlib>/include -I ffi ffi/marlin_moe.cu`.
 
-usage: python benchmarks/sass_loops.py LIB_OR_CUBIN [--kernels REGEX] [--cuobjdump PATH]
+--sizes: a table of every matching kernel's SASS instructions (16 bytes each), longest first. A kernel run once per
+layer by a few warps fetches its code from L2 (or DRAM) every time: mla_pre's first kernel, 8,248 instructions, had
+its warps waiting for instructions 70% of the time on an H100 (docs/full_scale.md, 2026-12-06); its rebuild has 1,984.
+
+usage: python benchmarks/sass_loops.py LIB_OR_CUBIN [--kernels REGEX] [--cuobjdump PATH] [--sizes [--commit C]]
 """
 
 from __future__ import annotations
@@ -92,12 +97,43 @@ def report(sass: str, kernels: str) -> list[str]:
     return lines
 
 
+def source_file(mangled: str) -> str:
+    """The .cu file an anonymous-namespace kernel comes from: '..._13_marlin_moe_cu_2adc7650...' -> 'marlin_moe.cu'."""
+    m = re.search(r"_\d+_(\w+?)_cu_[0-9a-f]{8}", mangled)
+    return f"{m.group(1)}.cu" if m else "-"
+
+
+def short_name(readable: str) -> str:
+    """'void kdtree::(anonymous namespace)::RouteKernel<12>(float const*, ...)' -> 'RouteKernel<12>'."""
+    name = readable.replace("(anonymous namespace)::", "").replace("kdtree::", "")
+    name = name[5:] if name.startswith("void ") else name
+    return name.split("(", 1)[0] if "(" in name else name
+
+
+def sizes(sass: str, kernels: str) -> list[tuple[str, str, int]]:
+    """(short readable name, source file, instructions) of each matching function, longest first."""
+    funcs = {n: b for n, b in functions(sass).items() if re.search(kernels, n)}
+    names = demangled(list(funcs))
+    rows = [(short_name(names[n]), source_file(n), len(b)) for n, b in funcs.items()]
+    return sorted(rows, key=lambda r: (-r[2], r[0]))
+
+
+def size_table(rows: list[tuple[str, str, int]]) -> list[str]:
+    lines = ["| kernel | file | SASS instructions | code KB |", "|---|---|---|---|"]
+    lines += [f"| `{name}` | {src} | {n:,} | {16 * n / 1024:.1f} |" for name, src, n in rows]
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("binary", help="libkdtree_jax_cuda.so or a .cubin")
     ap.add_argument("--kernels", default="TileKernel|GemmKernel", help="regex over mangled function names")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump", help="the cuobjdump to run")
+    ap.add_argument("--sizes", action="store_true", help="every matching kernel's length (default --kernels: all)")
+    ap.add_argument("--commit", default=None, help="with --sizes: a heading naming this commit and today's date")
     args = ap.parse_args(argv)
+    if args.sizes and args.kernels == ap.get_default("kernels"):
+        args.kernels = "."
     try:
         sass = subprocess.run([args.cuobjdump, "-sass", args.binary], check=True, capture_output=True, text=True).stdout
     except FileNotFoundError:
@@ -106,6 +142,16 @@ def main(argv=None) -> int:
     except subprocess.CalledProcessError as e:
         print(f"sass_loops: cuobjdump failed on {args.binary}: {e.stderr.strip()[:500]}", file=sys.stderr)
         return 1
+    if args.sizes:
+        import datetime
+        rows = sizes(sass, args.kernels)
+        if args.commit:
+            today = datetime.date.today().isoformat()
+            print(f"# SASS length of each kernel ({today}, commit {args.commit}, sm_90a)\n\n"
+                  f"`python benchmarks/sass_loops.py <the build's libkdtree_jax_cuda.so> --sizes --commit "
+                  f"{args.commit}`: instructions per kernel, 16 bytes each, longest first.\n")
+        print("\n".join(size_table(rows)) if rows else f"no function matches {args.kernels!r}")
+        return 0
     lines = report(sass, args.kernels)
     print("\n".join(lines) if lines else f"no MMA loop in functions matching {args.kernels!r}")
     return 0

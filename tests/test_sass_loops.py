@@ -52,3 +52,18 @@ def test_loops_with_an_mma_are_found_and_counted():
     assert "LOP3 1, HGMMA 1, BRA 1" in lines[0]
     assert sass_loops.loops(funcs["_Z5outerv"]) == [(1, 2)]  # the outer loop holds no MMA of its own: not counted
     assert len(sass_loops.report(LISTING, ".")) == 3  # every function: the HMMA loops of the other two too
+
+
+def test_sizes_count_every_instruction_of_each_kernel_longest_first():
+    rows = sass_loops.sizes(LISTING, ".")
+    named = {k: sass_loops.short_name(v) for k, v in  # 'tile' where c++filt is installed
+             sass_loops.demangled(["_Z4tilev", "_Z5outerv", "_Z5otherv"]).items()}
+    assert [(name, n) for name, _, n in rows] == [(named["_Z4tilev"], 7), (named["_Z5outerv"], 5),
+                                                  (named["_Z5otherv"], 2)]
+    assert sass_loops.sizes(LISTING, "outer")[0][2] == 5
+    table = sass_loops.size_table(rows)
+    assert table[2] == f"| `{named['_Z4tilev']}` | - | 7 | 0.1 |" and len(table) == 5
+    name = "_ZN46_GLOBAL__N__58d1f4d1_13_marlin_moe_cu_2adc765010GemmKernelILi4EEEvv"
+    assert sass_loops.source_file(name) == "marlin_moe.cu" and sass_loops.source_file("_Z4tilev") == "-"
+    assert sass_loops.short_name("void kdtree::(anonymous namespace)::RouteKernel<12>(float const*, int)") == \
+        "RouteKernel<12>"
