@@ -13,7 +13,10 @@ def test_smoke_run_writes_every_case(tmp_path):
     fixed_cost.main(["--small", "--calls", "2", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "fixed_cost.json").read_text())
     names = [r["case"] for r in saved["rows"]]
-    assert len(names) == 6 and names[0].startswith("moe_route") and names[-1].startswith("control")
+    assert len(names) == 10 and names[0].startswith("moe_route") and names[-1].startswith("control")
+    assert [n for n in names if n.startswith("mla_pre")] == [  # the custom call beside XLA's operations, M = 1, 17
+        "mla_pre 1x1 (custom call)", "mla_pre 1x1 (XLA reference)", "mla_pre 1x17 (custom call)",
+        "mla_pre 1x17 (XLA reference)"]
     assert all(r["hot_wall_us"] > 0 and r["cold_wall_us"] > 0 for r in saved["rows"])
     table = (tmp_path / "fixed_cost.md").read_text()
     assert all(f"| {n} |" in table for n in names)
