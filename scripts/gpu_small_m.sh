@@ -84,6 +84,20 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, append to $LOG, show
   grep -v -i "warn\|donat" "$OUT/results/$name.log" | tail -"${TAIL:-12}"
 }
 finish() { tar -czf "$OUT/results.tar.gz" -C "$OUT" results; }
+ncu_both() {  # ncu_both NAME KERNELS SKIP COUNT SCRIPT TOP: ncu's sections of the matching launches (their key lines
+  # into $LOG), then their sampled stalls per SASS instruction, summed by benchmarks/ncu_source_top.py
+  local name=$1 kernels=$2 skip=$3 count=$4 script=$5 top=$6
+  step "ncu_$name" 150 ncu --kernel-name "$kernels" --launch-skip "$skip" --launch-count "$count" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+    --section WarpStateStats --section SchedulerStats python3 "$script"
+  grep -E "^  [A-Za-z].*Kernel|Duration|DRAM Throughput|Achieved Occupancy|No Eligible|Registers Per|Grid Size|Warp Cycles" \
+    "$OUT/results/ncu_$name.log" | tee -a "$LOG" | head -80
+  step "ncu_${name}_src" 150 ncu --kernel-name "$kernels" --launch-skip "$skip" --launch-count "$count" \
+    --section WarpStateStats --section SourceCounters -f -o "/tmp/ncu_$name" python3 "$script"
+  ncu --import "/tmp/ncu_$name.ncu-rep" --page source --csv --print-source sass 2>/dev/null | gzip \
+    > "$OUT/results/src_$name.csv.gz"
+  TAIL=200 step "src_top_$name" 60 python3 benchmarks/ncu_source_top.py "$OUT/results/src_$name.csv.gz" --top "$top"
+}
 trap finish EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | tee -a "$LOG"
 . scripts/ffi_env.sh
@@ -218,15 +232,7 @@ for n in (1, 17):
 for _ in range(3):  # 2 launches an iteration: ncu skips the first iteration's
     jax.block_until_ready([f(a, lat, pe) for f, a, lat, pe in fns])
 PY
-  step ncu_pre 150 ncu --kernel-name "regex:MlaPreKernel" --launch-skip 2 --launch-count 2 --section SpeedOfLight \
-    --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section WarpStateStats \
-    --section SchedulerStats python3 "$OUT/results/pre1.py"
-  grep -E "^  [A-Za-z].*Kernel|Duration|DRAM Throughput|Achieved Occupancy|No Eligible|Registers Per|Grid Size|Cluster|Stall|Warp Cycles" \
-    "$OUT/results/ncu_pre.log" | tee -a "$LOG" | head -80
-  step ncu_pre_src 150 ncu --kernel-name "regex:MlaPreKernel" --launch-skip 2 --launch-count 2 --section WarpStateStats \
-    --section SourceCounters -f -o /tmp/ncu_pre python3 "$OUT/results/pre1.py"
-  ncu --import /tmp/ncu_pre.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/results/src_pre.csv.gz"
-  TAIL=120 step src_top 60 python3 benchmarks/ncu_source_top.py "$OUT/results/src_pre.csv.gz" --top 25
+  ncu_both pre "regex:MlaPreKernel" 2 2 "$OUT/results/pre1.py" 25
   ;;
 stalls)  # where the small-M custom calls' warps wait (is instruction fetch their fixed cost, as it was mla_pre's?):
   # ncu sections, then sampled stalls per SASS instruction, of MlaVerifyKernel and its combine (1 x 1, 1 x 17, 4k
@@ -241,15 +247,7 @@ fns = [(jax.jit(fn), inputs) for fn, inputs in picked]
 for _ in range(3):  # 7 matching launches an iteration: ncu skips the first iteration's, profiles the second's
     jax.block_until_ready([f(inputs, jax.numpy.float32(0.0)) for f, inputs in fns])
 PY
-  K="regex:MlaVerifyKernel|RouteKernel|AlignKernel|CombineKernel"
-  step ncu_stalls 150 ncu --kernel-name "$K" --launch-skip 7 --launch-count 7 --section SpeedOfLight --section LaunchStats \
-    --section Occupancy --section WarpStateStats python3 "$OUT/results/stalls.py"
-  grep -E "^  [A-Za-z].*Kernel|Duration|DRAM Throughput|No Eligible|Warp Cycles Per Issued|Grid Size|Registers Per" \
-    "$OUT/results/ncu_stalls.log" | tee -a "$LOG" | head -80
-  step ncu_stalls_src 150 ncu --kernel-name "$K" --launch-skip 7 --launch-count 7 --section WarpStateStats \
-    --section SourceCounters -f -o /tmp/ncu_stalls python3 "$OUT/results/stalls.py"
-  ncu --import /tmp/ncu_stalls.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/results/src_stalls.csv.gz"
-  TAIL=200 step src_top 60 python3 benchmarks/ncu_source_top.py "$OUT/results/src_stalls.csv.gz" --top 12
+  ncu_both stalls "regex:MlaVerifyKernel|RouteKernel|AlignKernel|CombineKernel" 7 7 "$OUT/results/stalls.py" 12
   ;;
 moe_m1)  # SKIP_FIXED=1: without fixed_cost.py; SKIP_SECTIONS=1: without ncu's sections (the stall profile alone)
   [ -z "${SKIP_FIXED:-}" ] && step fixed 200 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
