@@ -66,6 +66,7 @@ device_description_str: "NVIDIA H200"
 # GPU kernels each custom call launches at small M, as the H200 profiles show them (docs/full_scale.md): marlin_moe's
 # stream path align + gate/up + down + combine; mla_verify's kernel + its split combine.
 KERNELS_PER_CALL = {"kdtree_marlin_moe": 4, "kdtree_marlin_moe_fused": 2, "kdtree_mla_verify": 2, "kdtree_mla_pre": 1,
+                    "kdtree_fused_dot": 1,
                     "kdtree_moe_route": 1, "kdtree_small_dot": 1, "kdtree_tree_build": 1, "kdtree_tree_accept": 1}
 NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "bitcast", "tuple", "after-all", "partition-id",
                "replica-id", "opt-barrier"}

@@ -148,4 +148,61 @@ inline xffi::Error CheckSmallDotShape(Dims xd, Dims wd, Dims yd, xffi::DataType 
   return xffi::Error::Success();
 }
 
+// fused_dot: x [M, K]; w0 [K, N0], w1 [K, N1] (N1 = 0: no second weight); nw [K] or empty; add0, add1 [M, N0] or
+// empty (segment 0 plain bf16 only; add1 only with add0) -> y0 [M, N0] (gated: [M, N0 / 2]), y1 likewise, xn [M, K]
+// or empty. Every operand bf16 except a plain y (bf16 or f32).
+struct FusedDotShape {
+  int64_t m, k, n0, n1;
+  bool has_norm, want_xn;
+  int adds;
+  xffi::DataType x_type;
+};
+
+inline int64_t Elements(Dims dims) {
+  int64_t n = 1;
+  for (int64_t v : dims) n *= v;
+  return n;
+}
+
+inline xffi::Error CheckFusedDot(const xffi::AnyBuffer& x, const xffi::AnyBuffer& w0, const xffi::AnyBuffer& w1,
+                                 const xffi::AnyBuffer& nw, const xffi::AnyBuffer& add0, const xffi::AnyBuffer& add1,
+                                 int64_t gated0, int64_t gated1, const xffi::AnyBuffer& y0,
+                                 const xffi::AnyBuffer& y1, const xffi::AnyBuffer& xn, FusedDotShape* shape) {
+  const auto bad = [](const std::string& what) { return xffi::Error::InvalidArgument("fused_dot: " + what); };
+  const Dims xd = x.dimensions(), w0d = w0.dimensions(), w1d = w1.dimensions();
+  if (xd.size() != 2 || w0d.size() != 2 || w1d.size() != 2 || w0d[0] != xd[1] || w1d[0] != xd[1]) {
+    return bad("expected x [M, K], w0 [K, N0] and w1 [K, N1], got x " + ShapeString(xd) + ", w0 " +
+               ShapeString(w0d) + ", w1 " + ShapeString(w1d));
+  }
+  const xffi::DataType bf = xffi::DataType::BF16;
+  for (const xffi::AnyBuffer* b : {&x, &w0, &w1, &nw, &add0, &add1, &xn}) {
+    if (b->element_type() != bf) return bad("x, the weights, the norm weight, the addends and xn must be bfloat16");
+  }
+  FusedDotShape d{xd[0], xd[1], w0d[1], w1d[1], Elements(nw.dimensions()) > 0, Elements(xn.dimensions()) > 0, 0, bf};
+  if (d.has_norm && Elements(nw.dimensions()) != d.k) return bad("nw must have K elements or none");
+  const int64_t a0 = Elements(add0.dimensions()), a1 = Elements(add1.dimensions());
+  const int64_t out0 = gated0 ? d.n0 / 2 : d.n0, out1 = gated1 ? d.n1 / 2 : d.n1;
+  if ((a0 && a0 != d.m * out0) || (a1 && a1 != d.m * out0) || (a1 && !a0)) {
+    return bad("the addends must be [M, N0] (add1 only with add0), got " + ShapeString(add0.dimensions()) + " and " +
+               ShapeString(add1.dimensions()));
+  }
+  d.adds = (a0 ? 1 : 0) + (a1 ? 1 : 0);
+  if ((gated0 && d.n0 % 2) || (gated1 && d.n1 % 2)) return bad("a gated weight needs an even number of columns");
+  const Dims y0d = y0.dimensions(), y1d = y1.dimensions();
+  if (y0d.size() != 2 || y1d.size() != 2 || y0d[0] != d.m || y0d[1] != out0 || y1d[0] != d.m || y1d[1] != out1) {
+    return bad("expected y0 [M, " + std::to_string(out0) + "] and y1 [M, " + std::to_string(out1) + "], got " +
+               ShapeString(y0d) + " and " + ShapeString(y1d));
+  }
+  for (int s = 0; s < 2; ++s) {
+    const xffi::DataType t = (s ? y1 : y0).element_type();
+    const bool gated = s ? gated1 : gated0;
+    if (t != bf && (t != xffi::DataType::F32 || gated || (s == 0 && d.adds))) {
+      return bad("a gated output or one with addends must be bfloat16; a plain one bfloat16 or float32");
+    }
+  }
+  if (d.want_xn && Elements(xn.dimensions()) != d.m * d.k) return bad("xn must be [M, K] or empty");
+  *shape = d;
+  return xffi::Error::Success();
+}
+
 }  // namespace kdtree

@@ -20,7 +20,8 @@ from .validate import shown
 DTYPES = ("float32", "bfloat16")
 EXPERT_FORMATS = ("bf16", "int4")
 KERNELS = ("xla", "ffi", "dense")
-FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "small_dot", "move_rows", "mla_pre")
+FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "small_dot", "move_rows", "mla_pre",
+           "fused_dot")
 # The custom calls kernels="ffi" runs unless ffi_ops names others: small_dot (the dense matmuls of a decode or verify
 # step) is opt-in: on the H200 it was slower than XLA's dots (docs/full_scale.md, 2026-12-05). move_rows (the accepted
 # rows of every layer's caches moved in one launch) is on: its GPU tests pass and, on an H100 (2026-12-06), XLA's move

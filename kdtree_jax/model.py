@@ -32,6 +32,7 @@ from .kernels.mla_pre import apply_rope, mla_pre, rms_norm  # noqa: F401 (apply_
 from .kernels.mla_verify import combine_lse, mask_softmax, mla_prefix, mla_verify, tree_attention_lse
 from .kernels.moe_route import moe_route
 from .kernels.move_rows import move_rows, write_rows
+from .kernels.fused_dot import FLAG_WEIGHT_PARAM as FUSED_WEIGHT_PARAM, MAX_ROWS as FUSED_MAX_ROWS, fused_dot
 from .kernels.small_dot import FLAG_WEIGHT_PARAM, small_dot
 from .sharding import (ShardingError, checked_sharding, current_mesh, logical_to_spec, mla_head_parallel,
                        mla_sequence_parallel, moe_expert_parallel, replicated_call, sequence_sharded,
@@ -527,8 +528,12 @@ def pre_impl(cfg: ModelConfig, mode: str, rows: int) -> str:
     return "ffi" if ok else "xla"
 
 
-def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None, lengths=None, tree_mask=None):
+def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None, lengths=None, tree_mask=None,
+        qkv=None, project: bool = True):
     """Multi-head latent attention of x [B, T, D]. Returns (out [B, T, D], (latent, k_pe) for the cache).
+
+    qkv: qkv_a's output [B, T, Rq + R + dr] when the caller computed it (`_layer_fused`; x is then unused);
+    project=False returns the heads' values [B, T, H, dv] instead of their o projection.
 
     mode "prefill": the naive form over the T tokens alone, causal (the cache, if any, starts empty).
     mode "chunk": a piece of a long prompt, written at lengths[b] (the same for every row): the naive form over the
@@ -536,13 +541,17 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
     mode "absorbed": the absorbed form over the cache (committed prefix) plus the T new tokens seen through
     tree_mask [B, T, T]; the new latents are written at lengths[b] first.
     """
-    dt, f32 = x.dtype, jnp.float32
+    dt, f32 = (x if qkv is None else qkv).dtype, jnp.float32
     dn, scale = cfg.qk_nope_head_dim, softmax_scale(cfg)
     rq = cfg.q_lora_rank or 0
     impl = dense_impl(cfg)
-    with jax.named_scope("qkv_a"):
-        a = _dot(x, p.qkv_a, impl)  # [B, T, Rq + R + dr]
-    if pre_impl(cfg, mode, x.shape[0] * x.shape[1]) == "ffi":  # norms, q_b, rope, cache writes, k_b: one launch
+    if qkv is None:
+        with jax.named_scope("qkv_a"):
+            a = _dot(x, p.qkv_a, impl)  # [B, T, Rq + R + dr]
+    else:
+        a = qkv
+    out = partial(_o_projection, p, dt=dt, impl=impl) if project else (lambda o: o)
+    if pre_impl(cfg, mode, a.shape[0] * a.shape[1]) == "ffi":  # norms, q_b, rope, cache writes, k_b: one launch
         with jax.named_scope("mla_pre"):
             q_lat, q_pe, latent, pe = mla_pre(a, p.q_a_norm, p.kv_a_norm, p.q_b, p.k_b, cos, sin, cache_layer[0],
                                               cache_layer[1], lengths.astype(jnp.int32), eps=cfg.rms_norm_eps,
@@ -550,7 +559,7 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
         with jax.named_scope("absorbed_attention"):
             o_lat = mla_verify(q_lat, q_pe, latent, pe, lengths, tree_mask, scale, impl=cfg.impl("mla_verify"))
             o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dt), p.v_b)  # [B, T, H, dv]
-        return _o_projection(p, o, dt, impl), (latent, pe)
+        return out(o), (latent, pe)
     with jax.named_scope("q"):
         cq = rms_norm(a[..., :rq], p.q_a_norm, cfg.rms_norm_eps) if rq else x  # [B, T, Rq]
         q = jnp.einsum("btr,hkr->bthk", cq, p.q_b)  # [B, T, H, dn + dr] (XLA's dot: small_dot takes [K, N])
@@ -564,7 +573,7 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
             v = jnp.einsum("btr,hvr->bthv", c_kv, p.v_b)  # [B, T, H, dv]
             s = (jnp.einsum("bthn,buhn->bhtu", q_nope, k_nope, preferred_element_type=f32)
                  + jnp.einsum("bthp,bup->bhtu", q_pe, k_pe, preferred_element_type=f32)) * scale
-            t = x.shape[1]
+            t = a.shape[1]
             causal = jnp.tril(jnp.ones((t, t), bool))
             probs = mask_softmax(s, causal[None, None])
             o = jnp.einsum("bhtu,buhv->bthv", probs.astype(dt), v)  # [B, T, H, dv]
@@ -593,7 +602,7 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
                 o_lat = attend(q_lat, q_pe, latent, pe, lengths, tree_mask, scale)  # [B, T, H, R]
             o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dt), p.v_b)  # [B, T, H, dv]
             new_cache = (latent, pe)
-    return _o_projection(p, o, dt, impl), new_cache
+    return out(o), new_cache
 
 
 def _o_projection(p: Attention, o: jax.Array, dt, impl: str) -> jax.Array:
@@ -619,7 +628,11 @@ def route(p: MoE, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]
     routed_scaling_factor; with n_group > 1, only the topk_group groups with the largest sum of their two best biased
     scores compete.
     """
-    logits = _dot(x, p.router, dense_impl(cfg), out_dtype=jnp.float32)  # [M, E]
+    return choose_experts(p, _dot(x, p.router, dense_impl(cfg), out_dtype=jnp.float32), cfg)  # logits [M, E]
+
+
+def choose_experts(p: MoE, logits: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """`route`'s choice from the router's fp32 logits [M, E]."""
     choose = partial(moe_route, k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
                      renormalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor, impl=cfg.impl("moe_route"))
     return replicated_call(choose, logits, p.router_bias.astype(jnp.float32))  # as the experts take the routing
@@ -632,10 +645,7 @@ def moe(p: MoE, x: jax.Array, cfg: ModelConfig, active: jax.Array | None = None)
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     with jax.named_scope("router"):
-        ids, w = route(p, flat, cfg)
-        if active is not None:
-            on = active.reshape(b * t, 1)
-            ids, w = jnp.where(on, ids, cfg.n_routed_experts), jnp.where(on, w, 0.0)
+        ids, w = _mask_inactive(*route(p, flat, cfg), active, cfg)
     with jax.named_scope("experts"):
         # experts_total: on an expert-parallel mesh each shard's call sees E/ep experts, and the block size of the
         # kernel is chosen from the slots per expert of the whole model's routing
@@ -651,7 +661,58 @@ def moe(p: MoE, x: jax.Array, cfg: ModelConfig, active: jax.Array | None = None)
     return y.reshape(b, t, d)
 
 
+def _mask_inactive(ids, w, active, cfg: ModelConfig):
+    """The routing of the tokens where `active` [B, T] is False sent to no expert (id E, weight 0)."""
+    if active is None:
+        return ids, w
+    on = active.reshape(-1, 1)
+    return jnp.where(on, ids, cfg.n_routed_experts), jnp.where(on, w, 0.0)
+
+
+def fused_impl(cfg: ModelConfig, mode: str, rows: int) -> str:
+    """How a layer runs its dense weights and the glue around them: "ffi" (`_layer_fused`: four `kernels.fused_dot`
+    calls, where the config picks it, no mesh splits the model, the step is a decode or verify (absorbed mode) and
+    it has at most FUSED_MAX_ROWS tokens) or "xla" (`_layer`'s own operations)."""
+    ok = (mode == "absorbed" and cfg.impl("fused_dot") == "ffi" and current_mesh() is None
+          and rows <= FUSED_MAX_ROWS)
+    return "ffi" if ok else "xla"
+
+
+def _layer_fused(h, lp: Layer, cos, sin, cfg: ModelConfig, mode: str, cache_layer, lengths, tree_mask, active):
+    """`_layer` with its dense weights as four custom calls, each with its neighbours: the attention's RMSNorm +
+    qkv_a; the o projection + the residual; the MLP's RMSNorm + the router's logits + the shared expert's gate/up and
+    SwiGLU (+ the normalized rows, the routed experts' input); the shared expert's down + the routed experts' output
+    + the residual (a dense layer: its norm + gate/up + SwiGLU, then its down + the residual). The same math, the
+    norms factored out of the dots (`kernels.fused_dot`)."""
+    fd = partial(fused_dot, eps=cfg.rms_norm_eps, impl="ffi", flags=FUSED_WEIGHT_PARAM)
+    b, t, d = h.shape
+    with jax.named_scope("attention"):
+        with jax.named_scope("qkv_a"):
+            a = fd(h, lp.attn.qkv_a, norm=lp.attn_norm)[0]
+        o, new_cache = mla(lp.attn, None, cos, sin, cfg, mode, cache_layer, lengths, tree_mask, qkv=a, project=False)
+        with jax.named_scope("o"):
+            hv = o.shape[-2] * o.shape[-1]
+            h = fd(o.astype(h.dtype).reshape(b, t, hv), lp.attn.o.reshape(hv, d), adds=(h,))[0]
+    with jax.named_scope("ffn"):
+        if not isinstance(lp.mlp, MoE):
+            hs = fd(h, lp.mlp.gate_up.reshape(d, -1), norm=lp.mlp_norm, gated=True)[0]
+            return fd(hs, lp.mlp.down, adds=(h,))[0], new_cache
+        p = lp.mlp
+        with jax.named_scope("router"):
+            logits, hs, xn = fd(h, p.router, w2=p.shared.gate_up.reshape(d, -1), norm=lp.mlp_norm, gated2=True,
+                                out_dtype=jnp.float32, want_xn=True)
+            ids, w = _mask_inactive(*choose_experts(p, logits.reshape(b * t, -1), cfg), active, cfg)
+        with jax.named_scope("experts"):
+            y = marlin_moe(xn.reshape(b * t, d), ids, w, p.we_gate, p.we_up, p.we_down, impl=cfg.impl("marlin_moe"),
+                           experts_total=cfg.n_routed_experts)
+        with jax.named_scope("shared_expert"):
+            h = fd(hs, p.shared.down, adds=(y.reshape(b, t, d), h))[0]
+    return h, new_cache
+
+
 def _layer(h, lp: Layer, cos, sin, cfg: ModelConfig, mode: str, cache_layer, lengths, tree_mask, active=None):
+    if fused_impl(cfg, mode, h.shape[0] * h.shape[1]) == "ffi":
+        return _layer_fused(h, lp, cos, sin, cfg, mode, cache_layer, lengths, tree_mask, active)
     with jax.named_scope("attention"):
         a, new_cache = mla(lp.attn, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps), cos, sin, cfg, mode,
                            cache_layer, lengths, tree_mask)

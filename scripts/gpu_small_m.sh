@@ -44,6 +44,9 @@
 #                                                    # plainly (the default) and as programmatic dependents
 #                                                    # (KDTREE_JAX_MLA_PDL=1), side by side, the XLA flags on both
 #                                                    # (PDL_CELLS); then mla_verify's GPU tests with PDL
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh fdot  # fused_dot's tests on the GPU; the full step without and with it
+#                                                    # (a layer's dense weights and their glue in four launches),
+#                                                    # side by side; each of its calls alone against XLA's operations
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh pre_ncu  # mla_pre's kernel alone: fixed_cost.py (hot, cold; against
 #                                                    # XLA's operations), then ncu of it at M = 1 and 17
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh stalls  # ncu's sampled stalls of mla_verify's, moe_route's and the
@@ -97,6 +100,13 @@ ncu_both() {  # ncu_both NAME KERNELS SKIP COUNT SCRIPT TOP: ncu's sections of t
   ncu --import "/tmp/ncu_$name.ncu-rep" --page source --csv --print-source sass 2>/dev/null | gzip \
     > "$OUT/results/src_$name.csv.gz"
   TAIL=200 step "src_top_$name" 60 python3 benchmarks/ncu_source_top.py "$OUT/results/src_$name.csv.gz" --top "$top"
+}
+set_depth() {  # DEPTH: --layers LAYERS_SMALL (default 40) on a GPU of < 120 GB (an H100: 61 layers do not fit), so
+  # that both sides of an A/B run the same depth and their difference is measured, not projected
+  local mem
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  DEPTH=()
+  [ "${mem:-0}" -lt 120000 ] && { DEPTH=(--layers "${LAYERS_SMALL:-40}"); echo "GPU of ${mem} MiB: ${DEPTH[*]}" | tee -a "$LOG"; }
 }
 trap finish EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | tee -a "$LOG"
@@ -189,9 +199,7 @@ mla_pre)  # on a GPU of < 120 GB (H100) the A/B runs LAYERS_SMALL (default 40) l
   # difference is measured at that depth, not projected; PRE_PDL=1 adds a third run: + mla_verify's PDL launches
   step pre_tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_mla_pre.py \
     tests/test_mla_verify.py -k gpu
-  MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  DEPTH=()
-  [ "${MEM:-0}" -lt 120000 ] && { DEPTH=(--layers "${LAYERS_SMALL:-40}"); echo "GPU of ${MEM} MiB: ${DEPTH[*]}" | tee -a "$LOG"; }
+  set_depth
   PRE_CELLS=${PRE_CELLS:-4096:1x1,4096:1x17}
   OPS=tree_build,tree_accept,mla_verify,marlin_moe,moe_route,move_rows
   LIMIT=${PRE_LIMIT:-200}
@@ -207,6 +215,23 @@ mla_pre)  # on a GPU of < 120 GB (H100) the A/B runs LAYERS_SMALL (default 40) l
     --base "$OUT/results/pre/full_scale.json" "${DEPTH[@]}"
   [ -n "${PRE_PDL:-}" ] && [ -z "${SKIP_PDL_TESTS:-}" ] && step pdl_tests 150 env JAX_PLATFORMS=cuda,cpu KDTREE_JAX_MLA_PDL=1 python3 -m pytest -q -rA \
     -p no:cacheprovider tests/test_mla_verify.py tests/test_mla_pre.py -k gpu
+  ;;
+fdot)  # fused_dot (a layer's dense weights with their norms, SwiGLU and residual adds, four launches): every test
+  # of tests/test_fused_dot.py on the GPU; the full step without and with it, side by side, the XLA flags on both
+  # (FD_CELLS, FD_PROFILE; on an H100 at LAYERS_SMALL layers); then benchmarks/fused_dot.py (each call alone, the
+  # custom call against XLA's operations; FD_MS)
+  step fd_tests 200 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_fused_dot.py
+  set_depth
+  FD_CELLS=${FD_CELLS:-4096:1x1,4096:1x17}
+  OPS=tree_build,tree_accept,mla_verify,marlin_moe,moe_route,move_rows,mla_pre
+  step base "${FD_LIMIT:-150}" "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/base" \
+    --cells "$FD_CELLS" --profile "${FD_PROFILE:-4096:1x1,4096:1x17}" --repeats 3 --commit "$KDTREE_COMMIT" \
+    --ffi-ops "$OPS" "${DEPTH[@]}"
+  step fdot "${FD_LIMIT:-150}" "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/fdot" \
+    --cells "$FD_CELLS" --profile "${FD_PROFILE:-4096:1x1,4096:1x17}" --repeats 3 --commit "$KDTREE_COMMIT+fused_dot" \
+    --ffi-ops "$OPS,fused_dot" --base "$OUT/results/base/full_scale.json" "${DEPTH[@]}"
+  [ -z "${SKIP_FD_BENCH:-}" ] && step fd_bench 200 python3 benchmarks/fused_dot.py --out "$OUT/results/fused_dot" \
+    --commit "$KDTREE_COMMIT" --ms "${FD_MS:-1,17}"
   ;;
 pre_ncu)  # why mla_pre's kernel takes ~32 µs a layer in the full step (H100, 40 layers, 1 x 1): fixed_cost.py
   # (hot and cold, the custom call against XLA's operations, M = 1 and 17), then ncu of MlaPreKernel alone at both M

@@ -1,0 +1,166 @@
+"""The dense matmuls of a decode or verify step with what surrounds them in a layer, as one custom call
+(`impl="ffi"`: ffi/fused_dot.cc on CPU, ffi/fused_dot.cu on CUDA) or in pure JAX (`impl="xla"`, `fused_dot_ref`).
+
+For x [..., K] and one or two weights w [K, N] that share it:
+
+    x'  = rms_norm(x, norm, eps)           (norm given; else x' = x)
+    y   = x' . w                            fp32 accumulation, then one of
+          plain:  cast to out_dtype (bf16 or f32), then y = add + y for each addend in order (bf16)
+          gated:  w = [gate | up] along N: y = silu(gate) * up, [..., N / 2], bf16
+    y2  = the same for w2 (plain or gated, no addends)
+    xn  = x' itself, [..., K] (want_xn: the routed experts' input)
+
+That is the layer's glue: the attention's RMSNorm + q_a/kv_a projection; the o projection + the residual add; the
+MLP's RMSNorm + router logits (f32) + the shared expert's gate/up and SwiGLU, with the normalized rows for the routed
+experts; the shared expert's down projection + the routed experts' output + the residual. XLA ran each of these as
+2-7 kernels at M = 1 (a split-K dot and its reduction, two for a norm, the gate's multiply), each 1-8 µs whatever it
+moved; the custom call is one kernel.
+
+The custom call factors the norm out of the dot: it computes r * ((x * norm) . w) with r = 1 / sqrt(mean(x^2) + eps)
+per row, so no kernel writes the normalized rows first. The reference rounds the normalized rows to bf16 before the
+dot (x' = bf16(norm * bf16(x r))), the custom call rounds x * norm; the two agree within bf16 rounding of the inputs
+(tests bound it), and xn is the reference's x' exactly. The CUDA kernel takes bf16 operands, at most MAX_ROWS rows,
+K a multiple of 64 and N multiples of 16; it streams each weight once over the whole GPU (16 columns a block, K split
+over a thread-block cluster where the columns alone do not cover the SMs), launched as a programmatic dependent of
+the kernel ahead and, for weights that are parameters (`FLAG_WEIGHT_PARAM`), loading them before that kernel ends.
+Other shapes run the reference on the GPU; the CPU custom call takes any bf16 shape.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _registry
+from .mla_pre import rms_norm
+
+MAX_ROWS = 32  # the CUDA kernel's rows (two token tiles of 16)
+K_TILE = 64  # the CUDA kernel: K a multiple of it
+N_TILE = 16  # the CUDA kernel: N a multiple of it
+FLAG_PLAIN = 1  # a plain launch instead of a programmatic dependent one (benchmarks)
+FLAG_WEIGHT_PARAM = 2  # the weights and the norm weight are parameters no kernel of the program writes: their first
+#                        stages load before the wait for the kernel ahead (never for an array computed in the program)
+OUT_DTYPES = (jnp.bfloat16, jnp.float32)
+
+
+def _check(x, w, w2, norm, adds, gated, gated2, out_dtype, out2_dtype):
+    for name, a in (("x", x), ("w", w), ("w2", w2), ("norm", norm)) + tuple((f"adds[{i}]", a) for i, a in
+                                                                              enumerate(adds)):
+        if a is not None and (not hasattr(a, "shape") or not hasattr(a, "dtype")):
+            raise TypeError(f"fused_dot: {name} must be an array, got {type(a).__name__}")
+    if len(x.shape) < 1 or len(w.shape) != 2 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"fused_dot: expected x [..., K] and w [K, N], got {tuple(x.shape)} and {tuple(w.shape)}")
+    k = x.shape[-1]
+    if w2 is not None and (len(w2.shape) != 2 or w2.shape[0] != k):
+        raise ValueError(f"fused_dot: expected w2 [K, N2] with K = {k}, got {tuple(w2.shape)}")
+    if norm is not None and tuple(norm.shape) != (k,):
+        raise ValueError(f"fused_dot: expected norm [K] = [{k}], got {tuple(norm.shape)}")
+    for name, ww, g in (("w", w, gated), ("w2", w2, gated2)):
+        if ww is not None and g and ww.shape[1] % 2:
+            raise ValueError(f"fused_dot: a gated {name} needs an even N ([gate | up]), got {tuple(ww.shape)}")
+    out = w.shape[1] // 2 if gated else w.shape[1]
+    if len(adds) > 2:
+        raise ValueError(f"fused_dot: at most two addends, got {len(adds)}")
+    for i, a in enumerate(adds):
+        if tuple(a.shape) != tuple(x.shape[:-1]) + (out,):
+            raise ValueError(f"fused_dot: adds[{i}] must be {tuple(x.shape[:-1]) + (out,)}, got {tuple(a.shape)}")
+    for name, dt, g, has_adds in (("out_dtype", out_dtype, gated, bool(adds)),
+                                  ("out2_dtype", out2_dtype, gated2, False)):
+        if jnp.dtype(dt) not in [jnp.dtype(d) for d in OUT_DTYPES]:
+            raise TypeError(f"fused_dot: {name} must be bfloat16 or float32, got {jnp.dtype(dt).name}")
+        if (g or has_adds) and jnp.dtype(dt) != jnp.dtype(x.dtype):
+            raise TypeError(f"fused_dot: a gated output or one with addends keeps x's dtype "
+                            f"({jnp.dtype(x.dtype).name}), got {name}={jnp.dtype(dt).name}")
+
+
+def on_ffi_path(x, w, w2=None, norm=None, adds=()) -> bool:
+    """Whether the custom call takes these operands at all (else `fused_dot` runs the reference everywhere): every
+    array bf16 and at least one row. Which of them the CUDA kernel takes: `on_cuda_path`."""
+    arrays = [x, w] + [a for a in (w2, norm) if a is not None] + list(adds)
+    return all(a.dtype == jnp.bfloat16 for a in arrays) and math.prod(x.shape[:-1]) >= 1
+
+
+def on_cuda_path(x, w, w2=None) -> bool:
+    """Whether the CUDA kernel takes these shapes: at most MAX_ROWS rows, K a multiple of K_TILE, each N of N_TILE."""
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
+    ns = [w.shape[1]] + ([w2.shape[1]] if w2 is not None else [])
+    return 1 <= m <= MAX_ROWS and k > 0 and k % K_TILE == 0 and all(n > 0 and n % N_TILE == 0 for n in ns)
+
+
+def fused_dot(x: jax.Array, w: jax.Array, *, w2: jax.Array | None = None, norm: jax.Array | None = None,
+              eps: float = 1e-6, gated: bool = False, gated2: bool = False, adds=(), out_dtype=None,
+              out2_dtype=None, want_xn: bool = False, impl: str = "ffi", split: int = 0, flags: int = 0):
+    """(y, y2, xn) for x [..., K] and w [K, N] (and w2 [K, N2]); see the module docstring. y2 is None without w2,
+    xn None unless want_xn.
+
+    impl="ffi" runs the custom call where `on_ffi_path` holds (C++ on CPU; CUDA where `on_cuda_path` also holds,
+    else the reference), impl="xla" runs `fused_dot_ref`. split: the CUDA kernel's blocks per 16 columns that share
+    K (0: chosen from the SM count; else 1, 2, 4 or 8 dividing K / 64); flags: FLAG_PLAIN, FLAG_WEIGHT_PARAM (only
+    for weights that are inputs of the program, never written in it). No host sync.
+    """
+    adds = tuple(adds)
+    out_dtype = getattr(x, "dtype", jnp.float32) if out_dtype is None else out_dtype
+    out2_dtype = getattr(x, "dtype", jnp.float32) if out2_dtype is None else out2_dtype
+    _check(x, w, w2, norm, adds, gated, gated2, out_dtype, out2_dtype)
+    if impl not in ("ffi", "xla"):
+        raise ValueError(f"fused_dot: impl must be 'ffi' or 'xla', got {impl!r}")
+    k = x.shape[-1]
+    if isinstance(split, bool) or split not in (0, 1, 2, 4, 8) or (split and (k % K_TILE or (k // K_TILE) % split)):
+        raise ValueError(f"fused_dot: split must be 0 or one of 1, 2, 4, 8 dividing K / {K_TILE}, got {split!r}")
+    kw = dict(w2=w2, norm=norm, eps=eps, gated=gated, gated2=gated2, adds=adds, out_dtype=out_dtype,
+              out2_dtype=out2_dtype, want_xn=want_xn)
+    if impl == "xla" or not on_ffi_path(x, w, w2, norm, adds):
+        return fused_dot_ref(x, w, **kw)
+    _registry.register()
+    lead = tuple(x.shape[:-1])
+    m = math.prod(lead)
+    n, n2 = w.shape[1], (w2.shape[1] if w2 is not None else 0)
+    bf = jnp.bfloat16
+    shapes = (jax.ShapeDtypeStruct((m, n // 2 if gated else n), out_dtype),
+              jax.ShapeDtypeStruct((m, n2 // 2 if gated2 else n2), out2_dtype),
+              jax.ShapeDtypeStruct((m if want_xn else 0, k), bf))
+    attrs = dict(eps=np.float32(eps), gated0=np.int64(gated), gated1=np.int64(gated2), split=np.int64(split),
+                 flags=np.int64(flags))
+    empty = jnp.zeros((0,), bf)
+    operands = (x.reshape(m, k), w, w2 if w2 is not None else jnp.zeros((k, 0), bf),
+                norm if norm is not None else empty,
+                adds[0].reshape(m, -1) if len(adds) > 0 else empty, adds[1].reshape(m, -1) if len(adds) > 1 else empty)
+
+    def call(*ops):
+        return tuple(jax.ffi.ffi_call("kdtree_fused_dot", shapes, vmap_method="sequential")(*ops, **attrs))
+
+    def other(xx, ww, ww2, nn, a0, a1):
+        y, y2, xn = fused_dot_ref(xx, ww, **kw | dict(w2=ww2 if w2 is not None else None,
+                                                     norm=nn if norm is not None else None,
+                                                     adds=(a0, a1)[:len(adds)]))
+        return y, (y2 if y2 is not None else jnp.zeros(shapes[1].shape, out2_dtype)), (
+            xn if xn is not None else jnp.zeros(shapes[2].shape, bf))
+
+    cuda = call if on_cuda_path(x, w, w2) else other
+    y, y2, xn = jax.lax.platform_dependent(*operands, cpu=call, cuda=cuda, default=other)
+    return (y.reshape(lead + y.shape[1:]), y2.reshape(lead + y2.shape[1:]) if w2 is not None else None,
+            xn.reshape(lead + (k,)) if want_xn else None)
+
+
+def fused_dot_ref(x: jax.Array, w: jax.Array, *, w2=None, norm=None, eps: float = 1e-6, gated: bool = False,
+                  gated2: bool = False, adds=(), out_dtype=None, out2_dtype=None, want_xn: bool = False):
+    """Pure JAX, the model's own operations: (y, y2, xn) as in the module docstring."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    out2_dtype = x.dtype if out2_dtype is None else out2_dtype
+    xs = rms_norm(x, norm, eps) if norm is not None else x
+
+    def one(ww, g, dt):
+        y = jnp.tensordot(xs, ww, axes=1, preferred_element_type=jnp.float32)
+        if not g:
+            return y.astype(dt)
+        f = ww.shape[1] // 2
+        gate, up = y[..., :f].astype(x.dtype), y[..., f:].astype(x.dtype)
+        return jax.nn.silu(gate) * up
+
+    y = one(w, gated, out_dtype)
+    for a in adds:
+        y = a + y
+    return y, (one(w2, gated2, out2_dtype) if w2 is not None else None), (xs if want_xn else None)
