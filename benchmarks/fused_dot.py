@@ -49,7 +49,6 @@ QUICK = {"attn_in": (128, 96), "o_res": (64, 128), "ffn_in": (128, 32), "shared_
          "dense_in": (128, 64), "dense_out": (64, 128)}
 MS = (1, 17, 32)
 L2_BYTES = 50 * 2**20
-VARIANTS = ("fused", "xla")
 
 
 def call_bytes(k, n, n2, norm, adds, gated, gated2, dt, want_xn, m) -> int:
@@ -58,8 +57,8 @@ def call_bytes(k, n, n2, norm, adds, gated, gated2, dt, want_xn, m) -> int:
     return 2 * (k * (n + n2) + (k if norm else 0) + m * k * (1 + want_xn) + adds * m * (n // 2 if gated else n)) + outs
 
 
-def chain(spec, variant: str):
-    from kdtree_jax.kernels.fused_dot import FLAG_WEIGHT_PARAM, fused_dot
+def chain(spec, variant: str, flags: int):
+    from kdtree_jax.kernels.fused_dot import fused_dot
 
     k, n, n2, norm, adds, gated, gated2, dt, want_xn = spec
 
@@ -68,7 +67,7 @@ def chain(spec, variant: str):
         for w, w2, nw, extra in sets:
             y, y2, xn = fused_dot(x, w, w2=w2, norm=nw, adds=extra, gated=gated, gated2=gated2,
                                   out_dtype=jnp.dtype(dt), want_xn=want_xn, impl="ffi" if variant == "fused" else "xla",
-                                  flags=FLAG_WEIGHT_PARAM)
+                                  flags=flags)
             dep = y[:, :1].astype(jnp.float32)
             if y2 is not None:
                 dep = dep + y2[:, :1].astype(jnp.float32)
@@ -79,7 +78,7 @@ def chain(spec, variant: str):
     return f
 
 
-def measure(name: str, spec, m: int, variant: str, bw: float, quick: bool) -> dict:
+def measure(name: str, spec, m: int, variant: str, bw: float, quick: bool, flags: int = 2) -> dict:
     k, n, n2, norm, adds, gated, gated2, dt, want_xn = spec
     wbytes = 2 * k * (n + n2)
     count = 2 if quick else max(6, int(np.ceil(4 * L2_BYTES / wbytes)))
@@ -96,37 +95,43 @@ def measure(name: str, spec, m: int, variant: str, bw: float, quick: bool) -> di
 
     sets = [one(i) for i in range(count)]
     x = jax.random.normal(jax.random.fold_in(key, 999), (m, k), bf)
-    fn = jax.jit(chain(spec, variant))
+    fn = jax.jit(chain(spec, variant, flags))
     sec, _ = timed(fn, (x, sets), count, min_batch=0.02, samples=5)
     floor = call_bytes(*spec, m) / bw
     del sets
-    return dict(name=name, k=k, n=n, n2=n2, m=m, variant=variant, calls=count, us=sec * 1e6, floor_us=floor * 1e6,
-                x_floor=sec / floor)
+    label = "XLA's operations" if variant == "xla" else ("fused_dot" if flags == 2 else f"fused_dot, flags {flags}")
+    return dict(name=name, k=k, n=n, n2=n2, m=m, variant=label, flags=flags, calls=count, us=sec * 1e6,
+                floor_us=floor * 1e6, x_floor=sec / floor)
 
 
 def write_report(out: str, meta: dict, rows: list[dict]) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "fused_dot.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
     lines = [f"# A layer's dense calls at small M: fused_dot against XLA's operations ({meta['date']}, "
              f"{meta['device']}, commit {meta['commit']})", "",
              f"`{meta['command']}`; jax {meta['jax']}; copy bandwidth measured in this run "
              f"{meta['copy_Bps'] / 1e12:.2f} TB/s. Each cell: µs per call (a chain of distinct weights, each call's "
-             "input depending on the last) and, in parentheses, the call over its bytes floor.", "",
-             "| call | K -> N | MB | M | fused_dot | XLA's operations | speedup | floor µs |",
-             "|---|---|---|---|---|---|---|---|"]
+             "input depending on the last) and, in parentheses, the call over its bytes floor; speedup: XLA's "
+             "operations over the first fused_dot column. Flags: 2 = the weights' first stages loaded before the "
+             "wait for the kernel ahead (the model's), 4 = whole 256-byte L2 lines asked for.", "",
+             "| call | K -> N | MB | M | " + " | ".join(variants) + " | speedup | floor µs |",
+             "|" + "---|" * (len(variants) + 6)]
     by = {(r["name"], r["m"], r["variant"]): r for r in rows}
+    fused = next((v for v in variants if v.startswith("fused_dot")), None)
     for name in CALLS:
         for m in sorted({r["m"] for r in rows}):
-            f, x = by.get((name, m, "fused")), by.get((name, m, "xla"))
-            if not (f or x):
+            cells = [by.get((name, m, v)) for v in variants]
+            if not any(cells):
                 continue
-            c = f or x
+            c = next(r for r in cells if r)
             shape = f"{c['k']} -> {c['n']}" + (f" + {c['n2']}" if c["n2"] else "")
-            cell = lambda r: f"{r['us']:.1f} ({r['x_floor']:.1f}x)" if r else "-"
+            f, x = by.get((name, m, fused)), by.get((name, m, "XLA's operations"))
             speed = f"{x['us'] / f['us']:.2f}x" if f and x else "-"
-            lines.append(f"| {name} | {shape} | {2 * c['k'] * (c['n'] + c['n2']) / 1e6:.1f} | {m} | {cell(f)} | "
-                         f"{cell(x)} | {speed} | {c['floor_us']:.1f} |")
+            lines.append(f"| {name} | {shape} | {2 * c['k'] * (c['n'] + c['n2']) / 1e6:.1f} | {m} | " + " | ".join(
+                f"{r['us']:.1f} ({r['x_floor']:.1f}x)" if r else "-" for r in cells) +
+                f" | {speed} | {c['floor_us']:.1f} |")
     with open(os.path.join(out, "fused_dot.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -139,6 +144,8 @@ def main(argv=None) -> int:
                     help="commit stamped on the results")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M, comma-separated (at most 32)")
     ap.add_argument("--calls", default=",".join(CALLS), help="calls, comma-separated, of: " + ", ".join(CALLS))
+    ap.add_argument("--flags", default="2", help="fused_dot's flags, one column each, comma-separated (2: the "
+                    "model's, FLAG_WEIGHT_PARAM; 6: + FLAG_L2_LINES)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, two calls a chain")
     ap.add_argument("--replot", metavar="JSON", help="rewrite the report from saved numbers")
     args = ap.parse_args(argv)
@@ -151,6 +158,7 @@ def main(argv=None) -> int:
     if set(names) - set(CALLS):
         ap.error(f"unknown calls {sorted(set(names) - set(CALLS))}; known: {', '.join(CALLS)}")
     ms = [int(v) for v in args.ms.split(",")]
+    flag_list = [int(v) for v in args.flags.split(",")]
     if any(not 1 <= m <= 32 for m in ms):
         ap.error(f"--ms: each M must be in 1..32 (the custom call's rows), got {ms}")
     bw = ceilings()["copy_Bps"] if not args.quick else 1e11
@@ -165,10 +173,10 @@ def main(argv=None) -> int:
             spec = QUICK[name] + spec[2:]
             spec = (spec[0], spec[1], 32 if spec[2] else 0) + spec[3:]
         for m in ms:
-            for variant in VARIANTS:
-                r = measure(name, spec, m, variant, bw, args.quick)
+            for variant, flags in [("fused", fl) for fl in flag_list] + [("xla", 0)]:
+                r = measure(name, spec, m, variant, bw, args.quick, flags)
                 rows.append(r)
-                print(f"{name:11s} M={m:3d} {variant:6s} {r['us']:8.2f} us  {r['x_floor']:5.2f}x floor  "
+                print(f"{name:11s} M={m:3d} {r['variant']:24s} {r['us']:8.2f} us  {r['x_floor']:5.2f}x floor  "
                       f"[{time.perf_counter() - t0:.0f} s]", flush=True)
         write_report(args.out, meta, rows)
     print(open(os.path.join(args.out, "fused_dot.md")).read())

@@ -56,6 +56,7 @@ constexpr int kMaxRows = 32;
 constexpr int kMaxSplit = 8;
 constexpr int64_t kFlagPlain = 1;
 constexpr int64_t kFlagEarlyW = 2;
+constexpr int64_t kFlagL2Lines = 4;  // the weight copies ask L2 for whole 256-byte lines
 
 struct Segment {
   const __nv_bfloat16* w;  // [K, n]
@@ -76,6 +77,7 @@ struct Params {
   int m, k, split;
   float eps;
   bool early_w;
+  bool l2_256;  // kFlagL2Lines
 };
 
 __host__ __device__ constexpr int StageBytes(int m) { return kWBytes + 128 + m * 128; }
@@ -136,7 +138,7 @@ __global__ void __launch_bounds__(kThreads) FusedDotKernel(const Params p) {
     const uint32_t dst = ring + (c % kRing) * stage;
     const __nv_bfloat16* src = seg.w + static_cast<int64_t>(chunk_row(c)) * seg.n;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) CopyAsync16Cg(dst + w_slot[i], src + w_src[i]);
+    for (int i = 0; i < 4; ++i) CopyAsync16Cg(dst + w_slot[i], src + w_src[i], p.l2_256);
     if (norm && lane < 8) CopyAsync16Cg(dst + kWBytes + lane * 16, p.nw + chunk_row(c) + lane * 8);
   };
   const int x_row0 = lane / 8, x_piece = lane % 8;  // lane's first token row and its 16-byte piece of the chunk
@@ -423,6 +425,7 @@ ffi::Error FusedDotCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w0
   p.eps = eps;
   const bool pdl = !(flags & kFlagPlain);
   p.early_w = pdl && (flags & kFlagEarlyW);
+  p.l2_256 = (flags & kFlagL2Lines) != 0;
   return d.m <= 16 ? Launch<1>(stream, p, static_cast<int>(groups), pdl)
                    : Launch<2>(stream, p, static_cast<int>(groups), pdl);
 }

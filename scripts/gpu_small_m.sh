@@ -47,6 +47,8 @@
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fdot  # fused_dot's tests on the GPU; the full step without and with it
 #                                                    # (a layer's dense weights and their glue in four launches),
 #                                                    # side by side; each of its calls alone against XLA's operations
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh fd_ncu  # fused_dot's calls alone with and without whole-line L2
+#                                                    # requests, then ncu of its kernel (sections, sampled stalls)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh pre_ncu  # mla_pre's kernel alone: fixed_cost.py (hot, cold; against
 #                                                    # XLA's operations), then ncu of it at M = 1 and 17
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh stalls  # ncu's sampled stalls of mla_verify's, moe_route's and the
@@ -232,6 +234,26 @@ fdot)  # fused_dot (a layer's dense weights with their norms, SwiGLU and residua
     --ffi-ops "$OPS,fused_dot" --base "$OUT/results/base/full_scale.json" "${DEPTH[@]}"
   [ -z "${SKIP_FD_BENCH:-}" ] && step fd_bench 200 python3 benchmarks/fused_dot.py --out "$OUT/results/fused_dot" \
     --commit "$KDTREE_COMMIT" --ms "${FD_MS:-1,17}"
+  ;;
+fd_ncu)  # why fused_dot streams its weights at ~1.5 TB/s: benchmarks/fused_dot.py with and without FLAG_L2_LINES
+  # (FD_MS), then ncu of FusedDotKernel (q_a/kv_a at M = 1 with both flags, o + residual at M = 1): sections, then
+  # sampled stalls per SASS instruction
+  step fd_bench 240 python3 benchmarks/fused_dot.py --out "$OUT/results/fused_dot" --commit "$KDTREE_COMMIT" \
+    --ms "${FD_MS:-1,17}" --flags 2,6 --calls attn_in,o_res,ffn_in,shared_out
+  cat > "$OUT/results/fd1.py" <<'PY'
+import jax, jax.numpy as jnp
+from kdtree_jax.kernels.fused_dot import fused_dot
+key = iter(jax.random.split(jax.random.key(0), 16))
+bf = jnp.bfloat16
+x, xo = jax.random.normal(next(key), (1, 7168), bf), jax.random.normal(next(key), (1, 1024), bf)
+w, nw = 0.02 * jax.random.normal(next(key), (7168, 2112), bf), jnp.ones((7168,), bf)
+wo = 0.02 * jax.random.normal(next(key), (1024, 7168), bf)
+fns = [jax.jit(lambda a: fused_dot(a, w, norm=nw, flags=2)[0]), jax.jit(lambda a: fused_dot(a, w, norm=nw, flags=6)[0]),
+       jax.jit(lambda a: fused_dot(a, wo, adds=(x,), flags=2)[0])]
+for _ in range(2):  # 3 launches an iteration: ncu skips the first iteration's
+    jax.block_until_ready([fns[0](x), fns[1](x), fns[2](xo)])
+PY
+  ncu_both fd "regex:FusedDotKernel" 3 3 "$OUT/results/fd1.py" 12
   ;;
 pre_ncu)  # why mla_pre's kernel takes ~32 µs a layer in the full step (H100, 40 layers, 1 x 1): fixed_cost.py
   # (hot and cold, the custom call against XLA's operations, M = 1 and 17), then ncu of MlaPreKernel alone at both M

@@ -1,6 +1,6 @@
 """fused_dot: the custom call (C++ on CPU; CUDA, marked gpu) and its pure-JAX reference against a float64 numpy
 computation of the layer's math on the same bf16 inputs (fresh random inputs, never zeros; NaN never passes); the
-normalized rows bit for bit; the CUDA kernel at one device's K2.6 shapes at every split; the model with it equal to
+normalized rows equal to the reference's but for rare 1-2 ulp roundings; the CUDA kernel at one device's K2.6 shapes at every split; the model with it equal to
 the model without within bf16 rounding; greedy ddtree with it equal to ar; clear errors for bad arguments."""
 
 import dataclasses
@@ -78,6 +78,16 @@ def check(got, want, dtype):
     assert (np.abs(g - y) <= bound + 1e-30).all(), float(np.max(np.abs(g - y) / (bound + 1e-30)))
 
 
+def check_xn(xn, xs):
+    """The normalized rows: the reference's, except where the row's scale, summed in another order (and on the GPU an
+    approximate reciprocal square root), lands x r on the other side of a bf16 rounding: then 1-2 ulps apart (x r
+    rounded, then times the norm weight, rounded)."""
+    got, want = f64(xn), f64(xs)
+    assert np.isfinite(got).all()
+    assert (np.abs(got - want) <= 2.0**-6 * np.abs(want)).all(), float(np.max(np.abs(got - want)))
+    assert np.mean(got == want) >= 0.99  # nearly all bit for bit
+
+
 def run(ops, impl="ffi", **kw):
     names = ("x", "w", "w2", "norm", "adds")
     f = jax.jit(lambda x, w, w2, norm, adds: fused_dot(x, w, w2=w2, norm=norm, adds=adds, eps=EPS, impl=impl, **kw))
@@ -108,7 +118,7 @@ def test_cpu_call_and_reference_are_the_layer_math(lead, k, n, n2, norm, adds, g
             check(y2, want2, BF)
         else:
             assert y2 is None
-        np.testing.assert_array_equal(np.asarray(xn, np.float32), np.asarray(xs, np.float32))  # bit for bit
+        check_xn(xn, xs)
 
 
 def test_off_the_custom_call_runs_the_reference():
@@ -259,7 +269,7 @@ def test_gpu_kernel_is_the_layer_math_at_every_split(lead, k, n, n2, norm, adds,
             check(y, want, dt)
             if n2:
                 check(y2, want2, BF)
-            np.testing.assert_array_equal(np.asarray(xn, np.float32), np.asarray(xs, np.float32))
+            check_xn(xn, xs)
 
 
 @gpu

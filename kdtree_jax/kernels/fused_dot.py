@@ -43,6 +43,7 @@ N_TILE = 16  # the CUDA kernel: N a multiple of it
 FLAG_PLAIN = 1  # a plain launch instead of a programmatic dependent one (benchmarks)
 FLAG_WEIGHT_PARAM = 2  # the weights and the norm weight are parameters no kernel of the program writes: their first
 #                        stages load before the wait for the kernel ahead (never for an array computed in the program)
+FLAG_L2_LINES = 4  # the CUDA kernel's weight copies ask L2 for whole 256-byte lines (neighbouring blocks read the rest)
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
 
 
