@@ -1,6 +1,6 @@
-"""The four dense calls of a layer at small M: the `fused_dot` custom call against XLA's own operations for the same
-math (its reference, which is what the model runs without it), and both against the bytes floor, side by side in
-one process.
+"""The dense calls of a layer at a decode step's few rows: the `fused_dot` custom call against XLA's own operations for
+the same math (its reference, which is what the model runs without it), and both against the bytes floor, side by
+side in one process.
 
 For each call of one device's share of an ep=8 K2.6 layer and each M, one jitted chain of L distinct weight sets
 (L x their bytes > 4 x the L2, so no weight is read from L2), each call's input depending on the last one's output
@@ -47,7 +47,7 @@ CALLS = {"attn_in": (7168, 2112, 0, True, 0, False, False, "bfloat16", False),
          "dense_out": (2304, 7168, 0, False, 1, False, False, "bfloat16", False)}
 QUICK = {"attn_in": (128, 96), "o_res": (64, 128), "ffn_in": (128, 32), "shared_out": (64, 128),
          "dense_in": (128, 64), "dense_out": (64, 128)}
-MS = (1, 17, 32)
+MS = (1, 2, 4)
 L2_BYTES = 50 * 2**20
 
 
@@ -142,7 +142,8 @@ def main(argv=None) -> int:
                                                    "fused_dot"), help="folder for the .md and .json")
     ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"),
                     help="commit stamped on the results")
-    ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M, comma-separated (at most 32)")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M, comma-separated (at most 4, the "
+                    "custom call's rows on a GPU)")
     ap.add_argument("--calls", default=",".join(CALLS), help="calls, comma-separated, of: " + ", ".join(CALLS))
     ap.add_argument("--flags", default="2", help="fused_dot's flags, one column each, comma-separated (2: the "
                     "model's, FLAG_WEIGHT_PARAM; 6: + FLAG_L2_LINES)")
@@ -159,8 +160,8 @@ def main(argv=None) -> int:
         ap.error(f"unknown calls {sorted(set(names) - set(CALLS))}; known: {', '.join(CALLS)}")
     ms = [int(v) for v in args.ms.split(",")]
     flag_list = [int(v) for v in args.flags.split(",")]
-    if any(not 1 <= m <= 32 for m in ms):
-        ap.error(f"--ms: each M must be in 1..32 (the custom call's rows), got {ms}")
+    if any(not 1 <= m <= 4 for m in ms):
+        ap.error(f"--ms: each M must be in 1..4 (the custom call's rows on a GPU), got {ms}")
     bw = ceilings()["copy_Bps"] if not args.quick else 1e11
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, commit=args.commit,
                 jax=jax.__version__, copy_Bps=bw, command="python benchmarks/fused_dot.py " + " ".join(

@@ -1,12 +1,12 @@
 // fused_dot on the CPU: the function of kdtree_jax/kernels/fused_dot.py, computed as the CUDA kernel computes it
-// (fused_dot.cu): the RMSNorm factored out of the dot.
+// (fused_dot.cu).
 //
-//   a[m, n]  = sum_k bf16(x[m, k] * nw[k]) * w[k, n]        (fp32, k ascending; nw = 1 without a norm)
-//   r[m]     = 1 / sqrt(sum_k x[m, k]^2 / K + eps)          (1 without a norm)
-//   plain:   y = r a (f32), or bf16(r a), then y = bf16(add + y) for each addend in order
-//   gated:   w = [gate | up]; g = bf16(r a_gate), u = bf16(r a_up), y = bf16(bf16(g * bf16(sigmoid(g))) * u)
-//   xn[m, k] = bf16(nw[k] * bf16(x[m, k] * r[m]))          (the reference's RMSNorm, exactly)
-// The GPU sums k in another order (equal within fp32 rounding).
+//   x'[m, k] = bf16(nw[k] * bf16(x[m, k] * r[m])), r[m] = 1 / sqrt(sum_k x[m, k]^2 / K + eps)   (no norm: x' = x)
+//   a[m, n]  = sum_k x'[m, k] * w[k, n]                      (fp32, k ascending)
+//   plain:   y = a (f32), or bf16(a), then y = bf16(add + y) for each addend in order
+//   gated:   w = [gate | up]; g = bf16(a_gate), u = bf16(a_up), y = bf16(bf16(g * bf16(sigmoid(g))) * u)
+//   xn = x'
+// The GPU sums k in another order (equal within fp32 rounding) and takes an approximate reciprocal square root.
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -22,7 +22,7 @@ namespace {
 
 float Rb(float v) { return ToFloat(Bf16Bits(v)); }
 
-void Segment(const std::vector<float>& xs, const std::vector<float>& r, const uint16_t* w, int64_t m, int64_t k,
+void Segment(const std::vector<float>& xs, const uint16_t* w, int64_t m, int64_t k,
              int64_t n, bool gated, ffi::AnyBuffer& y, const uint16_t* add0, const uint16_t* add1) {
   std::vector<float> a(n);
   const int64_t outs = gated ? n / 2 : n;
@@ -37,13 +37,13 @@ void Segment(const std::vector<float>& xs, const std::vector<float>& r, const ui
     for (int64_t c = 0; c < outs; ++c) {
       const int64_t at = row * outs + c;
       if (gated) {
-        const float g = Rb(a[c] * r[row]), u = Rb(a[outs + c] * r[row]);
+        const float g = Rb(a[c]), u = Rb(a[outs + c]);
         const float h = Rb(Rb(g * Rb(1.0f / (1.0f + std::exp(-g)))) * u);
         reinterpret_cast<uint16_t*>(y.untyped_data())[at] = Bf16Bits(h);
       } else if (f32) {
-        reinterpret_cast<float*>(y.untyped_data())[at] = a[c] * r[row];
+        reinterpret_cast<float*>(y.untyped_data())[at] = a[c];
       } else {
-        float o = Rb(a[c] * r[row]);
+        float o = Rb(a[c]);
         if (add0) o = Rb(ToFloat(add0[at]) + o);
         if (add1) o = Rb(ToFloat(add1[at]) + o);
         reinterpret_cast<uint16_t*>(y.untyped_data())[at] = Bf16Bits(o);
@@ -64,31 +64,28 @@ ffi::Error FusedDot(ffi::AnyBuffer x, ffi::AnyBuffer w0, ffi::AnyBuffer w1, ffi:
   if (split < 0) return ffi::Error::InvalidArgument("fused_dot: split must be >= 0");
   const auto* xs = reinterpret_cast<const uint16_t*>(x.untyped_data());
   const auto* ns = reinterpret_cast<const uint16_t*>(nw.untyped_data());
-  std::vector<float> xw(d.m * d.k), r(d.m, 1.0f);
+  std::vector<float> xw(d.m * d.k);
   for (int64_t row = 0; row < d.m; ++row) {
     float ss = 0.0f;
     for (int64_t kk = 0; kk < d.k; ++kk) {
       const float v = ToFloat(xs[row * d.k + kk]);
       ss += v * v;
-      xw[row * d.k + kk] = d.has_norm ? Rb(v * ToFloat(ns[kk])) : v;
     }
-    if (d.has_norm) r[row] = 1.0f / std::sqrt(ss / static_cast<float>(d.k) + eps);
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(d.k) + eps);
+    for (int64_t kk = 0; kk < d.k; ++kk) {
+      const float v = ToFloat(xs[row * d.k + kk]);
+      xw[row * d.k + kk] = d.has_norm ? Rb(ToFloat(ns[kk]) * Rb(v * r)) : v;
+    }
   }
   const auto* a0 = d.adds > 0 ? reinterpret_cast<const uint16_t*>(add0.untyped_data()) : nullptr;
   const auto* a1 = d.adds > 1 ? reinterpret_cast<const uint16_t*>(add1.untyped_data()) : nullptr;
-  Segment(xw, r, reinterpret_cast<const uint16_t*>(w0.untyped_data()), d.m, d.k, d.n0, gated0, *y0, a0, a1);
+  Segment(xw, reinterpret_cast<const uint16_t*>(w0.untyped_data()), d.m, d.k, d.n0, gated0, *y0, a0, a1);
   if (d.n1) {
-    Segment(xw, r, reinterpret_cast<const uint16_t*>(w1.untyped_data()), d.m, d.k, d.n1, gated1, *y1, nullptr,
-            nullptr);
+    Segment(xw, reinterpret_cast<const uint16_t*>(w1.untyped_data()), d.m, d.k, d.n1, gated1, *y1, nullptr, nullptr);
   }
   if (d.want_xn) {
     auto* out = reinterpret_cast<uint16_t*>(xn->untyped_data());
-    for (int64_t row = 0; row < d.m; ++row) {
-      for (int64_t kk = 0; kk < d.k; ++kk) {
-        const float v = Rb(ToFloat(xs[row * d.k + kk]) * r[row]);
-        out[row * d.k + kk] = Bf16Bits(d.has_norm ? ToFloat(ns[kk]) * v : v);
-      }
-    }
+    for (int64_t e = 0; e < d.m * d.k; ++e) out[e] = Bf16Bits(xw[e]);
   }
   return ffi::Error::Success();
 }

@@ -672,7 +672,7 @@ def _mask_inactive(ids, w, active, cfg: ModelConfig):
 def fused_impl(cfg: ModelConfig, mode: str, rows: int) -> str:
     """How a layer runs its dense weights and the glue around them: "ffi" (`_layer_fused`: four `kernels.fused_dot`
     calls, where the config picks it, no mesh splits the model, the step is a decode or verify (absorbed mode) and
-    it has at most FUSED_MAX_ROWS tokens) or "xla" (`_layer`'s own operations)."""
+    it has at most FUSED_MAX_ROWS tokens, the CUDA kernel's) or "xla" (`_layer`'s own operations)."""
     ok = (mode == "absorbed" and cfg.impl("fused_dot") == "ffi" and current_mesh() is None
           and rows <= FUSED_MAX_ROWS)
     return "ffi" if ok else "xla"
@@ -682,8 +682,8 @@ def _layer_fused(h, lp: Layer, cos, sin, cfg: ModelConfig, mode: str, cache_laye
     """`_layer` with its dense weights as four custom calls, each with its neighbours: the attention's RMSNorm +
     qkv_a; the o projection + the residual; the MLP's RMSNorm + the router's logits + the shared expert's gate/up and
     SwiGLU (+ the normalized rows, the routed experts' input); the shared expert's down + the routed experts' output
-    + the residual (a dense layer: its norm + gate/up + SwiGLU, then its down + the residual). The same math, the
-    norms factored out of the dots (`kernels.fused_dot`)."""
+    + the residual (a dense layer: its norm + gate/up + SwiGLU, then its down + the residual). The same math
+    (`kernels.fused_dot`)."""
     fd = partial(fused_dot, eps=cfg.rms_norm_eps, impl="ffi", flags=FUSED_WEIGHT_PARAM)
     b, t, d = h.shape
     with jax.named_scope("attention"):

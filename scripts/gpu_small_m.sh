@@ -224,22 +224,22 @@ fdot)  # fused_dot (a layer's dense weights with their norms, SwiGLU and residua
   # custom call against XLA's operations; FD_MS)
   step fd_tests 200 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_fused_dot.py
   set_depth
-  FD_CELLS=${FD_CELLS:-4096:1x1,4096:1x17}
+  FD_CELLS=${FD_CELLS:-4096:1x1,4096:4x1}
   OPS=tree_build,tree_accept,mla_verify,marlin_moe,moe_route,move_rows,mla_pre
   step base "${FD_LIMIT:-150}" "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/base" \
-    --cells "$FD_CELLS" --profile "${FD_PROFILE:-4096:1x1,4096:1x17}" --repeats 3 --commit "$KDTREE_COMMIT" \
+    --cells "$FD_CELLS" --profile "${FD_PROFILE:-4096:1x1}" --repeats 3 --commit "$KDTREE_COMMIT" \
     --ffi-ops "$OPS" "${DEPTH[@]}"
   step fdot "${FD_LIMIT:-150}" "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/fdot" \
-    --cells "$FD_CELLS" --profile "${FD_PROFILE:-4096:1x1,4096:1x17}" --repeats 3 --commit "$KDTREE_COMMIT+fused_dot" \
+    --cells "$FD_CELLS" --profile "${FD_PROFILE:-4096:1x1}" --repeats 3 --commit "$KDTREE_COMMIT+fused_dot" \
     --ffi-ops "$OPS,fused_dot" --base "$OUT/results/base/full_scale.json" "${DEPTH[@]}"
   [ -z "${SKIP_FD_BENCH:-}" ] && step fd_bench 200 python3 benchmarks/fused_dot.py --out "$OUT/results/fused_dot" \
-    --commit "$KDTREE_COMMIT" --ms "${FD_MS:-1,17}"
+    --commit "$KDTREE_COMMIT" --ms "${FD_MS:-1,4}" --flags 2,6
   ;;
 fd_ncu)  # why fused_dot streams its weights at ~1.5 TB/s: benchmarks/fused_dot.py with and without FLAG_L2_LINES
   # (FD_MS), then ncu of FusedDotKernel (q_a/kv_a at M = 1 with both flags, o + residual at M = 1): sections, then
   # sampled stalls per SASS instruction
   step fd_bench 240 python3 benchmarks/fused_dot.py --out "$OUT/results/fused_dot" --commit "$KDTREE_COMMIT" \
-    --ms "${FD_MS:-1,17}" --flags 2,6 --calls attn_in,o_res,ffn_in,shared_out
+    --ms "${FD_MS:-1,4}" --flags 2,6 --calls attn_in,o_res,ffn_in,shared_out
   cat > "$OUT/results/fd1.py" <<'PY'
 import jax, jax.numpy as jnp
 from kdtree_jax.kernels.fused_dot import fused_dot

@@ -1,5 +1,6 @@
-"""The dense matmuls of a decode or verify step with what surrounds them in a layer, as one custom call
-(`impl="ffi"`: ffi/fused_dot.cc on CPU, ffi/fused_dot.cu on CUDA) or in pure JAX (`impl="xla"`, `fused_dot_ref`).
+"""A layer's dense weights at the few rows of a decode step, with what surrounds them in the layer, as one custom
+call (`impl="ffi"`: ffi/fused_dot.cc on CPU, ffi/fused_dot.cu on CUDA) or in pure JAX (`impl="xla"`,
+`fused_dot_ref`).
 
 For x [..., K] and one or two weights w [K, N] that share it:
 
@@ -16,14 +17,14 @@ experts; the shared expert's down projection + the routed experts' output + the 
 2-7 kernels at M = 1 (a split-K dot and its reduction, two for a norm, the gate's multiply), each 1-8 µs whatever it
 moved; the custom call is one kernel.
 
-The custom call factors the norm out of the dot: it computes r * ((x * norm) . w) with r = 1 / sqrt(mean(x^2) + eps)
-per row, so no kernel writes the normalized rows first. The reference rounds the normalized rows to bf16 before the
-dot (x' = bf16(norm * bf16(x r))), the custom call rounds x * norm; the two agree within bf16 rounding of the inputs
-(tests bound it), and xn is the reference's x' exactly. The CUDA kernel takes bf16 operands, at most MAX_ROWS rows,
-K a multiple of 64 and N multiples of 16; it streams each weight once over the whole GPU (16 columns a block, K split
-over a thread-block cluster where the columns alone do not cover the SMs), launched as a programmatic dependent of
-the kernel ahead and, for weights that are parameters (`FLAG_WEIGHT_PARAM`), loading them before that kernel ends.
-Other shapes run the reference on the GPU; the CPU custom call takes any bf16 shape.
+The custom call rounds x' exactly as the reference does (each block of the CUDA kernel reads the whole rows of x for
+their sums of squares first), so the two differ only in the order of the fp32 sums (and, on the GPU, an approximate
+reciprocal square root): a decode step that takes the custom call and a verify step that does not compute the same
+function. The CUDA kernel takes bf16 operands, at most MAX_ROWS rows, K and every N multiples of 64, and runs on the
+CUDA cores (a dot of 1-4 rows needs no tensor cores): each block streams 64 columns of a weight (128 bytes a row),
+the K split over a thread-block cluster as far as the clusters all fit at once, launched as a programmatic dependent
+of the kernel ahead and, for weights that are parameters (`FLAG_WEIGHT_PARAM`), loading their first rows before that
+kernel ends. Other shapes run the reference on the GPU; the CPU custom call takes any bf16 shape.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ import numpy as np
 from . import _registry
 from .mla_pre import rms_norm
 
-MAX_ROWS = 32  # the CUDA kernel's rows (two token tiles of 16)
+MAX_ROWS = 4  # the CUDA kernel's rows at most
 K_TILE = 64  # the CUDA kernel: K a multiple of it
-N_TILE = 16  # the CUDA kernel: N a multiple of it
+N_TILE = 64  # the CUDA kernel: every N a multiple of it
 FLAG_PLAIN = 1  # a plain launch instead of a programmatic dependent one (benchmarks)
 FLAG_WEIGHT_PARAM = 2  # the weights and the norm weight are parameters no kernel of the program writes: their first
 #                        stages load before the wait for the kernel ahead (never for an array computed in the program)
-FLAG_L2_LINES = 4  # the CUDA kernel's weight copies ask L2 for whole 256-byte lines (neighbouring blocks read the rest)
+FLAG_L2_LINES = 4  # the CUDA kernel's weight loads ask L2 for whole 256-byte lines (neighbouring blocks read the rest)
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
 
 
@@ -98,9 +99,9 @@ def fused_dot(x: jax.Array, w: jax.Array, *, w2: jax.Array | None = None, norm: 
     xn None unless want_xn.
 
     impl="ffi" runs the custom call where `on_ffi_path` holds (C++ on CPU; CUDA where `on_cuda_path` also holds,
-    else the reference), impl="xla" runs `fused_dot_ref`. split: the CUDA kernel's blocks per 16 columns that share
-    K (0: chosen from the SM count; else 1, 2, 4 or 8 dividing K / 64); flags: FLAG_PLAIN, FLAG_WEIGHT_PARAM (only
-    for weights that are inputs of the program, never written in it). No host sync.
+    else the reference), impl="xla" runs `fused_dot_ref`. split: the CUDA kernel's blocks per 64 columns that share
+    K (0: chosen; else 1, 2, 4, 8 or 16 dividing K / 64); flags: FLAG_PLAIN, FLAG_WEIGHT_PARAM (only for weights
+    that are inputs of the program, never written in it), FLAG_L2_LINES. No host sync.
     """
     adds = tuple(adds)
     out_dtype = getattr(x, "dtype", jnp.float32) if out_dtype is None else out_dtype
@@ -109,8 +110,9 @@ def fused_dot(x: jax.Array, w: jax.Array, *, w2: jax.Array | None = None, norm: 
     if impl not in ("ffi", "xla"):
         raise ValueError(f"fused_dot: impl must be 'ffi' or 'xla', got {impl!r}")
     k = x.shape[-1]
-    if isinstance(split, bool) or split not in (0, 1, 2, 4, 8) or (split and (k % K_TILE or (k // K_TILE) % split)):
-        raise ValueError(f"fused_dot: split must be 0 or one of 1, 2, 4, 8 dividing K / {K_TILE}, got {split!r}")
+    if isinstance(split, bool) or split not in (0, 1, 2, 4, 8, 16) or (split and (k % K_TILE or
+                                                                                (k // K_TILE) % split)):
+        raise ValueError(f"fused_dot: split must be 0 or one of 1, 2, 4, 8, 16 dividing K / {K_TILE}, got {split!r}")
     kw = dict(w2=w2, norm=norm, eps=eps, gated=gated, gated2=gated2, adds=adds, out_dtype=out_dtype,
               out2_dtype=out2_dtype, want_xn=want_xn)
     if impl == "xla" or not on_ffi_path(x, w, w2, norm, adds):
