@@ -1,7 +1,8 @@
 """fused_dot: the custom call (C++ on CPU; CUDA, marked gpu) and its pure-JAX reference against a float64 numpy
 computation of the layer's math on the same bf16 inputs (fresh random inputs, never zeros; NaN never passes); the
-normalized rows equal to the reference's but for rare 1-2 ulp roundings; the CUDA kernel at one device's K2.6 shapes at every split; the model with it equal to
-the model without within bf16 rounding; greedy ddtree with it equal to ar; clear errors for bad arguments."""
+normalized rows equal to the reference's but for rare 1-2 ulp roundings; the CUDA kernel at one device's K2.6 shapes
+at every split; the model with it equal to the model without within bf16 rounding; greedy ddtree (whose verify steps
+run XLA's operations) with it equal to ar (whose decode steps run the custom call); clear errors for bad arguments."""
 
 import dataclasses
 
@@ -39,8 +40,9 @@ def f64(a):
 
 def expected(ops, gated, gated2, want_xn=True):
     """float64 of the layer's math on the reference's normalized rows (bf16, as the model rounds them), with each
-    output's error bound: the custom call rounds x * norm instead of the normalized row (<= 1.5 bf16 ulps a term,
-    2^-7 of sum |x'| |w| allowed), fp32 accumulation (K 2^-23 of it), then the roundings of the epilogue."""
+    output's error bound: the custom call's normalized rows may differ from the reference's by 1-2 bf16 ulps in rare
+    elements (its sums of squares in another order; 2^-7 of sum |x'| |w| allowed), fp32 accumulation (K 2^-23 of it),
+    then the roundings of the epilogue."""
     x, norm = ops["x"], ops["norm"]
     xs = fused_dot_ref(x, ops["w"][:, :16], norm=norm, eps=EPS, want_xn=True)[2]  # the reference's x' (bf16)
     xs64 = f64(xs).reshape(-1, x.shape[-1])
