@@ -12,7 +12,8 @@ kernels (GPU time per launch, from a profile) in two settings inside one compile
 
 Cases, one device's share of K2.6 on an ep=8 mesh at C = 1 (`--small`: tiny shapes for a CPU smoke run, wall times
 only): moe_route (M = 1, E = 384, k = 8), mla_verify (B = 1, N = 1, H = 8, S = 4,096; and N = 17), marlin_moe (M = 1,
-48 local experts, one of the 8 slots local; and the same with plain launches, flag FLAG_SERIAL), mla_pre (M = 1 and
+48 local experts, one of the 8 slots local; and the same with plain launches, flag FLAG_SERIAL; the GEMV decode path,
+FLAG_GEMV, with one and with all eight slots local, and the default path with eight), mla_pre (M = 1 and
 17, 8 heads, Rq = 1,536: the custom call and XLA's own operations), and the control:
 XLA's own fusion of an RMSNorm over [1, 7168]. For the MoE, also the span from its first kernel's start to its last
 kernel's end: with programmatic dependent launch each kernel starts early and waits for the one before it, so the
@@ -40,6 +41,7 @@ from profile_tools import profile_calls  # noqa: E402
 
 FLUSH_KERNEL_US = 60.0  # the flush pass takes ~130 µs a launch on an H200; the ops' kernels far less
 MOE_CHAIN = ("AlignKernel", "CombineKernel8")  # the MoE's first and last kernel at M = 1 (bf16, k = 8)
+GEMV_CHAIN = ("GemvUpKernel", "CombineKernel8")  # the same on the GEMV decode path (FLAG_GEMV)
 
 
 def cases(small: bool):
@@ -48,7 +50,7 @@ def cases(small: bool):
     import jax
     import jax.numpy as jnp
 
-    from kdtree_jax.kernels.marlin_moe import FLAG_SERIAL, marlin_moe
+    from kdtree_jax.kernels.marlin_moe import FLAG_GEMV, FLAG_SERIAL, marlin_moe
     from kdtree_jax.kernels.mla_verify import mla_verify
     from kdtree_jax.kernels.moe_route import moe_route
     from kdtree_jax.quant import Int4Array
@@ -87,6 +89,15 @@ def cases(small: bool):
     out["marlin_moe M=1 (1 local), plain launches"] = (  # the same without programmatic dependent launch
         lambda a, dep: marlin_moe(a[0] + dep.astype(bf), a[1], a[2], *a[3], experts_total=e, flags=FLAG_SERIAL),
         (x, ids, weights, experts))
+    if not small:  # the GEMV decode path (K2's shapes only): one local slot, and all eight local (one GPU)
+        everywhere = jnp.asarray([[3, 7, 11, 19, 23, 29, 31, 40]], jnp.int32)
+        for label, ii, ww in (("1 local", ids, weights), ("8 local", everywhere, jnp.full((1, 8), 0.1, jnp.float32))):
+            out[f"marlin_moe M=1 ({label}), GEMV path"] = (
+                lambda a, dep: marlin_moe(a[0] + dep.astype(bf), a[1], a[2], *a[3], experts_total=e, flags=FLAG_GEMV),
+                (x, ii, ww, experts))
+        out["marlin_moe M=1 (8 local)"] = (
+            lambda a, dep: marlin_moe(a[0] + dep.astype(bf), a[1], a[2], *a[3], experts_total=e),
+            (x, everywhere, jnp.full((1, 8), 0.1, jnp.float32), experts))
 
     # mla_pre at one device's share (8 heads, Rq 1536): the custom call and XLA's own operations (its reference);
     # the caches are carried by the loop (fn returns (y, new inputs)), so that both update them in place
@@ -150,7 +161,7 @@ def measure(name, fn, inputs, calls: int, flush_bytes: int, gpu: bool) -> dict:
         jax.block_until_ready(run(inputs, buf))
         row[f"{mode}_wall_us"] = 1e6 * (time.perf_counter() - t0) / calls
         if gpu:
-            chain = MOE_CHAIN if name.startswith("marlin_moe") else None
+            chain = (GEMV_CHAIN if "GEMV" in name else MOE_CHAIN) if name.startswith("marlin_moe") else None
             prof = profile_calls(lambda a, b: run(a, b), (inputs, buf), 3, chain=chain)
             if chain is not None and prof["chain_us"]:
                 row[f"{mode}_chain_us"] = float(np.median(prof["chain_us"]))
@@ -185,8 +196,8 @@ def write_report(out_dir: str, meta: dict, rows: list[dict]) -> None:
                          f"{c[1]:.1f} | {diff} |")
     chains = [r for r in rows if "hot_chain_us" in r]
     if chains:
-        lines += ["", f"The MoE as one span: from the start of `{MOE_CHAIN[0]}` to the end of the next "
-                  f"`{MOE_CHAIN[1]}` (median over the profiled calls). With programmatic dependent launch a kernel "
+        lines += ["", f"The MoE as one span: from the start of `{MOE_CHAIN[0]}` (`{GEMV_CHAIN[0]}` on the GEMV path) to "
+                  f"the end of the next `{MOE_CHAIN[1]}` (median over the profiled calls). With programmatic dependent launch a kernel "
                   "starts while the one before it runs and waits for it, so its time above includes that wait; the "
                   "span counts the chain once.", "", "| case | hot span µs | cold span µs |", "|---|---|---|"]
         lines += [f"| {r['case']} | {r['hot_chain_us']:.1f} | {r.get('cold_chain_us', float('nan')):.1f} |"

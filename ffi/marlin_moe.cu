@@ -100,6 +100,7 @@ constexpr int64_t kFlagFine = 64;       // tile path: 17-24 slots run as N = 24 
 constexpr int64_t kFlagPersist = 128;   // stream path: resident blocks loop over the used units (GemmKernel)
 constexpr int64_t kFlagXL1 = 256;       // stream path, gate/up: x prefetched into L1 as far ahead as the weights
 constexpr int64_t kFlagFusedOne = 1024;  // fused path: one block per SM (not the occupancy's two)
+constexpr int64_t kFlagGemv = 2048;      // the GEMV decode path (CUDA cores, a warp a row; few slots)
 
 // ------------------------------------------------------------------------------------------------------------------
 // Small helpers (the ones small_dot.cu uses too are in cuda_common.cuh)
@@ -1561,6 +1562,158 @@ __global__ void __launch_bounds__(kFusedThreads, 2) FusedMoeKernel(const FusedPa
 // Handler
 // ------------------------------------------------------------------------------------------------------------------
 
+// GEMV decode path (flag bit 11; bf16, group 32, D and F multiples of 1024, at most kGemvSlots slots): no align, no
+// tensor cores. A warp owns output rows of one slot: gemv1 a gate or an up row f of the slot's expert (D / 2 bytes,
+// every 16-byte piece issued at once: D / 1024 loads a lane; the two warps of f meet in shared memory), gemv2 four
+// rows d of down (4 x F / 2 bytes). Lane l takes the 32 inputs 32 (l + 32 s) .. + 31 of step s: one 16-byte piece of the packed row and its
+// group's scale. A nibble q becomes the float 2^23 + q with one byte permute and q with one subtraction, so each
+// weight costs a permute, a subtraction and an FMA: sum_j x_j q_j per group, then s (that - 8 sum_j x_j) with the
+// group sums of x precomputed. The token row (gemv1) or h row (gemv2) of the slot is in shared memory as fp32, with
+// its group sums; blocks loop over the slots of local experts (at M = 1 about one). Rows are summed by warp
+// shuffles in a fixed order; h and ys are rounded to bf16 as the reference rounds them.
+constexpr int kGemvSlots = 64;
+constexpr int kGemvWarps = 8;
+constexpr int kGemvDownRows = 4;  // rows of down a warp
+
+__device__ __forceinline__ float NibbleDot(uint32_t w, const float* x) {  // sum_j x[j] q_j over the word's 8 nibbles
+  const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
+  float acc = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float ql = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7440u | i)) - 8388608.0f;
+    const float qh = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7440u | i)) - 8388608.0f;
+    acc = fmaf(x[2 * i], ql, acc);
+    acc = fmaf(x[2 * i + 1], qh, acc);
+  }
+  return acc;
+}
+
+// row . v over a packed row of `cols` inputs (cols / 1024 pieces a lane, preloaded): sum over the lane's groups of
+// s_g (sum_j v_j q_j - 8 sum_j v_j); the caller sums the lanes.
+template <int kPieces>
+__device__ __forceinline__ float RowDot(const uint4 (&w)[kPieces], const float (&sc)[kPieces], const float* v,
+                                        const float* vsum, int lane) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int st = 0; st < kPieces; ++st) {
+    const int grp = lane + 32 * st;
+    const float* x = v + 32 * grp;
+    const uint32_t words[4] = {w[st].x, w[st].y, w[st].z, w[st].w};
+    float part = 0.0f;
+#pragma unroll
+    for (int wd = 0; wd < 4; ++wd) part += NibbleDot(words[wd], x + 8 * wd);
+    acc = fmaf(sc[st], part - 8.0f * vsum[grp], acc);
+  }
+  return acc;
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int d = 16; d >= 1; d /= 2) v += __shfl_xor_sync(0xffffffffu, v, d);
+  return v;
+}
+
+// Stage `n` bf16 values as fp32 into v, and the sums of each 32 of them into vsum (n / 32); block-wide.
+__device__ __forceinline__ void StageRow(const __nv_bfloat16* src, int n, float* v, float* vsum) {
+  __syncthreads();  // the previous slot's reads are done
+  for (int i = threadIdx.x; i < n; i += blockDim.x) v[i] = __bfloat162float(src[i]);
+  __syncthreads();
+  for (int g = threadIdx.x; g < n / 32; g += blockDim.x) {
+    float sum = 0.0f;
+    for (int j = 0; j < 32; ++j) sum += v[32 * g + j];
+    vsum[g] = sum;
+  }
+  __syncthreads();
+}
+
+struct GemvParams {
+  const uint32_t* gate_q;       // [E, F, D/8]
+  const uint32_t* up_q;
+  const uint32_t* down_q;       // [E, D, F/8]
+  const __nv_bfloat16* gate_s;  // [E, F, D/32]
+  const __nv_bfloat16* up_s;
+  const __nv_bfloat16* down_s;  // [E, D, F/32]
+  const __nv_bfloat16* x;       // [M, D]
+  const int32_t* ids;           // [M, k]
+  __nv_bfloat16* h;             // [S, F]
+  __nv_bfloat16* ys;            // [S, D]
+  int e, d, f, topk, slots;
+};
+
+// grid F / 4 blocks of 8 warps: warps 0-3 of block b take the gate rows f = 4 b .. 4 b + 3, warps 4-7 the same up
+// rows; h[slot, f] for every slot of a local expert
+template <int kPieces>
+__global__ void __launch_bounds__(32 * kGemvWarps, 2) GemvUpKernel(const GemvParams p) {
+  extern __shared__ float gsm[];
+  float* v = gsm;              // [D]
+  float* vsum = gsm + p.d;     // [D / 32]
+  __shared__ float gate_s[kGemvWarps / 2];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, up = warp >= kGemvWarps / 2;
+  const int f = blockIdx.x * (kGemvWarps / 2) + warp % (kGemvWarps / 2);
+  const uint32_t* q = up ? p.up_q : p.gate_q;
+  const __nv_bfloat16* sp = up ? p.up_s : p.gate_s;
+  GridDependencyWait();
+  LaunchDependents();
+  int staged = -1;
+  for (int slot = 0; slot < p.slots; ++slot) {
+    const int e = p.ids[slot];
+    if (e < 0 || e >= p.e) continue;
+    const int64_t row = static_cast<int64_t>(e) * p.f + f;
+    uint4 w[kPieces];
+    float sc[kPieces];
+#pragma unroll
+    for (int st = 0; st < kPieces; ++st) w[st] = LoadWeight16(q + row * (p.d / 8) + 4 * lane + 128 * st);
+#pragma unroll
+    for (int st = 0; st < kPieces; ++st) sc[st] = __bfloat162float(sp[row * (p.d / 32) + lane + 32 * st]);
+    const int tok = slot / p.topk;
+    if (tok != staged) {  // the slot's token row (all of a token's slots share it)
+      StageRow(p.x + static_cast<int64_t>(tok) * p.d, p.d, v, vsum);
+      staged = tok;
+    }
+    const float dot = __bfloat162float(__float2bfloat16_rn(WarpSum(RowDot<kPieces>(w, sc, v, vsum, lane))));
+    if (!up && lane == 0) gate_s[warp] = dot;
+    __syncthreads();
+    if (up && lane == 0) {
+      const float g = gate_s[warp - kGemvWarps / 2];
+      const float silu = __bfloat162float(__float2bfloat16_rn(g / (1.0f + __expf(-g))));
+      p.h[static_cast<int64_t>(slot) * p.f + f] = __float2bfloat16_rn(silu * dot);
+    }
+  }
+}
+
+// grid D / 32 blocks of 8 warps: warp w of block b computes ys[slot, d] for d = 32 b + 4 w .. + 3
+template <int kPieces>
+__global__ void __launch_bounds__(32 * kGemvWarps, 2) GemvDownKernel(const GemvParams p) {
+  extern __shared__ float gsm[];
+  float* v = gsm;              // [F]
+  float* vsum = gsm + p.f;     // [F / 32]
+  const int lane = threadIdx.x % 32;
+  const int d0 = (blockIdx.x * kGemvWarps + threadIdx.x / 32) * kGemvDownRows;
+  GridDependencyWait();  // h (gemv1)
+  LaunchDependents();
+  for (int slot = 0; slot < p.slots; ++slot) {
+    const int e = p.ids[slot];
+    if (e < 0 || e >= p.e) continue;
+    uint4 w[kGemvDownRows][kPieces];
+    float sc[kGemvDownRows][kPieces];
+#pragma unroll
+    for (int r = 0; r < kGemvDownRows; ++r) {
+      const int64_t row = static_cast<int64_t>(e) * p.d + d0 + r;
+#pragma unroll
+      for (int st = 0; st < kPieces; ++st) {
+        w[r][st] = LoadWeight16(p.down_q + row * (p.f / 8) + 4 * lane + 128 * st);
+        sc[r][st] = __bfloat162float(p.down_s[row * (p.f / 32) + lane + 32 * st]);
+      }
+    }
+    StageRow(p.h + static_cast<int64_t>(slot) * p.f, p.f, v, vsum);
+#pragma unroll
+    for (int r = 0; r < kGemvDownRows; ++r) {
+      const float y = WarpSum(RowDot<kPieces>(w[r], sc[r], v, vsum, lane));
+      if (lane == 0) p.ys[static_cast<int64_t>(slot) * p.d + d0 + r] = __float2bfloat16_rn(y);
+    }
+  }
+}
+
 ffi::Error LastError(const char* what) { return kdtree::CudaStatus(cudaGetLastError(), "marlin_moe", what); }
 
 // The shapes of the nine inputs (x, ids, weights, then gate, up and down as packed + scales), checked.
@@ -1754,6 +1907,47 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
   const auto* usp = reinterpret_cast<const __nv_bfloat16*>(up_s.typed_data());
   const auto* dsp = reinterpret_cast<const __nv_bfloat16*>(down_s.typed_data());
 
+  if (flags & kFlagGemv) {
+    if (!bf16 || D % 1024 || F % 1024 || D > 8192 || F > 8192 || gg != 32 || dg != 32 || S > kGemvSlots) {
+      return ffi::Error::InvalidArgument("marlin_moe: the GEMV path (flag bit 11) needs bf16, group size 32, D and F "
+                                         "multiples of 1024 (D up to 8192, F up to 2048) and at most 64 slots");
+    }
+    const GemvParams gp{xq, uqp, dqp, gsp, usp, dsp, static_cast<const __nv_bfloat16*>(x.untyped_data()),
+                        ids.typed_data(), static_cast<__nv_bfloat16*>(h->untyped_data()),
+                        static_cast<__nv_bfloat16*>(ys->untyped_data()), static_cast<int>(E), static_cast<int>(D),
+                        static_cast<int>(F), static_cast<int>(topk), static_cast<int>(S)};
+    const bool pdl = !(flags & kFlagSerial);
+    const int up_smem = static_cast<int>(4 * (D + D / 32)), down_smem = static_cast<int>(4 * (F + F / 32));
+    auto up = D / 1024 == 7 ? GemvUpKernel<7> : D / 1024 == 8 ? GemvUpKernel<8> : D / 1024 <= 2 ? GemvUpKernel<2>
+                                                                                                  : GemvUpKernel<4>;
+    auto down = F / 1024 == 2 ? GemvDownKernel<2> : GemvDownKernel<1>;
+    if (D / 1024 != 7 && D / 1024 != 8 && D / 1024 != 2 && D / 1024 != 4) {
+      return ffi::Error::InvalidArgument("marlin_moe: the GEMV path takes D of 2048, 4096, 7168 or 8192");
+    }
+    if (F / 1024 != 1 && F / 1024 != 2) {
+      return ffi::Error::InvalidArgument("marlin_moe: the GEMV path takes F of 1024 or 2048");
+    }
+    for (auto* kernel : {up, down}) {
+      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024) != cudaSuccess) {
+        return LastError("raising the GEMV path's shared-memory limit");
+      }
+    }
+    if (ffi::Error e = Launch(up, dim3(static_cast<unsigned>(F / (kGemvWarps / 2))), 32 * kGemvWarps, up_smem, stream,
+                              pdl,
+                              "gemv1 launch", gp);
+        e.failure()) {
+      return e;
+    }
+    if (ffi::Error e = Launch(down, dim3(static_cast<unsigned>(D / (kGemvWarps * kGemvDownRows))), 32 * kGemvWarps,
+                              down_smem, stream, pdl, "gemv2 launch", gp);
+        e.failure()) {
+      return e;
+    }
+    return Launch(CombineKernel8, dim3(GridFor(M * D / 8, 256)), 256, 0, stream, pdl, "combine launch",
+                  static_cast<const __nv_bfloat16*>(ys->untyped_data()), ids.typed_data(), weights.typed_data(), M,
+                  static_cast<int>(topk), static_cast<int>(E), static_cast<int>(D),
+                  static_cast<__nv_bfloat16*>(out->untyped_data()));
+  }
   if (stream_ok || tile_ok) {
     const int64_t need = (S + (E < S ? E : S) * (bm - 1)) / bm;
     if (max_blocks < need) {

@@ -681,9 +681,9 @@ def fused_impl(cfg: ModelConfig, mode: str, rows: int) -> str:
 def _layer_fused(h, lp: Layer, cos, sin, cfg: ModelConfig, mode: str, cache_layer, lengths, tree_mask, active):
     """`_layer` with its dense weights as four custom calls, each with its neighbours: the attention's RMSNorm +
     qkv_a; the o projection + the residual; the MLP's RMSNorm + the router's logits + the shared expert's gate/up and
-    SwiGLU (+ the normalized rows, the routed experts' input); the shared expert's down + the routed experts' output
-    + the residual (a dense layer: its norm + gate/up + SwiGLU, then its down + the residual). The same math
-    (`kernels.fused_dot`)."""
+    SwiGLU (+ the normalized rows, the routed experts' input); the shared expert's down, apart from the routed experts
+    so that the two can run at once (XLA's two streams), then the sums (a dense layer: its norm + gate/up + SwiGLU,
+    then its down + the residual). The same math, rounded in the same order (`kernels.fused_dot`)."""
     fd = partial(fused_dot, eps=cfg.rms_norm_eps, impl="ffi", flags=FUSED_WEIGHT_PARAM)
     b, t, d = h.shape
     with jax.named_scope("attention"):
@@ -702,12 +702,12 @@ def _layer_fused(h, lp: Layer, cos, sin, cfg: ModelConfig, mode: str, cache_laye
             logits, hs, xn = fd(h, p.router, w2=p.shared.gate_up.reshape(d, -1), norm=lp.mlp_norm, gated2=True,
                                 out_dtype=jnp.float32, want_xn=True)
             ids, w = _mask_inactive(*choose_experts(p, logits.reshape(b * t, -1), cfg), active, cfg)
+        with jax.named_scope("shared_expert"):  # independent of the routed experts: XLA may run it beside them
+            s = fd(hs, p.shared.down)[0]
         with jax.named_scope("experts"):
             y = marlin_moe(xn.reshape(b * t, d), ids, w, p.we_gate, p.we_up, p.we_down, impl=cfg.impl("marlin_moe"),
                            experts_total=cfg.n_routed_experts)
-        with jax.named_scope("shared_expert"):
-            h = fd(hs, p.shared.down, adds=(y.reshape(b, t, d), h))[0]
-    return h, new_cache
+        return h + (y.reshape(b, t, d) + s), new_cache
 
 
 def _layer(h, lp: Layer, cos, sin, cfg: ModelConfig, mode: str, cache_layer, lengths, tree_mask, active=None):

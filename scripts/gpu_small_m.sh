@@ -47,6 +47,8 @@
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fdot  # fused_dot's tests on the GPU; the full step without and with it
 #                                                    # (a layer's dense weights and their glue in four launches),
 #                                                    # side by side; each of its calls alone against XLA's operations
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh gemv  # the MoE's GEMV decode path: its tests, the MoE alone, the full
+#                                                    # step as is, with it, and with it and fused_dot
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fd_ncu  # fused_dot's calls alone with and without whole-line L2
 #                                                    # requests, then ncu of its kernel (sections, sampled stalls)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh pre_ncu  # mla_pre's kernel alone: fixed_cost.py (hot, cold; against
@@ -234,6 +236,27 @@ fdot)  # fused_dot (a layer's dense weights with their norms, SwiGLU and residua
     --ffi-ops "$OPS,fused_dot" --base "$OUT/results/base/full_scale.json" "${DEPTH[@]}"
   [ -z "${SKIP_FD_BENCH:-}" ] && step fd_bench 200 python3 benchmarks/fused_dot.py --out "$OUT/results/fused_dot" \
     --commit "$KDTREE_COMMIT" --ms "${FD_MS:-1,4}" --flags 2,6
+  ;;
+gemv)  # the MoE's GEMV decode path (FLAG_GEMV: a warp a weight row, no align) and fused_dot: the GEMV path's GPU
+  # tests (marlin_moe's K2-shape cases) and fused_dot's; benchmarks/fixed_cost.py (the MoE at
+  # M = 1 on both paths); then the full step (GEMV_CELLS; on an H100 at LAYERS_SMALL layers) of this build as is, with
+  # the GEMV path (KDTREE_JAX_MOE_GEMV=1) and with both it and fused_dot, side by side, the XLA flags on all three
+  step gemv_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_marlin_moe.py \
+    tests/test_fused_dot.py -k "gemv or (fused_dot and gpu)"
+  step fixed 150 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
+  set_depth
+  GEMV_CELLS=${GEMV_CELLS:-4096:1x1,4096:1x17}
+  OPS=tree_build,tree_accept,mla_verify,marlin_moe,moe_route,move_rows,mla_pre
+  step base "${GEMV_LIMIT:-150}" "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py \
+    --out "$OUT/results/base" --cells "$GEMV_CELLS" --profile "${GEMV_PROFILE:-4096:1x1}" --repeats 3 \
+    --commit "$KDTREE_COMMIT" --ffi-ops "$OPS" "${DEPTH[@]}"
+  step gemv "${GEMV_LIMIT:-150}" "${BIG[@]}" XLA_FLAGS="$FLAGS" KDTREE_JAX_MOE_GEMV=1 python3 benchmarks/full_scale.py \
+    --out "$OUT/results/gemv" --cells "$GEMV_CELLS" --profile "${GEMV_PROFILE:-4096:1x1}" --repeats 3 \
+    --commit "$KDTREE_COMMIT+moe_gemv" --ffi-ops "$OPS" --base "$OUT/results/base/full_scale.json" "${DEPTH[@]}"
+  step gemv_fdot "${GEMV_LIMIT:-150}" "${BIG[@]}" XLA_FLAGS="$FLAGS" KDTREE_JAX_MOE_GEMV=1 python3 \
+    benchmarks/full_scale.py --out "$OUT/results/gemv_fdot" --cells "$GEMV_CELLS" --profile "${GEMV_PROFILE:-4096:1x1}" \
+    --repeats 3 --commit "$KDTREE_COMMIT+moe_gemv+fused_dot" --ffi-ops "$OPS,fused_dot" \
+    --base "$OUT/results/base/full_scale.json" "${DEPTH[@]}"
   ;;
 fd_ncu)  # why fused_dot streams its weights at ~1.5 TB/s: benchmarks/fused_dot.py with and without FLAG_L2_LINES
   # (FD_MS), then ncu of FusedDotKernel (q_a/kv_a at M = 1 with both flags, o + residual at M = 1): sections, then

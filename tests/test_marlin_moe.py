@@ -16,7 +16,8 @@ import pytest
 import kdtree_jax as kj
 from kdtree_jax.kernels import _registry
 from kdtree_jax.kernels.marlin_moe import (FLAG_DEEP, FLAG_FINE, FLAG_L2_256, FLAG_PERSIST, FLAG_SERIAL, FLAG_SYNC,
-                                           FLAG_TILE, FLAG_X_L1, FLAG_FUSED, FLAG_FUSED_ONE, NARROW_SLOTS, STREAM_FLAGS,
+                                           FLAG_TILE, FLAG_X_L1, FLAG_FUSED, FLAG_FUSED_ONE, FLAG_GEMV, NARROW_SLOTS,
+                                           STREAM_FLAGS, gemv_default, gemv_eligible,
                                            TILE_128_MIN_M, TILE_FLAGS, TILE_MIN_M,
                                            _cuda_call, block_size, choose_block_m, choose_path, marlin_moe,
                                            marlin_moe_ref, max_blocks, moe_align, moe_experts_ref, tile_eligible)
@@ -518,10 +519,24 @@ K2_CASES += [  # the fused decode path (FLAG_FUSED): one launch, its own sort, e
     (17, 8, 16, "sentinel", None, FLAG_FUSED | FLAG_FUSED_ONE),
 ]
 
+GEMV_CASES = [  # the GEMV decode path (FLAG_GEMV): no align, a warp a weight row, up to 64 slots, every routing kind
+    (1, 8, 16, "uniform", None, FLAG_GEMV), (1, 8, 16, "sentinel", None, FLAG_GEMV),
+    (4, 8, 16, "repeat", None, FLAG_GEMV), (3, 8, 16, "one_expert", None, FLAG_GEMV),
+    (8, 8, 16, "few", None, FLAG_GEMV), (2, 8, 64, "uniform", None, FLAG_GEMV),  # 64 experts, 16 local
+    (1, 8, 16, "uniform", None, FLAG_GEMV | FLAG_SERIAL),  # plain launches
+]
+
 
 @pytest.fixture(scope="module")
 def k2_experts():
     return random_experts(jax.random.key(0), 16, K2_D, K2_F)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("m, k, e, kind, bm, flags", GEMV_CASES)
+def test_gpu_gemv_path_k2_shapes(k2_experts, m, k, e, kind, bm, flags):
+    test_gpu_fast_path_k2_shapes(k2_experts, m, k, e, kind, bm, flags)
 
 
 @gpu
@@ -782,3 +797,25 @@ def test_gpu_fused_path_in_a_chain_equals_the_stream_path(k2_experts, m):
         fused, stream = np.asarray(fused, np.float32), np.asarray(stream, np.float32)
         assert np.all(np.isfinite(fused)) and np.any(fused != 0)
         assert rel_err(fused, stream) <= 1e-2
+
+
+def test_gemv_path_eligibility_and_switch(monkeypatch):
+    """The GEMV decode path takes K2's shapes at few slots only; asking for it elsewhere is refused by name; its
+    switch (KDTREE_JAX_MOE_GEMV) takes 0 or 1."""
+    assert gemv_eligible(1, 8, 7168, 2048, 32, 32, jnp.bfloat16)
+    assert gemv_eligible(8, 8, 7168, 2048, 32, 32, jnp.bfloat16) and not gemv_eligible(9, 8, 7168, 2048, 32, 32,
+                                                                                       jnp.bfloat16)
+    assert not gemv_eligible(1, 8, 7168, 2048, 32, 32, jnp.float32)
+    assert not gemv_eligible(1, 8, 256, 128, 32, 32, jnp.bfloat16)
+    rng = np.random.default_rng(3)
+    experts = make_experts(rng, 4, 256, 128)
+    ids, weights = make_routing(rng, 2, 2, 4)
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="FLAG_GEMV needs bfloat16 x, group size 32"):
+        marlin_moe(x, ids, weights, *experts, flags=FLAG_GEMV)
+    for value, want in (("0", 0), ("", 0), ("1", FLAG_GEMV)):
+        monkeypatch.setenv("KDTREE_JAX_MOE_GEMV", value)
+        assert gemv_default() == want
+    monkeypatch.setenv("KDTREE_JAX_MOE_GEMV", "yes")
+    with pytest.raises(ValueError, match="KDTREE_JAX_MOE_GEMV must be 0"):
+        gemv_default()

@@ -67,6 +67,8 @@ FLAG_PERSIST = 128  # stream path: as many blocks as fit at once, each looping o
 FLAG_X_L1 = 256  # stream path, gate/up: the token values prefetched into L1 as many chunks ahead as the weights
 FLAG_FUSED = 512  # the fused decode path: the whole MoE in one launch (target FUSED_TARGET; see `fused_eligible`)
 FLAG_FUSED_ONE = 1024  # the fused path on one block an SM (not two): room for the other compute stream's kernels
+FLAG_GEMV = 2048  # the GEMV decode path: CUDA cores, a warp a weight row, no align (see `gemv_eligible`)
+GEMV_MAX_SLOTS = 64  # M k the GEMV path takes
 FUSED_TARGET = "kdtree_marlin_moe_fused"
 FUSED_MAX_SLOTS = 256  # M k the fused path takes (its kernel sorts the slots with one thread each)
 FUSED_SPAN = 512  # inputs of one warp's item in the fused kernel: D and F must be multiples of it
@@ -97,6 +99,22 @@ def fused_eligible(m: int, k: int, d: int, f: int, gate_group: int, down_group: 
     """Shapes the fused decode path takes: bf16, D and F multiples of 512 up to 8192, group 32, 1 <= M k <= 256."""
     return (jnp.dtype(dtype) == jnp.bfloat16 and d % FUSED_SPAN == 0 and f % FUSED_SPAN == 0 and d <= FUSED_MAX_IN
             and f <= FUSED_MAX_IN and gate_group == 32 and down_group == 32 and 0 < m * k <= FUSED_MAX_SLOTS)
+
+
+def gemv_eligible(m: int, k: int, d: int, f: int, gate_group: int, down_group: int, dtype) -> bool:
+    """Shapes the GEMV decode path takes: bf16, group 32, D of 2048, 4096, 7168 or 8192, F of 1024 or 2048,
+    1 <= M k <= GEMV_MAX_SLOTS."""
+    return (jnp.dtype(dtype) == jnp.bfloat16 and d in (2048, 4096, 7168, 8192) and f in (1024, 2048)
+            and gate_group == 32 and down_group == 32 and 0 < m * k <= GEMV_MAX_SLOTS)
+
+
+def gemv_default() -> int:
+    """FLAG_GEMV where the GEMV decode path is eligible and KDTREE_JAX_MOE_GEMV (read at trace time) is "1"; "0" or
+    unset: 0 (the default until the path is measured faster in the full step); any other value is refused."""
+    value = os.environ.get("KDTREE_JAX_MOE_GEMV", "0").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"KDTREE_JAX_MOE_GEMV must be 0 (off) or 1 (the GEMV decode path), got {value!r}")
+    return FLAG_GEMV if value == "1" else 0
 
 
 def fused_default() -> int:
@@ -296,8 +314,14 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
         raise ValueError(f"marlin_moe: FLAG_FUSED needs bfloat16 x, D and F multiples of {FUSED_SPAN} up to "
                          f"{FUSED_MAX_IN}, group size 32 and 1 <= M k <= {FUSED_MAX_SLOTS}; got {x.dtype}, D = {d}, "
                          f"F = {f}, M k = {m * k}")
+    gemv_ok = gemv_eligible(m, k, d, f, we_gate.group_size, we_down.group_size, x.dtype)
+    if flags is not None and flags & FLAG_GEMV and not gemv_ok:
+        raise ValueError(f"marlin_moe: FLAG_GEMV needs bfloat16 x, group size 32, D in (2048, 4096, 7168, 8192), F in "
+                         f"(1024, 2048) and 1 <= M k <= {GEMV_MAX_SLOTS}; got {x.dtype}, D = {d}, F = {f}, "
+                         f"M k = {m * k}")
+    gemv = bool(flags & FLAG_GEMV) if flags is not None else (block_m is None and gemv_ok and bool(gemv_default()))
     default = fused_default() if block_m is None and flags is None else 0
-    if fused_ok and default:
+    if fused_ok and default and not gemv:
         flags = default
     if block_m is None:
         bm, chosen = choose_path(m, k, experts_total or e, tile_ok, local=e)
@@ -306,12 +330,14 @@ def marlin_moe(x: jax.Array, ids: jax.Array, weights: jax.Array, we_gate, we_up,
     else:
         bm = block_m
         flags = (TILE_FLAGS if bm in TILE_BLOCKS else STREAM_FLAGS) if flags is None else flags
+    if gemv:
+        flags |= FLAG_GEMV
 
     def cpu(*args):
         return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, d), x.dtype), vmap_method="sequential")(*args)
 
     def cuda(*args):
-        if flags & FLAG_FUSED:
+        if flags & FLAG_FUSED and not flags & FLAG_GEMV:
             return _fused_call(args, m, d, k, f, x.dtype, flags)[0]
         return _cuda_call(args, m, d, k, e, f, x.dtype, bm, flags)[0]
 
