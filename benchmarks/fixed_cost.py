@@ -196,8 +196,9 @@ def write_report(out_dir: str, meta: dict, rows: list[dict]) -> None:
                          f"{c[1]:.1f} | {diff} |")
     chains = [r for r in rows if "hot_chain_us" in r]
     if chains:
-        lines += ["", f"The MoE as one span: from the start of `{MOE_CHAIN[0]}` (`{GEMV_CHAIN[0]}` on the GEMV path) to "
-                  f"the end of the next `{MOE_CHAIN[1]}` (median over the profiled calls). With programmatic dependent launch a kernel "
+        lines += ["", f"The MoE as one span: from the start of `{MOE_CHAIN[0]}` (`{GEMV_CHAIN[0]}` on the GEMV path) "
+                  f"to the end of the next `{MOE_CHAIN[1]}` (median over the profiled calls). With programmatic "
+                  "dependent launch a kernel "
                   "starts while the one before it runs and waits for it, so its time above includes that wait; the "
                   "span counts the chain once.", "", "| case | hot span µs | cold span µs |", "|---|---|---|"]
         lines += [f"| {r['case']} | {r['hot_chain_us']:.1f} | {r.get('cold_chain_us', float('nan')):.1f} |"

@@ -48,6 +48,7 @@ constexpr int kTile = 64;                  // columns of w a block owns
 constexpr int kRowGroups = kThreads / 8;   // 32: the rows a block's threads load at once
 constexpr int kChunk = 64;                 // K and each K slice: multiples of it
 constexpr int kMaxRows = 4;
+constexpr int kMaxK = 8192;               // K at most (each thread loads its x pieces at once)
 constexpr int kMaxSplit = 16;              // clusters of 16 are non-portable (sm_90: allowed by a kernel attribute)
 constexpr int64_t kFlagPlain = 1;
 constexpr int64_t kFlagEarlyW = 2;
@@ -90,9 +91,9 @@ __device__ __forceinline__ uint4 LoadStream(const __nv_bfloat16* ptr, bool l2_25
 }
 
 // shared memory: x' of the slice [MM][kslice] f32; the warps' partials [8][MM][64]; the block's [MM][64]; the warps'
-// sums of squares [8][MM]; the rows' scales [MM]
+// sums of squares [8][MM]; the rows' scales [MM]; the slice's norm weights [kslice]
 __host__ __device__ constexpr int SmemBytes(int mm, int kslice) {
-  return 4 * (mm * kslice + kWarps * mm * kTile + mm * kTile + kWarps * mm + mm);
+  return 4 * (mm * kslice + kWarps * mm * kTile + mm * kTile + kWarps * mm + mm + kslice);
 }
 
 // grid (split, tiles of both weights), cluster (split, 1, 1): blockIdx.y picks the 64 columns, the rank the K slice.
@@ -116,6 +117,7 @@ __global__ void __launch_bounds__(kThreads, 2) FusedDotKernel(const Params p) {
   float* part = red + kWarps * MM * kTile;     // [MM][64]
   float* ssw = part + MM * kTile;              // [8 warps][MM]
   float* rs = ssw + kWarps * MM;               // [MM]
+  float* nws = rs + MM;                        // [kslice]: the norm weights of the slice
 
   uint4 nxt[U];
   auto load = [&](int i0) {
@@ -131,9 +133,16 @@ __global__ void __launch_bounds__(kThreads, 2) FusedDotKernel(const Params p) {
 #pragma unroll 1
   for (int row = 0; row < m; ++row) {
     float ss = 0.0f;
-    for (int c = tid; c < p.k / 8; c += kThreads) {
-      const uint4 xv = *reinterpret_cast<const uint4*>(p.x + row * p.k + 8 * c);
-      const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
+    uint4 got[kMaxK / 8 / kThreads];  // every 16-byte load of the row issued before the first is used
+#pragma unroll
+    for (int j = 0; j < kMaxK / 8 / kThreads; ++j) {
+      const int c = tid + j * kThreads;
+      got[j] = c < p.k / 8 ? *reinterpret_cast<const uint4*>(p.x + row * p.k + 8 * c) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kMaxK / 8 / kThreads; ++j) {
+      const int c = tid + j * kThreads;
+      const uint32_t xw[4] = {got[j].x, got[j].y, got[j].z, got[j].w};
       const bool mine = 8 * c >= k0 && 8 * c < k0 + kslice;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -150,6 +159,27 @@ __global__ void __launch_bounds__(kThreads, 2) FusedDotKernel(const Params p) {
     for (int d = 16; d >= 1; d /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, d);
     if (lane == 0) ssw[warp * MM + row] = ss;
   }
+  if (norm) {  // the slice's norm weights, every 16-byte load issued before the first is used
+    uint4 got[kMaxK / 8 / kThreads];
+#pragma unroll
+    for (int j = 0; j < kMaxK / 8 / kThreads; ++j) {
+      const int c = tid + j * kThreads;
+      got[j] = c < kslice / 8 ? *reinterpret_cast<const uint4*>(p.nw + k0 + 8 * c) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kMaxK / 8 / kThreads; ++j) {
+      const int c = tid + j * kThreads;
+      const uint32_t nw[4] = {got[j].x, got[j].y, got[j].z, got[j].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&nw[i]));
+        if (c < kslice / 8) {
+          nws[8 * c + 2 * i] = b.x;
+          nws[8 * c + 2 * i + 1] = b.y;
+        }
+      }
+    }
+  }
   LaunchDependents();
   __syncthreads();
   if (tid < m) {
@@ -161,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 2) FusedDotKernel(const Params p) {
   if (norm) {  // x' = bf16(nw * bf16(x * r)), in place
     for (int e = tid; e < m * kslice; e += kThreads) {
       const int row = e / kslice, kk = e - row * kslice;
-      xs[e] = Bf(__bfloat162float(p.nw[k0 + kk]) * Bf(xs[e] * rs[row]));
+      xs[e] = Bf(nws[kk] * Bf(xs[e] * rs[row]));
     }
     __syncthreads();
   }
@@ -362,9 +392,9 @@ ffi::Error FusedDotCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w0
       err.failure()) {
     return err;
   }
-  if (d.m > kMaxRows || d.k % kChunk || d.n0 % kTile || d.n1 % kTile) {
-    return ffi::Error::InvalidArgument("fused_dot: the CUDA kernel takes M <= 4, K a multiple of 64 and N multiples "
-                                       "of 64 (got x " + kdtree::ShapeString(x.dimensions()) + ", w0 " +
+  if (d.m > kMaxRows || d.k % kChunk || d.k > kMaxK || d.n0 % kTile || d.n1 % kTile) {
+    return ffi::Error::InvalidArgument("fused_dot: the CUDA kernel takes M <= 4, K a multiple of 64 up to 8192 and N "
+                                       "multiples of 64 (got x " + kdtree::ShapeString(x.dimensions()) + ", w0 " +
                                        kdtree::ShapeString(w0.dimensions()) + ", w1 " +
                                        kdtree::ShapeString(w1.dimensions()) + ")");
   }

@@ -1613,13 +1613,33 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
-// Stage `n` bf16 values as fp32 into v, and the sums of each 32 of them into vsum (n / 32); block-wide.
+// Stage `n` bf16 values (n a multiple of 8, at most 8 x 4 x the block's threads) as fp32 into v, and the sums of
+// each 32 of them into vsum (n / 32); block-wide. Every thread's 16-byte loads are issued before the first store.
 __device__ __forceinline__ void StageRow(const __nv_bfloat16* src, int n, float* v, float* vsum) {
   __syncthreads();  // the previous slot's reads are done
-  for (int i = threadIdx.x; i < n; i += blockDim.x) v[i] = __bfloat162float(src[i]);
+  uint4 got[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int at = threadIdx.x + i * blockDim.x;
+    got[i] = 8 * at < n ? LoadGlobal16Cg(src + 8 * at) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int at = threadIdx.x + i * blockDim.x;
+    if (8 * at < n) {
+      const uint32_t words[4] = {got[i].x, got[i].y, got[i].z, got[i].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
+        v[8 * at + 2 * j] = f.x;
+        v[8 * at + 2 * j + 1] = f.y;
+      }
+    }
+  }
   __syncthreads();
   for (int g = threadIdx.x; g < n / 32; g += blockDim.x) {
     float sum = 0.0f;
+#pragma unroll
     for (int j = 0; j < 32; ++j) sum += v[32 * g + j];
     vsum[g] = sum;
   }

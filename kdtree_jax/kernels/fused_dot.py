@@ -20,7 +20,7 @@ moved; the custom call is one kernel.
 The custom call rounds x' exactly as the reference does (each block of the CUDA kernel reads the whole rows of x for
 their sums of squares first), so the two differ only in the order of the fp32 sums (and, on the GPU, an approximate
 reciprocal square root): a decode step that takes the custom call and a verify step that does not compute the same
-function. The CUDA kernel takes bf16 operands, at most MAX_ROWS rows, K and every N multiples of 64, and runs on the
+function. The CUDA kernel takes bf16 operands, at most MAX_ROWS rows, K (up to 8192) and every N multiples of 64, and runs on the
 CUDA cores (a dot of 1-4 rows needs no tensor cores): each block streams 64 columns of a weight (128 bytes a row),
 the K split over a thread-block cluster as far as the clusters all fit at once, launched as a programmatic dependent
 of the kernel ahead and, for weights that are parameters (`FLAG_WEIGHT_PARAM`), loading their first rows before that
@@ -40,6 +40,7 @@ from .mla_pre import rms_norm
 
 MAX_ROWS = 4  # the CUDA kernel's rows at most
 K_TILE = 64  # the CUDA kernel: K a multiple of it
+MAX_K = 8192  # the CUDA kernel: K at most
 N_TILE = 64  # the CUDA kernel: every N a multiple of it
 FLAG_PLAIN = 1  # a plain launch instead of a programmatic dependent one (benchmarks)
 FLAG_WEIGHT_PARAM = 2  # the weights and the norm weight are parameters no kernel of the program writes: their first
@@ -86,10 +87,12 @@ def on_ffi_path(x, w, w2=None, norm=None, adds=()) -> bool:
 
 
 def on_cuda_path(x, w, w2=None) -> bool:
-    """Whether the CUDA kernel takes these shapes: at most MAX_ROWS rows, K a multiple of K_TILE, each N of N_TILE."""
+    """Whether the CUDA kernel takes these shapes: at most MAX_ROWS rows, K a multiple of K_TILE up to MAX_K, each N
+    a multiple of N_TILE."""
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
     ns = [w.shape[1]] + ([w2.shape[1]] if w2 is not None else [])
-    return 1 <= m <= MAX_ROWS and k > 0 and k % K_TILE == 0 and all(n > 0 and n % N_TILE == 0 for n in ns)
+    return (1 <= m <= MAX_ROWS and 0 < k <= MAX_K and k % K_TILE == 0
+            and all(n > 0 and n % N_TILE == 0 for n in ns))
 
 
 def fused_dot(x: jax.Array, w: jax.Array, *, w2: jax.Array | None = None, norm: jax.Array | None = None,
