@@ -1575,8 +1575,9 @@ constexpr int kGemvSlots = 64;
 constexpr int kGemvWarps = 8;
 constexpr int kGemvDownRows = 4;  // rows of down a warp
 
-__device__ __forceinline__ float NibbleDot(uint32_t w, const float* x) {  // sum_j x[j] q_j over the word's 8 nibbles
+__device__ __forceinline__ float NibbleDot(uint32_t w, float4 a, float4 b) {  // sum_j x_j q_j, x = (a, b)
   const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
+  const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
   float acc = 0.0f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -1588,6 +1589,10 @@ __device__ __forceinline__ float NibbleDot(uint32_t w, const float* x) {  // sum
   return acc;
 }
 
+// The staged row's group g (32 floats) holds its 16-byte chunk c at chunk c ^ (g % 8), so that the 32 lanes of a
+// warp, each reading chunk c of its own group, hit 8 different chunk positions in every phase of 8 (no conflicts).
+__device__ __forceinline__ int Swz(int g, int c) { return 32 * g + 4 * (c ^ (g & 7)); }
+
 // row . v over a packed row of `cols` inputs (cols / 1024 pieces a lane, preloaded): sum over the lane's groups of
 // s_g (sum_j v_j q_j - 8 sum_j v_j); the caller sums the lanes.
 template <int kPieces>
@@ -1597,11 +1602,14 @@ __device__ __forceinline__ float RowDot(const uint4 (&w)[kPieces], const float (
 #pragma unroll
   for (int st = 0; st < kPieces; ++st) {
     const int grp = lane + 32 * st;
-    const float* x = v + 32 * grp;
     const uint32_t words[4] = {w[st].x, w[st].y, w[st].z, w[st].w};
     float part = 0.0f;
 #pragma unroll
-    for (int wd = 0; wd < 4; ++wd) part += NibbleDot(words[wd], x + 8 * wd);
+    for (int wd = 0; wd < 4; ++wd) {
+      const float4 a = *reinterpret_cast<const float4*>(v + Swz(grp, 2 * wd));
+      const float4 b = *reinterpret_cast<const float4*>(v + Swz(grp, 2 * wd + 1));
+      part += NibbleDot(words[wd], a, b);
+    }
     acc = fmaf(sc[st], part - 8.0f * vsum[grp], acc);
   }
   return acc;
@@ -1613,8 +1621,9 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
-// Stage `n` bf16 values (n a multiple of 8, at most 8 x 4 x the block's threads) as fp32 into v, and the sums of
-// each 32 of them into vsum (n / 32); block-wide. Every thread's 16-byte loads are issued before the first store.
+// Stage `n` bf16 values (n a multiple of 32, at most 8 x 4 x the block's threads) as fp32 into v (group g of 32
+// values swizzled: `Swz`), and the sum of each group into vsum (n / 32); block-wide. Every thread's 16-byte loads are
+// issued before the first store; a group's four pieces are four neighbouring threads', summed by two shuffles.
 __device__ __forceinline__ void StageRow(const __nv_bfloat16* src, int n, float* v, float* vsum) {
   __syncthreads();  // the previous slot's reads are done
   uint4 got[4];
@@ -1625,23 +1634,23 @@ __device__ __forceinline__ void StageRow(const __nv_bfloat16* src, int n, float*
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int at = threadIdx.x + i * blockDim.x;
-    if (8 * at < n) {
-      const uint32_t words[4] = {got[i].x, got[i].y, got[i].z, got[i].w};
+    const int at = threadIdx.x + i * blockDim.x, g = at / 4, piece = at % 4;
+    const uint32_t words[4] = {got[i].x, got[i].y, got[i].z, got[i].w};
+    float f[8];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
-        v[8 * at + 2 * j] = f.x;
-        v[8 * at + 2 * j + 1] = f.y;
-      }
+    for (int j = 0; j < 4; ++j) {
+      const float2 two = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
+      f[2 * j] = two.x;
+      f[2 * j + 1] = two.y;
     }
-  }
-  __syncthreads();
-  for (int g = threadIdx.x; g < n / 32; g += blockDim.x) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) sum += v[32 * g + j];
-    vsum[g] = sum;
+    float sum = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (8 * at < n) {
+      *reinterpret_cast<float4*>(v + Swz(g, 2 * piece)) = make_float4(f[0], f[1], f[2], f[3]);
+      *reinterpret_cast<float4*>(v + Swz(g, 2 * piece + 1)) = make_float4(f[4], f[5], f[6], f[7]);
+      if (piece == 0) vsum[g] = sum;
+    }
   }
   __syncthreads();
 }
@@ -1664,19 +1673,22 @@ struct GemvParams {
 // rows; h[slot, f] for every slot of a local expert
 template <int kPieces>
 __global__ void __launch_bounds__(32 * kGemvWarps, 2) GemvUpKernel(const GemvParams p) {
-  extern __shared__ float gsm[];
+  extern __shared__ __align__(16) float gsm[];
   float* v = gsm;              // [D]
   float* vsum = gsm + p.d;     // [D / 32]
   __shared__ float gate_s[kGemvWarps / 2];
+  __shared__ int ids_s[kGemvSlots];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, up = warp >= kGemvWarps / 2;
   const int f = blockIdx.x * (kGemvWarps / 2) + warp % (kGemvWarps / 2);
   const uint32_t* q = up ? p.up_q : p.gate_q;
   const __nv_bfloat16* sp = up ? p.up_s : p.gate_s;
   GridDependencyWait();
   LaunchDependents();
+  if (threadIdx.x < p.slots) ids_s[threadIdx.x] = p.ids[threadIdx.x];  // every slot's expert, one load each
+  __syncthreads();
   int staged = -1;
   for (int slot = 0; slot < p.slots; ++slot) {
-    const int e = p.ids[slot];
+    const int e = ids_s[slot];
     if (e < 0 || e >= p.e) continue;
     const int64_t row = static_cast<int64_t>(e) * p.f + f;
     uint4 w[kPieces];
@@ -1704,15 +1716,18 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 2) GemvUpKernel(const GemvPar
 // grid D / 32 blocks of 8 warps: warp w of block b computes ys[slot, d] for d = 32 b + 4 w .. + 3
 template <int kPieces>
 __global__ void __launch_bounds__(32 * kGemvWarps, 2) GemvDownKernel(const GemvParams p) {
-  extern __shared__ float gsm[];
+  extern __shared__ __align__(16) float gsm[];
   float* v = gsm;              // [F]
   float* vsum = gsm + p.f;     // [F / 32]
   const int lane = threadIdx.x % 32;
   const int d0 = (blockIdx.x * kGemvWarps + threadIdx.x / 32) * kGemvDownRows;
+  __shared__ int ids_s[kGemvSlots];
   GridDependencyWait();  // h (gemv1)
   LaunchDependents();
+  if (threadIdx.x < p.slots) ids_s[threadIdx.x] = p.ids[threadIdx.x];
+  __syncthreads();
   for (int slot = 0; slot < p.slots; ++slot) {
-    const int e = p.ids[slot];
+    const int e = ids_s[slot];
     if (e < 0 || e >= p.e) continue;
     uint4 w[kGemvDownRows][kPieces];
     float sc[kGemvDownRows][kPieces];
