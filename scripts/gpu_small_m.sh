@@ -49,6 +49,7 @@
 #                                                    # side by side; each of its calls alone against XLA's operations
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh gemv  # the MoE's GEMV decode path: its tests, the MoE alone, the full
 #                                                    # step as is, with it, and with it and fused_dot
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh gemv_ncu  # ncu of the GEMV kernels (the MoE's, fused_dot's) at M = 1
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fd_ncu  # fused_dot's calls alone with and without whole-line L2
 #                                                    # requests, then ncu of its kernel (sections, sampled stalls)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh pre_ncu  # mla_pre's kernel alone: fixed_cost.py (hot, cold; against
@@ -257,6 +258,31 @@ gemv)  # the MoE's GEMV decode path (FLAG_GEMV: a warp a weight row, no align) a
     benchmarks/full_scale.py --out "$OUT/results/gemv_fdot" --cells "$GEMV_CELLS" --profile "${GEMV_PROFILE:-4096:1x1}" \
     --repeats 3 --commit "$KDTREE_COMMIT+moe_gemv+fused_dot" --ffi-ops "$OPS,fused_dot" \
     --base "$OUT/results/base/full_scale.json" "${DEPTH[@]}"
+  ;;
+gemv_ncu)  # where the GEMV kernels' time goes at M = 1: ncu of GemvUpKernel and GemvDownKernel (one local expert of
+  # 48, K2 shapes) and of FusedDotKernel (q_a/kv_a with its norm, and the o projection): sections, then sampled stalls
+  cat > "$OUT/results/gemv1.py" <<'PY'
+import jax, jax.numpy as jnp
+from kdtree_jax.kernels.fused_dot import fused_dot
+from kdtree_jax.kernels.marlin_moe import FLAG_GEMV, marlin_moe
+from kdtree_jax.quant import Int4Array
+key = iter(jax.random.split(jax.random.key(0), 16))
+local, d, f, bf = 48, 7168, 2048, jnp.bfloat16
+def int4(rows, cols):
+    packed = jax.lax.bitcast_convert_type(jax.random.bits(next(key), (local, rows, cols // 8), jnp.uint32), jnp.int32)
+    return Int4Array(packed, (0.01 * jnp.ones((local, rows, cols // 32))).astype(bf))
+x = jax.random.normal(next(key), (1, d), bf)
+ids, wts = jnp.asarray([[3] + [local] * 7], jnp.int32), jnp.asarray([[0.3] + [0.0] * 7], jnp.float32)
+ex = (int4(f, d), int4(f, d), int4(d, f))
+moe = jax.jit(lambda x: marlin_moe(x, ids, wts, *ex, experts_total=384, flags=FLAG_GEMV))
+w, nw = 0.02 * jax.random.normal(next(key), (d, 2112), bf), jnp.ones((d,), bf)
+wo, xo = 0.02 * jax.random.normal(next(key), (1024, d), bf), jax.random.normal(next(key), (1, 1024), bf)
+qkv = jax.jit(lambda a: fused_dot(a, w, norm=nw, flags=2)[0])
+o = jax.jit(lambda a: fused_dot(a, wo, adds=(x,), flags=2)[0])
+for _ in range(2):  # 4 matching launches an iteration (GemvUp, GemvDown, FusedDot x 2): ncu skips the first's
+    jax.block_until_ready([moe(x), qkv(x), o(xo)])
+PY
+  ncu_both gemv "regex:GemvUpKernel|GemvDownKernel|FusedDotKernel" 4 4 "$OUT/results/gemv1.py" 12
   ;;
 fd_ncu)  # why fused_dot streams its weights at ~1.5 TB/s: benchmarks/fused_dot.py with and without FLAG_L2_LINES
   # (FD_MS), then ncu of FusedDotKernel (q_a/kv_a at M = 1 with both flags, o + residual at M = 1): sections, then
