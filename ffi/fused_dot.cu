@@ -16,9 +16,10 @@
 // timing). The split is the largest whose clusters all fit on the GPU at once (cudaOccupancyMaxActiveClusters), so
 // the grid is one wave. Thread t takes 8 columns (16 bytes, t % 8) of rows t / 8, t / 8 + 32, ... of the slice; it
 // loads U rows at once (ld.global.nc, L1 not allocated) and multiplies the U before them while they arrive. x needs
-// the whole row's sum of squares before the dot (so that x' is rounded exactly as the reference rounds it, and the
-// step's result does not depend on which path a row count takes): each block reads the whole rows of x (M <= 4 rows
-// of K values, from L2), keeps its slice in shared memory and normalizes it there. The first U rows of w (a
+// the whole row's sum of squares before the dot, so that x' is rounded as the reference rounds it (equal but where r,
+// summed in another order and from an approximate reciprocal square root, puts x r on the other side of a rounding:
+// rare, one ulp): each block reads the whole rows of x (M <= 4 rows of K values, from L2), keeps its slice in shared
+// memory and normalizes it there. The first U rows of w (a
 // parameter no kernel writes, flag bit 1) are loaded before griddepcontrol.wait, while the kernel ahead finishes.
 // The 4 row groups of a warp that share columns are summed by two shuffles, the 8 warps in shared memory.
 // No workspace, no host sync (kCmdBufferCompatible).
@@ -26,7 +27,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>

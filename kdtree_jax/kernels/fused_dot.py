@@ -17,10 +17,10 @@ experts; the shared expert's down projection + the routed experts' output + the 
 2-7 kernels at M = 1 (a split-K dot and its reduction, two for a norm, the gate's multiply), each 1-8 µs whatever it
 moved; the custom call is one kernel.
 
-The custom call rounds x' exactly as the reference does (each block of the CUDA kernel reads the whole rows of x for
-their sums of squares first), so the two differ only in the order of the fp32 sums (and, on the GPU, an approximate
-reciprocal square root): a decode step that takes the custom call and a verify step that does not compute the same
-function. The CUDA kernel takes bf16 operands, at most MAX_ROWS rows, K (up to 8192) and every N multiples of 64, and runs on the
+The custom call rounds x' as the reference does (each block of the CUDA kernel reads the whole rows of x for their
+sums of squares first), so the two differ in the order of the fp32 sums (and, on the GPU, an approximate reciprocal
+square root): in x' by one ulp in rare elements, where r lands x r on the other side of a rounding. On the GPU that
+was enough for greedy ddtree (verify steps without the custom call) to leave ar on the tiny test model: opt-in. The CUDA kernel takes bf16 operands, at most MAX_ROWS rows, K (up to 8192) and every N multiples of 64, and runs on the
 CUDA cores (a dot of 1-4 rows needs no tensor cores): each block streams 64 columns of a weight (128 bytes a row),
 the K split over a thread-block cluster as far as the clusters all fit at once, launched as a programmatic dependent
 of the kernel ahead and, for weights that are parameters (`FLAG_WEIGHT_PARAM`), loading their first rows before that
