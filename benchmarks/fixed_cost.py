@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from profile_tools import profile_calls  # noqa: E402
 
-FLUSH_KERNEL_US = 60.0  # the flush pass takes ~130 µs a launch on an H200; the ops' kernels far less
 MOE_CHAIN = ("AlignKernel", "CombineKernel8")  # the MoE's first and last kernel at M = 1 (bf16, k = 8)
 GEMV_CHAIN = ("GemvUpKernel", "CombineKernel8")  # the same on the GEMV decode path (FLAG_GEMV)
 
@@ -165,8 +164,11 @@ def measure(name, fn, inputs, calls: int, flush_bytes: int, gpu: bool) -> dict:
             prof = profile_calls(lambda a, b: run(a, b), (inputs, buf), 3, chain=chain)
             if chain is not None and prof["chain_us"]:
                 row[f"{mode}_chain_us"] = float(np.median(prof["chain_us"]))
+            # every kernel launched about once a call or more, however slow (the report shows the hot run's kernels:
+            # the flush pass's own appear in the cold run only, and an op kernel that shares a name with one of them
+            # is marked there by its launch count)
             row[f"{mode}_kernels"] = {k: [n / calls, us / max(n, 1e-9)] for k, (n, us) in prof["kernels"].items()
-                                      if n >= calls * 0.9 and us / max(n, 1e-9) < FLUSH_KERNEL_US}
+                                      if n >= calls * 0.9}
     return row
 
 
