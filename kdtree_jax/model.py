@@ -671,10 +671,11 @@ def _mask_inactive(ids, w, active, cfg: ModelConfig):
 
 def fused_impl(cfg: ModelConfig, mode: str, rows: int) -> str:
     """How a layer runs its dense weights and the glue around them: "ffi" (`_layer_fused`: four `kernels.fused_dot`
-    calls, where the config picks it, no mesh splits the model, the step is a decode or verify (absorbed mode) and
-    it has at most FUSED_MAX_ROWS tokens, the CUDA kernel's) or "xla" (`_layer`'s own operations)."""
+    calls, where the config picks it, no mesh splits the model, the model has a query latent (the attention then
+    needs only qkv_a's output), the step is a decode or verify (absorbed mode) and it has at most FUSED_MAX_ROWS
+    tokens, the CUDA kernel's) or "xla" (`_layer`'s own operations)."""
     ok = (mode == "absorbed" and cfg.impl("fused_dot") == "ffi" and current_mesh() is None
-          and rows <= FUSED_MAX_ROWS)
+          and bool(cfg.q_lora_rank) and rows <= FUSED_MAX_ROWS)
     return "ffi" if ok else "xla"
 
 
