@@ -1,6 +1,6 @@
-// Device helpers shared by the CUDA handlers that stream weights through shared memory and multiply them with
-// mma.sync (marlin_moe.cu, small_dot.cu): shared-memory addresses, cp.async copies, ldmatrix, one m16n8k16 mma,
-// programmatic dependent launch. Inline PTX, sm_80+ (griddepcontrol: sm_90).
+// Device helpers shared by the CUDA handlers that stream weights (marlin_moe.cu, small_dot.cu, fused_dot.cu):
+// shared-memory addresses, cp.async copies, streaming loads into registers, ldmatrix, one m16n8k16 mma, programmatic
+// dependent launch. Inline PTX, sm_80+ (griddepcontrol: sm_90).
 #pragma once
 
 #include <cstdint>
@@ -56,6 +56,20 @@ __device__ __forceinline__ void MmaAt(float* d, const uint32_t (&a)[4], uint32_t
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16 bytes global -> registers, for data read once (streamed weights): not cached in L1; l2_256: ask L2 to fetch the
+// whole 256-byte line (the neighbouring lanes or blocks read the rest).
+__device__ __forceinline__ uint4 LoadStream16(const void* ptr, bool l2_256) {
+  uint4 v;
+  if (l2_256) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+  } else {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+  }
+  return v;
 }
 
 // Programmatic dependent launch (sm_90): wait until the kernel before this one on the stream has ended and its

@@ -78,18 +78,6 @@ struct Params {
 
 __device__ __forceinline__ float Bf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-__device__ __forceinline__ uint4 LoadStream(const __nv_bfloat16* ptr, bool l2_256) {
-  uint4 v;
-  if (l2_256) {
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
-  } else {
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
-  }
-  return v;
-}
-
 // shared memory: x' of the slice [MM][kslice] f32; the warps' partials [8][MM][64]; the block's [MM][64]; the warps'
 // sums of squares [8][MM]; the rows' scales [MM]; the slice's norm weights [kslice]
 __host__ __device__ constexpr int SmemBytes(int mm, int kslice) {
@@ -123,7 +111,7 @@ __global__ void __launch_bounds__(kThreads, 2) FusedDotKernel(const Params p) {
   auto load = [&](int i0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      nxt[u] = i0 + u < rows ? LoadStream(wp + (i0 + u) * stride, p.l2_256) : make_uint4(0, 0, 0, 0);
+      nxt[u] = i0 + u < rows ? LoadStream16(wp + (i0 + u) * stride, p.l2_256) : make_uint4(0, 0, 0, 0);
     }
   };
   if (p.early_w) load(0);

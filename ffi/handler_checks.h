@@ -155,14 +155,7 @@ struct FusedDotShape {
   int64_t m, k, n0, n1;
   bool has_norm, want_xn;
   int adds;
-  xffi::DataType x_type;
 };
-
-inline int64_t Elements(Dims dims) {
-  int64_t n = 1;
-  for (int64_t v : dims) n *= v;
-  return n;
-}
 
 inline xffi::Error CheckFusedDot(const xffi::AnyBuffer& x, const xffi::AnyBuffer& w0, const xffi::AnyBuffer& w1,
                                  const xffi::AnyBuffer& nw, const xffi::AnyBuffer& add0, const xffi::AnyBuffer& add1,
@@ -178,9 +171,10 @@ inline xffi::Error CheckFusedDot(const xffi::AnyBuffer& x, const xffi::AnyBuffer
   for (const xffi::AnyBuffer* b : {&x, &w0, &w1, &nw, &add0, &add1, &xn}) {
     if (b->element_type() != bf) return bad("x, the weights, the norm weight, the addends and xn must be bfloat16");
   }
-  FusedDotShape d{xd[0], xd[1], w0d[1], w1d[1], Elements(nw.dimensions()) > 0, Elements(xn.dimensions()) > 0, 0, bf};
-  if (d.has_norm && Elements(nw.dimensions()) != d.k) return bad("nw must have K elements or none");
-  const int64_t a0 = Elements(add0.dimensions()), a1 = Elements(add1.dimensions());
+  const int64_t nws = static_cast<int64_t>(nw.element_count()), xns = static_cast<int64_t>(xn.element_count());
+  FusedDotShape d{xd[0], xd[1], w0d[1], w1d[1], nws > 0, xns > 0, 0};
+  if (d.has_norm && nws != d.k) return bad("nw must have K elements or none");
+  const int64_t a0 = static_cast<int64_t>(add0.element_count()), a1 = static_cast<int64_t>(add1.element_count());
   const int64_t out0 = gated0 ? d.n0 / 2 : d.n0, out1 = gated1 ? d.n1 / 2 : d.n1;
   if ((a0 && a0 != d.m * out0) || (a1 && a1 != d.m * out0) || (a1 && !a0)) {
     return bad("the addends must be [M, N0] (add1 only with add0), got " + ShapeString(add0.dimensions()) + " and " +
@@ -200,7 +194,7 @@ inline xffi::Error CheckFusedDot(const xffi::AnyBuffer& x, const xffi::AnyBuffer
       return bad("a gated output or one with addends must be bfloat16; a plain one bfloat16 or float32");
     }
   }
-  if (d.want_xn && Elements(xn.dimensions()) != d.m * d.k) return bad("xn must be [M, K] or empty");
+  if (d.want_xn && xns != d.m * d.k) return bad("xn must be [M, K] or empty");
   *shape = d;
   return xffi::Error::Success();
 }

@@ -1303,12 +1303,7 @@ struct FusedParams {
   int m, k, e, d, f, slots;
 };
 
-__device__ __forceinline__ uint4 LoadWeight16(const void* ptr) {  // streamed once: no L1 allocation
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
-  return v;
-}
+__device__ __forceinline__ uint4 LoadWeight16(const void* ptr) { return LoadStream16(ptr, true); }
 
 __device__ __forceinline__ uint32_t Prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
@@ -1565,12 +1560,13 @@ __global__ void __launch_bounds__(kFusedThreads, 2) FusedMoeKernel(const FusedPa
 // GEMV decode path (flag bit 11; bf16, group 32, D and F multiples of 1024, at most kGemvSlots slots): no align, no
 // tensor cores. A warp owns output rows of one slot: gemv1 a gate or an up row f of the slot's expert (D / 2 bytes,
 // every 16-byte piece issued at once: D / 1024 loads a lane; the two warps of f meet in shared memory), gemv2 four
-// rows d of down (4 x F / 2 bytes). Lane l takes the 32 inputs 32 (l + 32 s) .. + 31 of step s: one 16-byte piece of the packed row and its
-// group's scale. A nibble q becomes the float 2^23 + q with one byte permute and q with one subtraction, so each
-// weight costs a permute, a subtraction and an FMA: sum_j x_j q_j per group, then s (that - 8 sum_j x_j) with the
-// group sums of x precomputed. The token row (gemv1) or h row (gemv2) of the slot is in shared memory as fp32, with
-// its group sums; blocks loop over the slots of local experts (at M = 1 about one). Rows are summed by warp
-// shuffles in a fixed order; h and ys are rounded to bf16 as the reference rounds them.
+// rows d of down (4 x F / 2 bytes). Lane l takes the 32 inputs 32 (l + 32 s) .. + 31 of step s: one 16-byte piece of
+// the packed row and its group's scale. A nibble q becomes the float 2^23 + q with one byte permute and q with one
+// subtraction, so each weight costs a permute, a subtraction and an FMA: sum_j x_j q_j per group, then s (that - 8
+// sum_j x_j) with the group sums of x precomputed. The token row (gemv1) or h row (gemv2) of the slot is in shared
+// memory as fp32 (16-byte chunks swizzled by group, `Swz`), with its group sums; blocks loop over the slots of local
+// experts (at M = 1 about one). Rows are summed by warp shuffles in a fixed order; h and ys are rounded to bf16 as
+// the reference rounds them.
 constexpr int kGemvSlots = 64;
 constexpr int kGemvWarps = 8;
 constexpr int kGemvDownRows = 4;  // rows of down a warp

@@ -473,7 +473,7 @@ def _common(g: argparse.ArgumentParser, hosts: bool = True) -> None:
                         "a small fp32 model whose attention and experts are off the CUDA fast paths. Default: all "
                         "but small_dot (the dense matmuls at few rows: slower than XLA's dots on the H200 so far) "
                         "and fused_dot (a layer's dense weights with their norms and residual adds in four "
-                        "launches: opt-in until timed on a GPU). Implies --kernels ffi")
+                        "launches: opt-in, no faster in the step so far). Implies --kernels ffi")
     if not hosts:
         return
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",

@@ -28,8 +28,9 @@ FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route",
 # took 118-170 µs a step at 61 layers where the custom call's was below the wall-clock method's resolution. mla_pre
 # (the projections between qkv_a and the attention in one launch, 7 kernels a layer fewer) is on: its GPU tests pass
 # and on an H100 (2026-12-06, 40 layers, three A/Bs) the step at 1 x 1 was 2-5% faster, at 1 x 17 within +-1.5%.
-# fused_dot (a layer's dense weights with their norms, SwiGLU and residual adds: 4 launches for ~14) is opt-in until
-# it is timed on a GPU.
+# fused_dot (a decode step's dense weights with their norms, SwiGLU and residual adds: 4 launches for ~14) is
+# opt-in: on an H100 (2026-12-06) the 40-layer step at 1 x 1 was 1.02x at best, and with it greedy ddtree left ar on
+# the GPU once (docs/full_scale.md).
 DEFAULT_FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "move_rows", "mla_pre")
 CACHE_SHARDINGS = ("replicated", "sequence")
 
