@@ -1558,15 +1558,15 @@ __global__ void __launch_bounds__(kFusedThreads, 2) FusedMoeKernel(const FusedPa
 // ------------------------------------------------------------------------------------------------------------------
 
 // GEMV decode path (flag bit 11; bf16, group 32, D and F multiples of 1024, at most kGemvSlots slots): no align, no
-// tensor cores. A warp owns output rows of one slot: gemv1 a gate or an up row f of the slot's expert (D / 2 bytes,
-// every 16-byte piece issued at once: D / 1024 loads a lane; the two warps of f meet in shared memory), gemv2 four
-// rows d of down (4 x F / 2 bytes). Lane l takes the 32 inputs 32 (l + 32 s) .. + 31 of step s: one 16-byte piece of
-// the packed row and its group's scale. A nibble q becomes the float 2^23 + q with one byte permute and q with one
-// subtraction, so each weight costs a permute, a subtraction and an FMA: sum_j x_j q_j per group, then s (that - 8
-// sum_j x_j) with the group sums of x precomputed. The token row (gemv1) or h row (gemv2) of the slot is in shared
-// memory as fp32 (16-byte chunks swizzled by group, `Swz`), with its group sums; blocks loop over the slots of local
-// experts (at M = 1 about one). Rows are summed by warp shuffles in a fixed order; h and ys are rounded to bf16 as
-// the reference rounds them.
+// tensor cores, two launches. A warp owns output rows of one slot: gemv1 the gate and the up row f of the slot's
+// expert (2 x D / 2 bytes, every 16-byte piece issued at once: 2 x D / 1024 loads a lane), gemv2 four rows d of down
+// (4 x F / 2 bytes) and the combine of those rows over a token's slots. Lane l takes the 32 inputs 32 (l + 32 s) ..
+// + 31 of step s: one 16-byte piece of the packed row and its group's scale. A nibble q becomes the float 2^23 + q
+// with one byte permute and q with one subtraction, so each weight costs a permute, a subtraction and an FMA:
+// sum_j x_j q_j per group, then s (that - 8 sum_j x_j) with the group sums of x precomputed. The token row (gemv1) or
+// h row (gemv2) of the slot is in shared memory as fp32 (16-byte chunks swizzled by group, `Swz`), with its group
+// sums; blocks loop over the slots of local experts (at M = 1 about one). Rows are summed by warp shuffles in a fixed
+// order; h and ys are rounded to bf16 as the reference rounds them, and the combine sums as CombineKernel8 does.
 constexpr int kGemvSlots = 64;
 constexpr int kGemvWarps = 8;
 constexpr int kGemvDownRows = 4;  // rows of down a warp
@@ -1589,26 +1589,33 @@ __device__ __forceinline__ float NibbleDot(uint32_t w, float4 a, float4 b) {  //
 // warp, each reading chunk c of its own group, hit 8 different chunk positions in every phase of 8 (no conflicts).
 __device__ __forceinline__ int Swz(int g, int c) { return 32 * g + 4 * (c ^ (g & 7)); }
 
-// row . v over a packed row of `cols` inputs (cols / 1024 pieces a lane, preloaded): sum over the lane's groups of
-// s_g (sum_j v_j q_j - 8 sum_j v_j); the caller sums the lanes.
-template <int kPieces>
-__device__ __forceinline__ float RowDot(const uint4 (&w)[kPieces], const float (&sc)[kPieces], const float* v,
-                                        const float* vsum, int lane) {
-  float acc = 0.0f;
+// kRows packed rows . v over `cols` inputs (cols / 1024 pieces a lane, preloaded), each staged chunk of v read once for
+// all rows: dot[r] = the sum over the lane's groups of s_g (sum_j v_j q_j - 8 sum_j v_j); the caller sums the lanes.
+template <int kRows, int kPieces>
+__device__ __forceinline__ void RowDots(const uint4 (&w)[kRows][kPieces], const float (&sc)[kRows][kPieces],
+                                        const float* v, const float* vsum, int lane, float (&dot)[kRows]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) dot[r] = 0.0f;
 #pragma unroll
   for (int st = 0; st < kPieces; ++st) {
     const int grp = lane + 32 * st;
-    const uint32_t words[4] = {w[st].x, w[st].y, w[st].z, w[st].w};
-    float part = 0.0f;
+    float part[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) part[r] = 0.0f;
 #pragma unroll
     for (int wd = 0; wd < 4; ++wd) {
       const float4 a = *reinterpret_cast<const float4*>(v + Swz(grp, 2 * wd));
       const float4 b = *reinterpret_cast<const float4*>(v + Swz(grp, 2 * wd + 1));
-      part += NibbleDot(words[wd], a, b);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const uint32_t word = wd == 0 ? w[r][st].x : wd == 1 ? w[r][st].y : wd == 2 ? w[r][st].z : w[r][st].w;
+        part[r] += NibbleDot(word, a, b);
+      }
     }
-    acc = fmaf(sc[st], part - 8.0f * vsum[grp], acc);
+    const float gs = 8.0f * vsum[grp];  // exact: 8 x a float
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) dot[r] = fmaf(sc[r][st], part[r] - gs, dot[r]);
   }
-  return acc;
 }
 
 __device__ __forceinline__ float WarpSum(float v) {
@@ -1660,24 +1667,25 @@ struct GemvParams {
   const __nv_bfloat16* down_s;  // [E, D, F/32]
   const __nv_bfloat16* x;       // [M, D]
   const int32_t* ids;           // [M, k]
+  const float* weights;         // [M, k]
   __nv_bfloat16* h;             // [S, F]
-  __nv_bfloat16* ys;            // [S, D]
+  __nv_bfloat16* out;           // [M, D]
   int e, d, f, topk, slots;
 };
 
-// grid F / 4 blocks of 8 warps: warps 0-3 of block b take the gate rows f = 4 b .. 4 b + 3, warps 4-7 the same up
-// rows; h[slot, f] for every slot of a local expert
+__device__ __forceinline__ bool LocalExpert(int e, int experts) { return e >= 0 && e < experts; }
+
+// grid F / 8 blocks of 8 warps: warp w of block b takes both the gate and the up row f = 8 b + w (2 x D / 1024 loads
+// of 16 bytes a lane in flight at once, so the grid is one wave at two blocks an SM) and writes h[slot, f] for every
+// slot of a local expert
 template <int kPieces>
 __global__ void __launch_bounds__(32 * kGemvWarps, 2) GemvUpKernel(const GemvParams p) {
   extern __shared__ __align__(16) float gsm[];
   float* v = gsm;              // [D]
   float* vsum = gsm + p.d;     // [D / 32]
-  __shared__ float gate_s[kGemvWarps / 2];
   __shared__ int ids_s[kGemvSlots];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, up = warp >= kGemvWarps / 2;
-  const int f = blockIdx.x * (kGemvWarps / 2) + warp % (kGemvWarps / 2);
-  const uint32_t* q = up ? p.up_q : p.gate_q;
-  const __nv_bfloat16* sp = up ? p.up_s : p.gate_s;
+  const int lane = threadIdx.x % 32;
+  const int f = blockIdx.x * kGemvWarps + threadIdx.x / 32;
   GridDependencyWait();
   LaunchDependents();
   if (threadIdx.x < p.slots) ids_s[threadIdx.x] = p.ids[threadIdx.x];  // every slot's expert, one load each
@@ -1685,31 +1693,55 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 2) GemvUpKernel(const GemvPar
   int staged = -1;
   for (int slot = 0; slot < p.slots; ++slot) {
     const int e = ids_s[slot];
-    if (e < 0 || e >= p.e) continue;
+    if (!LocalExpert(e, p.e)) continue;
     const int64_t row = static_cast<int64_t>(e) * p.f + f;
-    uint4 w[kPieces];
-    float sc[kPieces];
+    uint4 w[2][kPieces];  // the gate row, the up row
+    float sc[2][kPieces];
 #pragma unroll
-    for (int st = 0; st < kPieces; ++st) w[st] = LoadWeight16(q + row * (p.d / 8) + 4 * lane + 128 * st);
+    for (int st = 0; st < kPieces; ++st) w[0][st] = LoadWeight16(p.gate_q + row * (p.d / 8) + 4 * lane + 128 * st);
 #pragma unroll
-    for (int st = 0; st < kPieces; ++st) sc[st] = __bfloat162float(sp[row * (p.d / 32) + lane + 32 * st]);
+    for (int st = 0; st < kPieces; ++st) w[1][st] = LoadWeight16(p.up_q + row * (p.d / 8) + 4 * lane + 128 * st);
+#pragma unroll
+    for (int st = 0; st < kPieces; ++st) {
+      sc[0][st] = __bfloat162float(p.gate_s[row * (p.d / 32) + lane + 32 * st]);
+      sc[1][st] = __bfloat162float(p.up_s[row * (p.d / 32) + lane + 32 * st]);
+    }
     const int tok = slot / p.topk;
     if (tok != staged) {  // the slot's token row (all of a token's slots share it)
       StageRow(p.x + static_cast<int64_t>(tok) * p.d, p.d, v, vsum);
       staged = tok;
     }
-    const float dot = __bfloat162float(__float2bfloat16_rn(WarpSum(RowDot<kPieces>(w, sc, v, vsum, lane))));
-    if (!up && lane == 0) gate_s[warp] = dot;
-    __syncthreads();
-    if (up && lane == 0) {
-      const float g = gate_s[warp - kGemvWarps / 2];
+    float gu[2];
+    RowDots<2, kPieces>(w, sc, v, vsum, lane, gu);
+    const float g = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[0])));
+    const float u = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[1])));
+    if (lane == 0) {
       const float silu = __bfloat162float(__float2bfloat16_rn(g / (1.0f + __expf(-g))));
-      p.h[static_cast<int64_t>(slot) * p.f + f] = __float2bfloat16_rn(silu * dot);
+      p.h[static_cast<int64_t>(slot) * p.f + f] = __float2bfloat16_rn(silu * u);
     }
   }
 }
 
-// grid D / 32 blocks of 8 warps: warp w of block b computes ys[slot, d] for d = 32 b + 4 w .. + 3
+// The kGemvDownRows rows d0 .. of down of expert e and their scales, issued at once.
+template <int kPieces>
+__device__ __forceinline__ void LoadDownRows(const GemvParams& p, int e, int d0, int lane,
+                                             uint4 (&w)[kGemvDownRows][kPieces], float (&sc)[kGemvDownRows][kPieces]) {
+#pragma unroll
+  for (int r = 0; r < kGemvDownRows; ++r) {
+    const int64_t row = static_cast<int64_t>(e) * p.d + d0 + r;
+#pragma unroll
+    for (int st = 0; st < kPieces; ++st) {
+      w[r][st] = LoadWeight16(p.down_q + row * (p.f / 8) + 4 * lane + 128 * st);
+      sc[r][st] = __bfloat162float(p.down_s[row * (p.f / 32) + lane + 32 * st]);
+    }
+  }
+}
+
+// grid D / 32 blocks of 8 warps: warp w of block b computes out[t, d] for d = 32 b + 4 w .. + 3 and every token t,
+// the combine included: the sum over t's slots of a local expert, in slot order and fp32, of weight x ys (ys = h .
+// down rounded to bf16), as CombineKernel8 sums it (zeros for a token without one). The router's ids and weights and
+// the first local slot's down rows are read before the wait for gemv1: the router ended before gemv1 passed its own
+// wait, and so before this grid could start.
 template <int kPieces>
 __global__ void __launch_bounds__(32 * kGemvWarps, 2) GemvDownKernel(const GemvParams p) {
   extern __shared__ __align__(16) float gsm[];
@@ -1718,29 +1750,37 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 2) GemvDownKernel(const GemvP
   const int lane = threadIdx.x % 32;
   const int d0 = (blockIdx.x * kGemvWarps + threadIdx.x / 32) * kGemvDownRows;
   __shared__ int ids_s[kGemvSlots];
+  __shared__ float wts_s[kGemvSlots];
+  if (threadIdx.x < p.slots) {
+    ids_s[threadIdx.x] = p.ids[threadIdx.x];
+    wts_s[threadIdx.x] = p.weights[threadIdx.x];
+  }
+  __syncthreads();
+  int first = 0;
+  while (first < p.slots && !LocalExpert(ids_s[first], p.e)) ++first;
+  uint4 w[kGemvDownRows][kPieces];
+  float sc[kGemvDownRows][kPieces];
+  if (first < p.slots) LoadDownRows<kPieces>(p, ids_s[first], d0, lane, w, sc);
   GridDependencyWait();  // h (gemv1)
   LaunchDependents();
-  if (threadIdx.x < p.slots) ids_s[threadIdx.x] = p.ids[threadIdx.x];
-  __syncthreads();
-  for (int slot = 0; slot < p.slots; ++slot) {
-    const int e = ids_s[slot];
-    if (e < 0 || e >= p.e) continue;
-    uint4 w[kGemvDownRows][kPieces];
-    float sc[kGemvDownRows][kPieces];
+  const int m = p.slots / p.topk;
+  for (int tok = 0; tok < m; ++tok) {
+    float acc[kGemvDownRows];
 #pragma unroll
-    for (int r = 0; r < kGemvDownRows; ++r) {
-      const int64_t row = static_cast<int64_t>(e) * p.d + d0 + r;
+    for (int r = 0; r < kGemvDownRows; ++r) acc[r] = 0.0f;
+    for (int j = 0; j < p.topk; ++j) {
+      const int slot = tok * p.topk + j, e = ids_s[slot];
+      if (!LocalExpert(e, p.e)) continue;
+      if (slot != first) LoadDownRows<kPieces>(p, e, d0, lane, w, sc);
+      StageRow(p.h + static_cast<int64_t>(slot) * p.f, p.f, v, vsum);
+      float dot[kGemvDownRows];
+      RowDots<kGemvDownRows, kPieces>(w, sc, v, vsum, lane, dot);
 #pragma unroll
-      for (int st = 0; st < kPieces; ++st) {
-        w[r][st] = LoadWeight16(p.down_q + row * (p.f / 8) + 4 * lane + 128 * st);
-        sc[r][st] = __bfloat162float(p.down_s[row * (p.f / 32) + lane + 32 * st]);
-      }
+      for (int r = 0; r < kGemvDownRows; ++r) acc[r] += wts_s[slot] * __bfloat162float(__float2bfloat16_rn(WarpSum(dot[r])));
     }
-    StageRow(p.h + static_cast<int64_t>(slot) * p.f, p.f, v, vsum);
+    if (lane == 0) {
 #pragma unroll
-    for (int r = 0; r < kGemvDownRows; ++r) {
-      const float y = WarpSum(RowDot<kPieces>(w[r], sc[r], v, vsum, lane));
-      if (lane == 0) p.ys[static_cast<int64_t>(slot) * p.d + d0 + r] = __float2bfloat16_rn(y);
+      for (int r = 0; r < kGemvDownRows; ++r) p.out[static_cast<int64_t>(tok) * p.d + d0 + r] = __float2bfloat16_rn(acc[r]);
     }
   }
 }
@@ -1944,8 +1984,8 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
                                          "multiples of 1024 (D up to 8192, F up to 2048) and at most 64 slots");
     }
     const GemvParams gp{xq, uqp, dqp, gsp, usp, dsp, static_cast<const __nv_bfloat16*>(x.untyped_data()),
-                        ids.typed_data(), static_cast<__nv_bfloat16*>(h->untyped_data()),
-                        static_cast<__nv_bfloat16*>(ys->untyped_data()), static_cast<int>(E), static_cast<int>(D),
+                        ids.typed_data(), weights.typed_data(), static_cast<__nv_bfloat16*>(h->untyped_data()),
+                        static_cast<__nv_bfloat16*>(out->untyped_data()), static_cast<int>(E), static_cast<int>(D),
                         static_cast<int>(F), static_cast<int>(topk), static_cast<int>(S)};
     const bool pdl = !(flags & kFlagSerial);
     const int up_smem = static_cast<int>(4 * (D + D / 32)), down_smem = static_cast<int>(4 * (F + F / 32));
@@ -1963,23 +2003,14 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
         return LastError("raising the GEMV path's shared-memory limit");
       }
     }
-    if (ffi::Error e = Launch(up, dim3(static_cast<unsigned>(F / (kGemvWarps / 2))), 32 * kGemvWarps, up_smem, stream,
-                              pdl,
+    if (ffi::Error e = Launch(up, dim3(static_cast<unsigned>(F / kGemvWarps)), 32 * kGemvWarps, up_smem, stream, pdl,
                               "gemv1 launch", gp);
         e.failure()) {
       return e;
     }
-    if (ffi::Error e = Launch(down, dim3(static_cast<unsigned>(D / (kGemvWarps * kGemvDownRows))), 32 * kGemvWarps,
-                              down_smem, stream, pdl, "gemv2 launch", gp);
-        e.failure()) {
-      return e;
-    }
-    const ffi::Error combined = Launch(CombineKernel8, dim3(GridFor(M * D / 8, 256)), 256, 0, stream, pdl,
-                                       "combine launch", static_cast<const __nv_bfloat16*>(ys->untyped_data()),
-                                       ids.typed_data(), weights.typed_data(), M, static_cast<int>(topk),
-                                       static_cast<int>(E), static_cast<int>(D),
-                                       static_cast<__nv_bfloat16*>(out->untyped_data()));
-    return combined;  // (apart from the stream path's combine line, which benchmarks/marlin_stages.py patches)
+    // gemv2 sums each token's slots itself (no combine launch; ys is not written on this path)
+    return Launch(down, dim3(static_cast<unsigned>(D / (kGemvWarps * kGemvDownRows))), 32 * kGemvWarps, down_smem,
+                  stream, pdl, "gemv2 launch", gp);
   }
   if (stream_ok || tile_ok) {
     const int64_t need = (S + (E < S ? E : S) * (bm - 1)) / bm;

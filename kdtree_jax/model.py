@@ -33,6 +33,7 @@ from .kernels.mla_verify import combine_lse, mask_softmax, mla_prefix, mla_verif
 from .kernels.moe_route import moe_route
 from .kernels.move_rows import move_rows, write_rows
 from .kernels.fused_dot import FLAG_WEIGHT_PARAM as FUSED_WEIGHT_PARAM, MAX_ROWS as FUSED_MAX_ROWS, fused_dot
+from .kernels.l2_prefetch import L2_BYTES, l2_prefetch, prefetch_plan
 from .kernels.small_dot import FLAG_WEIGHT_PARAM, small_dot
 from .sharding import (ShardingError, checked_sharding, current_mesh, logical_to_spec, mla_head_parallel,
                        mla_sequence_parallel, moe_expert_parallel, replicated_call, sequence_sharded,
@@ -529,11 +530,12 @@ def pre_impl(cfg: ModelConfig, mode: str, rows: int) -> str:
 
 
 def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None, lengths=None, tree_mask=None,
-        qkv=None, project: bool = True):
+        qkv=None, project: bool = True, prefetch: tuple = ()):
     """Multi-head latent attention of x [B, T, D]. Returns (out [B, T, D], (latent, k_pe) for the cache).
 
     qkv: qkv_a's output [B, T, Rq + R + dr] when the caller computed it (`_layer_fused`; x is then unused);
-    project=False returns the heads' values [B, T, H, dv] instead of their o projection.
+    project=False returns the heads' values [B, T, H, dv] instead of their o projection. prefetch: weights asked
+    into the GPU's L2 just before the attention kernel (`prefetch_weights`; the mla_pre path only).
 
     mode "prefill": the naive form over the T tokens alone, causal (the cache, if any, starts empty).
     mode "chunk": a piece of a long prompt, written at lengths[b] (the same for every row): the naive form over the
@@ -557,6 +559,8 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
                                               cache_layer[1], lengths.astype(jnp.int32), eps=cfg.rms_norm_eps,
                                               flags=MLA_PRE_WEIGHT_PARAM)
         with jax.named_scope("absorbed_attention"):
+            if prefetch:  # the next projections' weights fetched while the attention (few bytes) runs
+                q_lat = l2_prefetch(q_lat, *prefetch, impl="ffi")
             o_lat = mla_verify(q_lat, q_pe, latent, pe, lengths, tree_mask, scale, impl=cfg.impl("mla_verify"))
             o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dt), p.v_b)  # [B, T, H, dv]
         return out(o), (latent, pe)
@@ -669,6 +673,24 @@ def _mask_inactive(ids, w, active, cfg: ModelConfig):
     return jnp.where(on, ids, cfg.n_routed_experts), jnp.where(on, w, 0.0)
 
 
+PREFETCH_MAX_ROWS = 64  # l2_prefetch at decode and verify steps of at most this many tokens
+
+
+def prefetch_weights(lp: Layer, cfg: ModelConfig, mode: str, rows: int, cache_layer) -> tuple:
+    """The weights a layer asks into L2 before its attention kernel (`kernels.l2_prefetch`): the o projection's, then
+    the MLP's (a MoE layer: the router's and the shared expert's; the routed experts are not chosen yet), in that
+    order while they fit PREFETCH_BUDGET. () unless the config picks l2_prefetch, no mesh splits the model, the step
+    is a decode or verify (absorbed mode) of at most PREFETCH_MAX_ROWS tokens and the layer's cache is smaller than
+    L2 (a longer one streams through L2 during the attention and would evict them)."""
+    if (cfg.impl("l2_prefetch") != "ffi" or current_mesh() is not None or mode != "absorbed"
+            or rows > PREFETCH_MAX_ROWS or cache_layer is None
+            or sum(c.size * c.dtype.itemsize for c in cache_layer) > L2_BYTES):
+        return ()
+    mlp = lp.mlp
+    after = (mlp.router, mlp.shared.gate_up, mlp.shared.down) if isinstance(mlp, MoE) else (mlp.gate_up, mlp.down)
+    return prefetch_plan((lp.attn.o, *after))
+
+
 def fused_impl(cfg: ModelConfig, mode: str, rows: int) -> str:
     """How a layer runs its dense weights and the glue around them: "ffi" (`_layer_fused`: four `kernels.fused_dot`
     calls, where the config picks it, no mesh splits the model, the model has a query latent (the attention then
@@ -690,7 +712,8 @@ def _layer_fused(h, lp: Layer, cos, sin, cfg: ModelConfig, mode: str, cache_laye
     with jax.named_scope("attention"):
         with jax.named_scope("qkv_a"):
             a = fd(h, lp.attn.qkv_a, norm=lp.attn_norm)[0]
-        o, new_cache = mla(lp.attn, None, cos, sin, cfg, mode, cache_layer, lengths, tree_mask, qkv=a, project=False)
+        o, new_cache = mla(lp.attn, None, cos, sin, cfg, mode, cache_layer, lengths, tree_mask, qkv=a, project=False,
+                           prefetch=prefetch_weights(lp, cfg, mode, b * t, cache_layer))
         with jax.named_scope("o"):
             hv = o.shape[-2] * o.shape[-1]
             h = fd(o.astype(h.dtype).reshape(b, t, hv), lp.attn.o.reshape(hv, d), adds=(h,))[0]
@@ -716,7 +739,8 @@ def _layer(h, lp: Layer, cos, sin, cfg: ModelConfig, mode: str, cache_layer, len
         return _layer_fused(h, lp, cos, sin, cfg, mode, cache_layer, lengths, tree_mask, active)
     with jax.named_scope("attention"):
         a, new_cache = mla(lp.attn, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps), cos, sin, cfg, mode,
-                           cache_layer, lengths, tree_mask)
+                           cache_layer, lengths, tree_mask,
+                           prefetch=prefetch_weights(lp, cfg, mode, h.shape[0] * h.shape[1], cache_layer))
         h = h + a
     with jax.named_scope("ffn"):
         x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)

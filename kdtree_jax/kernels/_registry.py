@@ -33,6 +33,7 @@ CPU_TARGETS = {
     "kdtree_move_rows": "KdMoveRowsCpu",
     "kdtree_mla_pre": "KdMlaPreCpu",
     "kdtree_fused_dot": "KdFusedDotCpu",
+    "kdtree_l2_prefetch": "KdL2PrefetchCpu",
 }
 CUDA_TARGETS = {
     "kdtree_tree_build": "KdTreeBuildCuda",
@@ -45,6 +46,7 @@ CUDA_TARGETS = {
     "kdtree_move_rows": "KdMoveRowsCuda",
     "kdtree_mla_pre": "KdMlaPreCuda",
     "kdtree_fused_dot": "KdFusedDotCuda",
+    "kdtree_l2_prefetch": "KdL2PrefetchCuda",
 }
 
 _cuda_error: str | None = None
