@@ -49,8 +49,9 @@
 #                                                    # side by side; each of its calls alone against XLA's operations
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh gemv  # the MoE's GEMV decode path: its tests, the MoE alone, the full
 #                                                    # step as is, with it, and with it and fused_dot
-#   OUT=/tmp/out bash scripts/gpu_small_m.sh prefetch  # l2_prefetch and the GEMV path: tests, the MoE alone, the
-#                                                    # full step as is, with each, with both, as is again
+#   OUT=/tmp/out [BASE_DIR=<dir>] bash scripts/gpu_small_m.sh prefetch  # l2_prefetch, the GEMV path, mla_verify's
+#                                                    # splits: tests, the MoE alone, the full step as is, with the
+#                                                    # package of BASE_DIR, with each, with both
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh gemv_ncu  # ncu of the GEMV kernels (the MoE's, fused_dot's) at M = 1
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fd_ncu  # fused_dot's calls alone with and without whole-line L2
 #                                                    # requests, then ncu of its kernel (sections, sampled stalls)
@@ -261,13 +262,16 @@ gemv)  # the MoE's GEMV decode path (FLAG_GEMV: a warp a weight row, no align) a
     --repeats 3 --commit "$KDTREE_COMMIT+moe_gemv+fused_dot" --ffi-ops "$OPS,fused_dot" \
     --base "$OUT/results/base/full_scale.json" "${DEPTH[@]}"
   ;;
-prefetch)  # l2_prefetch (a layer's o, router and shared-expert weights asked into L2 before its attention kernel)
-  # and the MoE's GEMV path rebuilt (a warp both rows of f, one wave; the combine in gemv2): their GPU tests;
-  # benchmarks/fixed_cost.py (the MoE alone on both paths); then the full step (PF_CELLS; on an H100 at LAYERS_SMALL
-  # layers) of this build as is, with l2_prefetch, with the GEMV path, with both, and as is again (the spread of one
-  # call), side by side, the XLA flags on all
+prefetch)  # l2_prefetch (a layer's o, router and shared-expert weights asked into L2 before its attention kernel),
+  # the MoE's GEMV path rebuilt (a warp both rows of f, one wave; the combine in gemv2) and mla_verify's key splits
+  # (plan_splits' cost model): their GPU tests; benchmarks/fixed_cost.py (the MoE alone on both paths); then the full
+  # step (PF_CELLS; on an H100 at LAYERS_SMALL layers) of this build as is, with the older plan_splits (BASE_DIR: a
+  # tree of the package at the commit before it, run with this build's libraries), with l2_prefetch, with the GEMV
+  # path and with both, side by side, the XLA flags on all
   step pf_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_l2_prefetch.py \
     tests/test_marlin_moe.py -k "gemv or prefetch"
+  step mla_tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
+    tests/test_mla_verify.py
   step fixed 150 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
   set_depth
   PF_CELLS=${PF_CELLS:-4096:1x1,4096:1x17}
@@ -280,10 +284,10 @@ prefetch)  # l2_prefetch (a layer's o, router and shared-expert weights asked in
       --commit "$KDTREE_COMMIT$suffix" --ffi-ops "$ops" "${base[@]}" "${DEPTH[@]}"
   }
   run_full base "" "$OPS"
+  [ -n "${BASE_DIR:-}" ] && run_full old_splits "-older_splits" "$OPS" PYTHONPATH="$BASE_DIR"
   run_full prefetch +l2_prefetch "$OPS,l2_prefetch"
   run_full gemv +moe_gemv "$OPS" KDTREE_JAX_MOE_GEMV=1
   run_full gemv_pf +moe_gemv+l2_prefetch "$OPS,l2_prefetch" KDTREE_JAX_MOE_GEMV=1
-  run_full base2 "" "$OPS"
   ;;
 gemv_ncu)  # where the GEMV kernels' time goes at M = 1: ncu of GemvUpKernel and GemvDownKernel (one local expert of
   # 48, K2 shapes) and of FusedDotKernel (q_a/kv_a with its norm, and the o projection): sections, then sampled stalls

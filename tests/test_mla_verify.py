@@ -11,8 +11,8 @@ import pytest
 
 import kdtree_jax as kj
 from kdtree_jax import kernels
-from kdtree_jax.kernels.mla_verify import (combine_lse, mla_prefix, mla_verify, mla_verify_ref, plan_splits,
-                                          prefix_attention_ref, tree_attention_lse)
+from kdtree_jax.kernels.mla_verify import (MAX_SPLITS, combine_lse, mla_prefix, mla_verify, mla_verify_ref,
+                                          plan_splits, prefix_attention_ref, tree_attention_lse)
 from kdtree_jax.kernels.marlin_moe import moe_experts_ref
 from kdtree_jax.model import init_cache, prefill, step
 
@@ -176,14 +176,21 @@ def test_impl_xla_is_the_reference_and_vmap_works():
 
 
 def test_plan_splits_fills_the_gpu_and_keeps_tiles_per_split():
-    # blocks of 64 rows, at least 4 key tiles per split
-    assert plan_splits(1, 1, 8, 32768, sms=132) == 119  # the fewest splits that keep >= 90% of the SMs busy
-    assert plan_splits(1, 1, 64, 32768, sms=132) == 64  # 64 rows of partials: at least 8 key tiles per split
-    assert plan_splits(1, 1, 64, 1024, sms=132) == 2
+    # the least waves x (FIXED_TILES + key tiles a block), then the fewest splits; blocks of 64 query rows
+    assert plan_splits(1, 1, 8, 4096, sms=132) == 64  # 64 key tiles: one a block
+    assert plan_splits(1, 9, 8, 4096, sms=132) == 32  # 2 row tiles; 64 rows of partials: 2 key tiles a split
+    assert plan_splits(1, 17, 8, 4096, sms=132) == 32  # 3 row tiles: 64 splits would be two waves
+    assert plan_splits(10, 1, 8, 4096, sms=132) == 13  # 10 x 13 = 130 blocks, 5 key tiles a block
+    assert plan_splits(1, 65, 8, 4096, sms=132) == 13  # 9 row tiles x 13 = 117 blocks, 5 key tiles
+    assert plan_splits(10, 17, 8, 4096, sms=132) == 4  # 30 row tiles x 4 = 120 blocks
+    assert plan_splits(10, 65, 8, 4096, sms=132) == 4  # 90 row tiles: 3 waves of 16 tiles beat 1 of 64
+    assert plan_splits(1, 1, 8, 131072, sms=132) == 128  # 2048 tiles: 16 a block
+    assert plan_splits(1, 1, 64, 1024, sms=132) == 8
     assert plan_splits(8, 256, 64, 32768, sms=132) == 1  # 2048 row tiles already fill the GPU
     assert plan_splits(1, 64, 64, 32768, sms=132) == 2  # 64 row tiles x 2 = 128 blocks: one wave
-    assert plan_splits(8, 1, 64, 32768, sms=132) == 15
-    assert plan_splits(10, 17, 8, 4096, sms=132) == 4  # 30 row tiles x 4 = 120 blocks
+    assert plan_splits(8, 1, 64, 32768, sms=132) == 16
+    for b, n, h, s in ((1, 1, 8, 64), (3, 5, 8, 100), (1, 1, 8, 10**6), (2, 40, 16, 4096)):
+        assert 1 <= plan_splits(b, n, h, s, sms=132) <= MAX_SPLITS
 
 
 def _bad(**change):

@@ -85,28 +85,35 @@ def _sm_count() -> int:
     return int(getattr(gpus[0], "core_count", 132) or 132)
 
 
+FIXED_TILES = 6  # a block's fixed cost in key tiles: ~10 µs against ~1.75 µs a tile (H200, 2026-12-05 split sweep)
+
+
 def plan_splits(b: int, n: int, h: int, s: int, sms: int | None = None) -> int:
     """Key splits per (batch row, 64-row query tile) of the CUDA fast path.
 
-    One block per multiprocessor (the kernel takes ~225 KB of shared memory). Each split streams at least 4 key
-    tiles (64 keys, 73.7 KB each), and enough of them that its fp32 partial output (rows x 2 KB, written and read
-    back) stays under half the bytes it streams. Within that cap: the fewest splits whose blocks keep >= 90% of
-    the multiprocessors busy over their waves, else the busiest choice.
+    One block per multiprocessor (the kernel takes ~225 KB of shared memory). A block pays a fixed cost before its
+    first key tile (64 keys, 73.7 KB) of about FIXED_TILES tiles, so the time of a split is modelled as waves x
+    (FIXED_TILES + key tiles a block), and the split with the least of it is taken (ties: the fewest splits). A
+    split's fp32 partial output (rows x 2 KB, written and read back by the combine, from L2) may be up to twice the
+    bytes it streams. On the H200's split sweep (2026-12-05, 4k context) this picks the fastest measured split at
+    1 x 1, 1 x 9 and 1 x 17 (64, 32, 32), 13 at 10 x 1 (12 measured fastest) and 128 at 1 x 1 and 131k (119-128 the
+    fastest), where the rule before it (at least 4 key tiles a split, partials under half the bytes streamed, the
+    fewest splits keeping 90% of the SMs busy) took 16, 8, 8, 12 and 119: 15.0, 23.4 and 23.8 µs against 12.8,
+    15.1 and 15.6 at the first three.
     """
     sms = _sm_count() if sms is None else sms
     work = b * math.ceil(n * h / _ROWS)
     if work >= sms:
         return 1
     rows = min(_ROWS, n * h)
-    least = max(4, math.ceil(rows * 2 * 2048 / (0.5 * _KEYS * 1152)))
-    cap = max(1, min(math.ceil(s / _KEYS) // least, MAX_SPLITS))
+    tiles = math.ceil(s / _KEYS)
+    least = max(1, math.ceil(rows * 2 * 2048 / (2 * _KEYS * 1152)))  # key tiles a split at least
+    cap = max(1, min(tiles // least, MAX_SPLITS))
 
-    def busy(splits: int) -> float:
-        blocks = work * splits
-        return blocks / (math.ceil(blocks / sms) * sms)
+    def cost(splits: int) -> int:
+        return math.ceil(work * splits / sms) * (FIXED_TILES + math.ceil(tiles / splits))
 
-    good = [sp for sp in range(1, cap + 1) if busy(sp) >= 0.9]
-    return good[0] if good else max(range(1, cap + 1), key=lambda sp: (busy(sp), -sp))
+    return min(range(1, cap + 1), key=lambda sp: (cost(sp), sp))
 
 
 def launch_flags() -> np.int64:
