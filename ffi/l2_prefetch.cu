@@ -3,7 +3,8 @@
 // kernels after this one (the next projections, whose weights these are) find in L2 what has arrived by then.
 // Placed before a kernel that moves few bytes (mla_verify at a decode step), the DRAM fetches overlap it.
 // bulk_bytes = 0: one `prefetch.global.L2::evict_last` a 128-byte line; else one `cp.async.bulk.prefetch.L2` (the
-// copy engine, sm_90) a chunk of that many bytes. Up to kMaxSpans arrays a launch; more take more launches.
+// copy engine, sm_90) a chunk of that many bytes, a warp a block. Up to kMaxSpans arrays a launch; more take more
+// launches.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -71,8 +72,10 @@ ffi::Error L2PrefetchCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingA
       s.end[s.n++] = chunks;
     }
     if (s.n > 0 && (s.n == kMaxSpans || i + 1 == weights.size())) {  // launch this group
-      const int64_t blocks = std::min<int64_t>((chunks + kPrefetchThreads - 1) / kPrefetchThreads, kMaxPrefetchBlocks);
-      PrefetchKernel<<<static_cast<unsigned>(blocks), kPrefetchThreads, 0, stream>>>(s, chunks, chunk, bulk_bytes > 0);
+      // bulk chunks: a warp a block, so that the requests spread over the SMs' copy engines
+      const int threads = bulk_bytes > 0 ? 32 : kPrefetchThreads;
+      const int64_t blocks = std::min<int64_t>((chunks + threads - 1) / threads, kMaxPrefetchBlocks);
+      PrefetchKernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(s, chunks, chunk, bulk_bytes > 0);
       e = cudaGetLastError();
       s = Spans{};
       chunks = 0;

@@ -1561,9 +1561,10 @@ __global__ void __launch_bounds__(kFusedThreads, 2) FusedMoeKernel(const FusedPa
 // tensor cores, two launches. A warp owns output rows of one slot: gemv1 the gate and the up row f of the slot's
 // expert (2 x D / 2 bytes, every 16-byte piece issued at once: 2 x D / 1024 loads a lane), gemv2 four rows d of down
 // (4 x F / 2 bytes) and the combine of those rows over a token's slots. Lane l takes the 32 inputs 32 (l + 32 s) ..
-// + 31 of step s: one 16-byte piece of the packed row and its group's scale. A nibble q becomes the float 2^23 + q
-// with one byte permute and q with one subtraction, so each weight costs a permute, a subtraction and an FMA:
-// sum_j x_j q_j per group, then s (that - 8 sum_j x_j) with the group sums of x precomputed. The token row (gemv1) or
+// + 31 of step s: one 16-byte piece of the packed row and its group's scale. A nibble q becomes the float 128 + q
+// with one byte permute, so each weight costs a permute and an FMA: sum_j x_j (128 + q_j) per group, then
+// s (that - 136 sum_j x_j) with the group sums of x precomputed (an fp32 sum of terms at most 143 |x_j|: ~2^-17 of
+// sum_j |x_j| lost to the offset, far below the bf16 rounding of h and ys). The token row (gemv1) or
 // h row (gemv2) of the slot is in shared memory as fp32 (16-byte chunks swizzled by group, `Swz`), with its group
 // sums; blocks loop over the slots of local experts (at M = 1 about one). Rows are summed by warp shuffles in a fixed
 // order; h and ys are rounded to bf16 as the reference rounds them, and the combine sums as CombineKernel8 does.
@@ -1571,14 +1572,16 @@ constexpr int kGemvSlots = 64;
 constexpr int kGemvWarps = 8;
 constexpr int kGemvDownRows = 4;  // rows of down a warp
 
-__device__ __forceinline__ float NibbleDot(uint32_t w, float4 a, float4 b) {  // sum_j x_j q_j, x = (a, b)
+// acc + sum_j x_j (128 + q_j) over the 8 nibbles of w, x = (a, b): one byte permute puts nibble q under the byte
+// 0x43, which is the float 128 + q (exponent 7, q in the mantissa's bits 16-19), so a weight costs a permute and an
+// FMA.
+__device__ __forceinline__ float NibbleDot(uint32_t w, float4 a, float4 b, float acc) {
   const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
   const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-  float acc = 0.0f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float ql = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7440u | i)) - 8388608.0f;
-    const float qh = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7440u | i)) - 8388608.0f;
+    const float ql = __uint_as_float(__byte_perm(lo, 0x43000000u, 0x7044u | (i << 8)));
+    const float qh = __uint_as_float(__byte_perm(hi, 0x43000000u, 0x7044u | (i << 8)));
     acc = fmaf(x[2 * i], ql, acc);
     acc = fmaf(x[2 * i + 1], qh, acc);
   }
@@ -1609,10 +1612,10 @@ __device__ __forceinline__ void RowDots(const uint4 (&w)[kRows][kPieces], const 
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const uint32_t word = wd == 0 ? w[r][st].x : wd == 1 ? w[r][st].y : wd == 2 ? w[r][st].z : w[r][st].w;
-        part[r] += NibbleDot(word, a, b);
+        part[r] = NibbleDot(word, a, b, part[r]);
       }
     }
-    const float gs = 8.0f * vsum[grp];  // exact: 8 x a float
+    const float gs = 136.0f * vsum[grp];  // sum_j v_j (q_j - 8) = sum_j v_j (128 + q_j) - 136 sum_j v_j
 #pragma unroll
     for (int r = 0; r < kRows; ++r) dot[r] = fmaf(sc[r][st], part[r] - gs, dot[r]);
   }

@@ -33,7 +33,7 @@ from .kernels.mla_verify import combine_lse, mask_softmax, mla_prefix, mla_verif
 from .kernels.moe_route import moe_route
 from .kernels.move_rows import move_rows, write_rows
 from .kernels.fused_dot import FLAG_WEIGHT_PARAM as FUSED_WEIGHT_PARAM, MAX_ROWS as FUSED_MAX_ROWS, fused_dot
-from .kernels.l2_prefetch import L2_BYTES, l2_prefetch, prefetch_plan
+from .kernels.l2_prefetch import L2_BYTES, MODEL_BULK_BYTES, l2_prefetch, prefetch_plan
 from .kernels.small_dot import FLAG_WEIGHT_PARAM, small_dot
 from .sharding import (ShardingError, checked_sharding, current_mesh, logical_to_spec, mla_head_parallel,
                        mla_sequence_parallel, moe_expert_parallel, replicated_call, sequence_sharded,
@@ -560,7 +560,7 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
                                               flags=MLA_PRE_WEIGHT_PARAM)
         with jax.named_scope("absorbed_attention"):
             if prefetch:  # the next projections' weights fetched while the attention (few bytes) runs
-                q_lat = l2_prefetch(q_lat, *prefetch, impl="ffi")
+                q_lat = l2_prefetch(q_lat, *prefetch, impl="ffi", bulk_bytes=MODEL_BULK_BYTES)
             o_lat = mla_verify(q_lat, q_pe, latent, pe, lengths, tree_mask, scale, impl=cfg.impl("mla_verify"))
             o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dt), p.v_b)  # [B, T, H, dv]
         return out(o), (latent, pe)

@@ -276,18 +276,29 @@ prefetch)  # l2_prefetch (a layer's o, router and shared-expert weights asked in
   set_depth
   PF_CELLS=${PF_CELLS:-4096:1x1,4096:1x17}
   OPS=tree_build,tree_accept,mla_verify,marlin_moe,moe_route,move_rows,mla_pre
-  run_full() {  # run_full NAME SUFFIX OPS [ENV...]: one full_scale.py run (the first is the base of the others)
+  run_full() {  # run_full NAME SUFFIX OPS [ENV...]: one full_scale.py run (the first is the base of the others);
+    # SCRIPT: the benchmark to run (BASE_DIR's copy for the older package)
     local name=$1 suffix=$2 ops=$3 base=(); shift 3
     [ "$name" != base ] && base=(--base "$OUT/results/base/full_scale.json")
-    step "$name" "${PF_LIMIT:-150}" "${BIG[@]}" XLA_FLAGS="$FLAGS" "$@" python3 benchmarks/full_scale.py \
+    step "$name" "${PF_LIMIT:-150}" "${BIG[@]}" XLA_FLAGS="$FLAGS" "$@" python3 "${SCRIPT:-benchmarks/full_scale.py}" \
       --out "$OUT/results/$name" --cells "$PF_CELLS" --profile "${PF_PROFILE:-4096:1x1}" --repeats 3 \
       --commit "$KDTREE_COMMIT$suffix" --ffi-ops "$ops" "${base[@]}" "${DEPTH[@]}"
   }
+  old_splits() {  # the older package (BASE_DIR) with this commit's benchmark scripts, which put their own tree
+    # first on the path
+    mkdir -p "$BASE_DIR/benchmarks"
+    cp benchmarks/full_scale.py benchmarks/common.py benchmarks/profile_tools.py "$BASE_DIR/benchmarks/"
+    SCRIPT="$BASE_DIR/benchmarks/full_scale.py" run_full "$1" "${BASE_SUFFIX:--older_splits}" "$OPS" PYTHONPATH="$BASE_DIR"
+  }
   run_full base "" "$OPS"
-  [ -n "${BASE_DIR:-}" ] && run_full old_splits "-older_splits" "$OPS" PYTHONPATH="$BASE_DIR"
+  if [ -n "${BASE_DIR:-}" ]; then
+    old_splits old_splits
+    run_full base2 "" "$OPS"
+    old_splits old_splits2
+  fi
   run_full prefetch +l2_prefetch "$OPS,l2_prefetch"
   run_full gemv +moe_gemv "$OPS" KDTREE_JAX_MOE_GEMV=1
-  run_full gemv_pf +moe_gemv+l2_prefetch "$OPS,l2_prefetch" KDTREE_JAX_MOE_GEMV=1
+  [ -n "${PF_BOTH:-}" ] && run_full gemv_pf +moe_gemv+l2_prefetch "$OPS,l2_prefetch" KDTREE_JAX_MOE_GEMV=1
   ;;
 gemv_ncu)  # where the GEMV kernels' time goes at M = 1: ncu of GemvUpKernel and GemvDownKernel (one local expert of
   # 48, K2 shapes) and of FusedDotKernel (q_a/kv_a with its norm, and the o projection): sections, then sampled stalls

@@ -18,6 +18,8 @@ from . import _registry
 
 L2_BYTES = 50 * 2**20  # the L2 of an H100 or H200
 PREFETCH_BUDGET = 40 * 2**20  # at most this much asked into L2 at once (room left for what the kernels read)
+MODEL_BULK_BYTES = 16384  # the model's request size: bulk chunks (line prefetches kept their grid running as long as
+# the DRAM transfer: 10 µs a layer on an H100, the step 7% slower)
 
 
 def l2_prefetch(x: jax.Array, *weights, impl: str = "ffi", bulk_bytes: int = 0) -> jax.Array:
