@@ -12,9 +12,10 @@ kernels (GPU time per launch, from a profile) in two settings inside one compile
 
 Cases, one device's share of K2.6 on an ep=8 mesh at C = 1 (`--small`: tiny shapes for a CPU smoke run, wall times
 only): moe_route (M = 1, E = 384, k = 8), mla_verify (B = 1, N = 1, H = 8, S = 4,096; and N = 17), marlin_moe (M = 1,
-48 local experts, one of the 8 slots local; and the same with plain launches, flag FLAG_SERIAL; the GEMV decode path,
-FLAG_GEMV, with one and with all eight slots local, and the default path with eight), mla_pre (M = 1 and
-17, 8 heads, Rq = 1,536: the custom call and XLA's own operations), and the control:
+48 local experts, one of the 8 slots local: the stream path (the GEMV path switched off: KDTREE_JAX_MOE_GEMV=0 while
+it is traced) with its programmatic dependent launches and with plain ones (flag FLAG_SERIAL); the GEMV decode path,
+FLAG_GEMV, the default at K2's shapes, with one and with all eight slots local, and the stream path with eight),
+mla_pre (M = 1 and 17, 8 heads, Rq = 1,536: the custom call and XLA's own operations), and the control:
 XLA's own fusion of an RMSNorm over [1, 7168]. For the MoE, also the span from its first kernel's start to its last
 kernel's end: with programmatic dependent launch each kernel starts early and waits for the one before it, so the
 per-kernel times overstate each kernel and the chain's length is only seen whole.
@@ -40,7 +41,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 from profile_tools import profile_calls  # noqa: E402
 
 MOE_CHAIN = ("AlignKernel", "CombineKernel8")  # the MoE's first and last kernel at M = 1 (bf16, k = 8)
-GEMV_CHAIN = ("GemvUpKernel", "CombineKernel8")  # the same on the GEMV decode path (FLAG_GEMV)
+GEMV_CHAIN = ("GemvUpKernel", "GemvDownKernel")  # the same on the GEMV decode path (FLAG_GEMV; its combine in gemv2)
+
+
+def _stream_path(call):
+    """call() with the GEMV decode path switched off while it runs (it runs when the op is traced): the MoE's
+    stream path with its default flags."""
+    before = os.environ.get("KDTREE_JAX_MOE_GEMV")
+    os.environ["KDTREE_JAX_MOE_GEMV"] = "0"
+    try:
+        return call()
+    finally:
+        if before is None:
+            del os.environ["KDTREE_JAX_MOE_GEMV"]
+        else:
+            os.environ["KDTREE_JAX_MOE_GEMV"] = before
 
 
 def cases(small: bool):
@@ -82,8 +97,8 @@ def cases(small: bool):
     ids = jnp.asarray([[3] + [local] * 7], jnp.int32)  # one local slot, seven on other devices' experts
     weights = jnp.asarray([[0.3] + [0.0] * 7], jnp.float32)
     experts = (int4(f, d), int4(f, d), int4(d, f))
-    out["marlin_moe M=1 (1 local)"] = (
-        lambda a, dep: marlin_moe(a[0] + dep.astype(bf), a[1], a[2], *a[3], experts_total=e),
+    out["marlin_moe M=1 (1 local)"] = (  # the stream path
+        lambda a, dep: _stream_path(lambda: marlin_moe(a[0] + dep.astype(bf), a[1], a[2], *a[3], experts_total=e)),
         (x, ids, weights, experts))
     out["marlin_moe M=1 (1 local), plain launches"] = (  # the same without programmatic dependent launch
         lambda a, dep: marlin_moe(a[0] + dep.astype(bf), a[1], a[2], *a[3], experts_total=e, flags=FLAG_SERIAL),
@@ -94,8 +109,9 @@ def cases(small: bool):
             out[f"marlin_moe M=1 ({label}), GEMV path"] = (
                 lambda a, dep: marlin_moe(a[0] + dep.astype(bf), a[1], a[2], *a[3], experts_total=e, flags=FLAG_GEMV),
                 (x, ii, ww, experts))
-        out["marlin_moe M=1 (8 local)"] = (
-            lambda a, dep: marlin_moe(a[0] + dep.astype(bf), a[1], a[2], *a[3], experts_total=e),
+        out["marlin_moe M=1 (8 local)"] = (  # the stream path
+            lambda a, dep: _stream_path(lambda: marlin_moe(a[0] + dep.astype(bf), a[1], a[2], *a[3],
+                                                           experts_total=e)),
             (x, everywhere, jnp.full((1, 8), 0.1, jnp.float32), experts))
 
     # mla_pre at one device's share (8 heads, Rq 1536): the custom call and XLA's own operations (its reference);
@@ -198,11 +214,11 @@ def write_report(out_dir: str, meta: dict, rows: list[dict]) -> None:
                          f"{c[1]:.1f} | {diff} |")
     chains = [r for r in rows if "hot_chain_us" in r]
     if chains:
-        lines += ["", f"The MoE as one span: from the start of `{MOE_CHAIN[0]}` (`{GEMV_CHAIN[0]}` on the GEMV path) "
-                  f"to the end of the next `{MOE_CHAIN[1]}` (median over the profiled calls). With programmatic "
-                  "dependent launch a kernel "
-                  "starts while the one before it runs and waits for it, so its time above includes that wait; the "
-                  "span counts the chain once.", "", "| case | hot span µs | cold span µs |", "|---|---|---|"]
+        lines += ["", f"The MoE as one span: from the start of `{MOE_CHAIN[0]}` to the end of the next "
+                  f"`{MOE_CHAIN[1]}` (on the GEMV path from `{GEMV_CHAIN[0]}` to `{GEMV_CHAIN[1]}`; median over the "
+                  "profiled calls). With programmatic dependent launch a kernel starts while the one before it runs "
+                  "and waits for it, so its time above includes that wait; the span counts the chain once.", "",
+                  "| case | hot span µs | cold span µs |", "|---|---|---|"]
         lines += [f"| {r['case']} | {r['hot_chain_us']:.1f} | {r.get('cold_chain_us', float('nan')):.1f} |"
                   for r in chains]
     with open(os.path.join(out_dir, "fixed_cost.md"), "w") as f:

@@ -51,7 +51,9 @@
 #                                                    # step as is, with it, and with it and fused_dot
 #   OUT=/tmp/out [BASE_DIR=<dir>] bash scripts/gpu_small_m.sh prefetch  # l2_prefetch, the GEMV path, mla_verify's
 #                                                    # splits: tests, the MoE alone, the full step as is, with the
-#                                                    # package of BASE_DIR, with each, with both
+#                                                    # package of BASE_DIR, with l2_prefetch, with the stream path
+#   OUT=/tmp/out BASE_DIR=<dir> bash scripts/gpu_small_m.sh defaults  # this build against BASE_DIR's package,
+#                                                    # alternated twice
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh gemv_ncu  # ncu of the GEMV kernels (the MoE's, fused_dot's) at M = 1
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fd_ncu  # fused_dot's calls alone with and without whole-line L2
 #                                                    # requests, then ncu of its kernel (sections, sampled stalls)
@@ -145,6 +147,22 @@ if [ -n "${FIXED:-}" ]; then  # each custom call's kernels hot and after an L2 f
   step fixed 150 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
 fi
 
+PF_CELLS=${PF_CELLS:-4096:1x1,4096:1x17}
+OPS=tree_build,tree_accept,mla_verify,marlin_moe,moe_route,move_rows,mla_pre
+run_full() {  # run_full NAME SUFFIX OPS [ENV...]: one full_scale.py run at PF_CELLS (a run named base is the base of
+  # the others); SCRIPT: the benchmark to run (BASE_DIR's copy for the older package)
+  local name=$1 suffix=$2 ops=$3 base=(); shift 3
+  [ "$name" != base ] && base=(--base "$OUT/results/base/full_scale.json")
+  step "$name" "${PF_LIMIT:-150}" "${BIG[@]}" XLA_FLAGS="$FLAGS" "$@" python3 "${SCRIPT:-benchmarks/full_scale.py}" \
+    --out "$OUT/results/$name" --cells "$PF_CELLS" --profile "${PF_PROFILE:-4096:1x1}" --repeats 3 \
+    --commit "$KDTREE_COMMIT$suffix" --ffi-ops "$ops" "${base[@]}" "${DEPTH[@]}"
+}
+run_older() {  # run_older NAME: the package of BASE_DIR (a git archive of an older commit's kdtree_jax and
+  # benchmarks) with this commit's benchmark scripts copied into it (they put their own tree first on the path)
+  mkdir -p "$BASE_DIR/benchmarks"
+  cp benchmarks/full_scale.py benchmarks/common.py benchmarks/profile_tools.py "$BASE_DIR/benchmarks/"
+  SCRIPT="$BASE_DIR/benchmarks/full_scale.py" run_full "$1" "${BASE_SUFFIX:--older}" "$OPS" PYTHONPATH="$BASE_DIR"
+}
 case $MODE in
 drafter)  # the K2.5-DFlash-shaped drafter alone (sharded 1/8 and replicated, batch 1 and 10): its attention on XLA with
   # the XLA flags without and with --xla_disable_hlo_passes=dot-merger (XLA merged its q/k/v and gate/up dots over
@@ -265,40 +283,31 @@ gemv)  # the MoE's GEMV decode path (FLAG_GEMV: a warp a weight row, no align) a
 prefetch)  # l2_prefetch (a layer's o, router and shared-expert weights asked into L2 before its attention kernel),
   # the MoE's GEMV path rebuilt (a warp both rows of f, one wave; the combine in gemv2) and mla_verify's key splits
   # (plan_splits' cost model): their GPU tests; benchmarks/fixed_cost.py (the MoE alone on both paths); then the full
-  # step (PF_CELLS; on an H100 at LAYERS_SMALL layers) of this build as is, with the older plan_splits (BASE_DIR: a
-  # tree of the package at the commit before it, run with this build's libraries), with l2_prefetch, with the GEMV
-  # path and with both, side by side, the XLA flags on all
+  # step (PF_CELLS; on an H100 at LAYERS_SMALL layers) of this build as is, with an older package (BASE_DIR, run
+  # with this build's libraries) alternated with it, with l2_prefetch, with the stream path for the MoE (the GEMV
+  # path off), side by side, the XLA flags on all
   step pf_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_l2_prefetch.py \
     tests/test_marlin_moe.py -k "gemv or prefetch"
   step mla_tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
     tests/test_mla_verify.py
   step fixed 150 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
   set_depth
-  PF_CELLS=${PF_CELLS:-4096:1x1,4096:1x17}
-  OPS=tree_build,tree_accept,mla_verify,marlin_moe,moe_route,move_rows,mla_pre
-  run_full() {  # run_full NAME SUFFIX OPS [ENV...]: one full_scale.py run (the first is the base of the others);
-    # SCRIPT: the benchmark to run (BASE_DIR's copy for the older package)
-    local name=$1 suffix=$2 ops=$3 base=(); shift 3
-    [ "$name" != base ] && base=(--base "$OUT/results/base/full_scale.json")
-    step "$name" "${PF_LIMIT:-150}" "${BIG[@]}" XLA_FLAGS="$FLAGS" "$@" python3 "${SCRIPT:-benchmarks/full_scale.py}" \
-      --out "$OUT/results/$name" --cells "$PF_CELLS" --profile "${PF_PROFILE:-4096:1x1}" --repeats 3 \
-      --commit "$KDTREE_COMMIT$suffix" --ffi-ops "$ops" "${base[@]}" "${DEPTH[@]}"
-  }
-  old_splits() {  # the older package (BASE_DIR) with this commit's benchmark scripts, which put their own tree
-    # first on the path
-    mkdir -p "$BASE_DIR/benchmarks"
-    cp benchmarks/full_scale.py benchmarks/common.py benchmarks/profile_tools.py "$BASE_DIR/benchmarks/"
-    SCRIPT="$BASE_DIR/benchmarks/full_scale.py" run_full "$1" "${BASE_SUFFIX:--older_splits}" "$OPS" PYTHONPATH="$BASE_DIR"
-  }
   run_full base "" "$OPS"
   if [ -n "${BASE_DIR:-}" ]; then
-    old_splits old_splits
+    run_older older
     run_full base2 "" "$OPS"
-    old_splits old_splits2
+    run_older older2
   fi
   run_full prefetch +l2_prefetch "$OPS,l2_prefetch"
-  run_full gemv +moe_gemv "$OPS" KDTREE_JAX_MOE_GEMV=1
-  [ -n "${PF_BOTH:-}" ] && run_full gemv_pf +moe_gemv+l2_prefetch "$OPS,l2_prefetch" KDTREE_JAX_MOE_GEMV=1
+  run_full stream -stream_moe "$OPS" KDTREE_JAX_MOE_GEMV=0
+  ;;
+defaults)  # this build's defaults against an older package's (BASE_DIR, with this build's libraries; BASE_SUFFIX
+  # names it), alternated twice (PF_CELLS; on an H100 at LAYERS_SMALL layers), the XLA flags on all
+  set_depth
+  run_full base "" "$OPS"
+  run_older older
+  run_full base2 "" "$OPS"
+  run_older older2
   ;;
 gemv_ncu)  # where the GEMV kernels' time goes at M = 1: ncu of GemvUpKernel and GemvDownKernel (one local expert of
   # 48, K2 shapes) and of FusedDotKernel (q_a/kv_a with its norm, and the o projection): sections, then sampled stalls

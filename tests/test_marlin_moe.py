@@ -813,7 +813,7 @@ def test_gemv_path_eligibility_and_switch(monkeypatch):
     x = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
     with pytest.raises(ValueError, match="FLAG_GEMV needs bfloat16 x, group size 32"):
         marlin_moe(x, ids, weights, *experts, flags=FLAG_GEMV)
-    for value, want in (("0", 0), ("", 0), ("1", FLAG_GEMV)):
+    for value, want in (("0", 0), ("", FLAG_GEMV), ("1", FLAG_GEMV)):
         monkeypatch.setenv("KDTREE_JAX_MOE_GEMV", value)
         assert gemv_default() == want
     monkeypatch.setenv("KDTREE_JAX_MOE_GEMV", "yes")
