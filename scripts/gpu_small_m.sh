@@ -302,12 +302,14 @@ prefetch)  # l2_prefetch (a layer's o, router and shared-expert weights asked in
   run_full stream -stream_moe "$OPS" KDTREE_JAX_MOE_GEMV=0
   ;;
 defaults)  # this build's defaults against an older package's (BASE_DIR, with this build's libraries; BASE_SUFFIX
-  # names it), alternated twice (PF_CELLS; on an H100 at LAYERS_SMALL layers), the XLA flags on all
+  # names it), alternated twice (ONCE=1: once) (PF_CELLS; on an H100 at LAYERS_SMALL layers), the XLA flags on all
   set_depth
   run_full base "" "$OPS"
   run_older older
-  run_full base2 "" "$OPS"
-  run_older older2
+  if [ -z "${ONCE:-}" ]; then
+    run_full base2 "" "$OPS"
+    run_older older2
+  fi
   ;;
 gemv_ncu)  # where the GEMV kernels' time goes at M = 1: ncu of GemvUpKernel and GemvDownKernel (one local expert of
   # 48, K2 shapes) and of FusedDotKernel (q_a/kv_a with its norm, and the o projection): sections, then sampled stalls
