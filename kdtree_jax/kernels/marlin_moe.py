@@ -19,6 +19,9 @@ then gate+up with the SiLU-and-multiply fused, then down, each streaming every t
 (bf16 tensor cores, fp32 accumulation), then a fixed-order sum over the top-k with the routing weights. `block_m`
 (and the FLAG_TILE bit) picks the path, by M and the slots per expert at trace time (`choose_path`):
 
+- GEMV decode path (the default at K2's shapes for at most 64 slots, `gemv_eligible`; KDTREE_JAX_MOE_GEMV=0 turns it
+  off): no sort and no tensor cores, a warp owning the gate and up rows of one output (then four down rows), two
+  launches, the combine inside the second (ffi/marlin_moe.cu);
 - stream path (block_m 8, 16, 32; fewer than 8 slots per expert, or no tile path): mma.sync with the weights as the
   16-row operand and 8 slots as the other; a block owns 16 rows of gate and up (or 32 of down) and one block of
   slots; every mma step lies in one quantization group, so the INT4 values go to the tensor cores exactly (one lop3
@@ -32,7 +35,8 @@ then gate+up with the SiLU-and-multiply fused, then down, each streaming every t
   SM): block_m 32 is the default at 8-24 slots per expert (`NARROW_SLOTS`), 16 a variant for benchmarks and tests.
 
 The sorted slots, the block experts and the bf16 intermediates h [M k, F] and ys [M k, D] are extra outputs of the
-call (scratch; nothing in them needs clearing). Float32 activations and other shapes run a generic CUDA-core
+call (scratch; nothing in them needs clearing; the GEMV decode path writes only h, its second kernel summing each
+token's slots itself). Float32 activations and other shapes run a generic CUDA-core
 kernel: correct, not fast.
 """
 
@@ -67,7 +71,7 @@ FLAG_PERSIST = 128  # stream path: as many blocks as fit at once, each looping o
 FLAG_X_L1 = 256  # stream path, gate/up: the token values prefetched into L1 as many chunks ahead as the weights
 FLAG_FUSED = 512  # the fused decode path: the whole MoE in one launch (target FUSED_TARGET; see `fused_eligible`)
 FLAG_FUSED_ONE = 1024  # the fused path on one block an SM (not two): room for the other compute stream's kernels
-FLAG_GEMV = 2048  # the GEMV decode path: CUDA cores, a warp a weight row, no align (see `gemv_eligible`)
+FLAG_GEMV = 2048  # the GEMV decode path: CUDA cores, a warp two weight rows, no align (`gemv_eligible`)
 GEMV_MAX_SLOTS = 64  # M k the GEMV path takes
 FUSED_TARGET = "kdtree_marlin_moe_fused"
 FUSED_MAX_SLOTS = 256  # M k the fused path takes (its kernel sorts the slots with one thread each)
@@ -241,7 +245,8 @@ def _check(x, ids, weights, we_gate, we_up, we_down) -> tuple[int, int, int, int
 def _cuda_call(args, m: int, d: int, k: int, e: int, f: int, dtype, block_m: int,
                flags: int = 0, target: str = TARGET) -> list[jax.Array]:
     """The CUDA custom call: [out [M, D], sorted slots, block experts, h [M k, F], ys [M k, D]] (the GPU tests
-    read the scratch outputs too). In the tile path h holds each 128-column block in the kernel's k order. target:
+    read the scratch outputs too; the GEMV path writes out and h only). In the tile path h holds each 128-column
+    block in the kernel's k order. target:
     another registration of the same handler (benchmarks/marlin_stages.py's timing copies)."""
     nb = max_blocks(m * k, e, block_m)
     outs = [jax.ShapeDtypeStruct((m, d), dtype),
