@@ -72,3 +72,30 @@ def _release_compiled_programs():
     _leaf_initializer.cache_clear()
     jax.clear_caches()
     gc.collect()
+
+
+def tiny_bf16_model():
+    """The tiny preset in bf16 and its weights from key 3 (the custom calls' model-level tests)."""
+    import kdtree_jax as kj
+    cfg = kj.configs.tiny(dtype="bfloat16")
+    return cfg, kj.init_params(cfg, jax.random.key(3))
+
+
+def with_ffi_op(cfg, op: str, on: bool):
+    """cfg with the default custom calls, plus `op` when on (without it when not)."""
+    import dataclasses
+
+    import kdtree_jax as kj
+    ops = tuple(o for o in kj.config.DEFAULT_FFI_OPS if o != op) + ((op,) if on else ())
+    return dataclasses.replace(cfg, kernels="ffi", ffi_ops=ops)
+
+
+def step_calls(params, cfg, target: str, rows: int = 2, t: int = 1) -> int:
+    """The calls of custom call `target` in the lowered step of [rows, t] tokens over a cache of t + 16 slots."""
+    from kdtree_jax.model import init_cache, step
+    from kdtree_jax.sharding import trace_context
+    cache = init_cache(cfg, rows, t + 16)
+    tokens = jnp.ones((rows, t), jnp.int32)
+    with trace_context(params, cfg):
+        text = jax.jit(lambda p, c, tk: step(p, cfg, tk, c).logits).lower(params, cache, tokens).as_text()
+    return text.count(f'"{target}"') + text.count(f"@{target}")

@@ -4,7 +4,7 @@ normalized rows equal to the reference's but for rare 1-2 ulp roundings; the CUD
 at every split; the model with it equal to the model without within bf16 rounding; greedy ddtree (whose verify steps
 run XLA's operations) with it equal to ar (whose decode steps run the custom call); clear errors for bad arguments."""
 
-import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,7 @@ import kdtree_jax as kj
 from kdtree_jax.kernels.fused_dot import (FLAG_L2_LINES, FLAG_PLAIN, FLAG_WEIGHT_PARAM, fused_dot, fused_dot_ref,
                                           on_cuda_path, on_ffi_path)
 
-from conftest import needs_gpu
+from conftest import needs_gpu, step_calls, tiny_bf16_model, with_ffi_op
 
 gpu = pytest.mark.gpu
 EPS = 1e-6
@@ -167,27 +167,12 @@ def test_bad_arguments_are_named():
 # The model
 
 
-def _bf16_model():
-    cfg = kj.configs.tiny(dtype="bfloat16")
-    return cfg, kj.init_params(cfg, jax.random.key(3))
-
-
 def _with(cfg, on: bool):
-    ops = tuple(o for o in kj.config.DEFAULT_FFI_OPS if o != "fused_dot") + (("fused_dot",) if on else ())
-    return dataclasses.replace(cfg, kernels="ffi", ffi_ops=ops)
-
-
-def _step_text(params, cfg, rows=2, t=1) -> str:
-    from kdtree_jax.model import init_cache, step
-    from kdtree_jax.sharding import trace_context
-    cache = init_cache(cfg, rows, t + 16)
-    tokens = jnp.ones((rows, t), jnp.int32)
-    with trace_context(params, cfg):
-        return jax.jit(lambda p, c, tk: step(p, cfg, tk, c).logits).lower(params, cache, tokens).as_text()
+    return with_ffi_op(cfg, "fused_dot", on)
 
 
 def test_decode_step_with_fused_dot_equals_without_within_rounding():
-    cfg, params = _bf16_model()
+    cfg, params = tiny_bf16_model()
     from kdtree_jax.model import init_cache, prefill, step
     prompt = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
     outs = []
@@ -203,20 +188,20 @@ def test_decode_step_with_fused_dot_equals_without_within_rounding():
 
 def test_decode_step_runs_fused_dot_only_where_asked():
     with jax.default_device(jax.devices("cpu")[0]):
-        cfg, params = _bf16_model()
+        cfg, params = tiny_bf16_model()
         off, on = _with(cfg, False), _with(cfg, True)
         assert on.impl("fused_dot") == "ffi" and off.impl("fused_dot") == "xla"
-        count = lambda text: text.count('"kdtree_fused_dot"') + text.count("@kdtree_fused_dot")
-        assert count(_step_text(params, off)) == 0
+        count = partial(step_calls, target="kdtree_fused_dot")
+        assert count(params, off) == 0
         # four a layer: norm + q_a/kv_a, o + residual, norm + router/gate-up (or the dense gate/up), down + adds
-        assert count(_step_text(params, on)) == 4 * cfg.num_hidden_layers
-        assert count(_step_text(params, on, rows=1, t=5)) == 0  # past MAX_ROWS: the model's own operations
+        assert count(params, on) == 4 * cfg.num_hidden_layers
+        assert count(params, on, rows=1, t=5) == 0  # past MAX_ROWS: the model's own operations
         sharded = kj.shard_params(params, on, kj.make_mesh(ep=4, devices=jax.devices("cpu")[:4]))
-        assert count(_step_text(sharded, on)) == 0
+        assert count(sharded, on) == 0
 
 
 def test_greedy_ddtree_with_fused_dot_equals_ar():
-    cfg, params = _bf16_model()
+    cfg, params = tiny_bf16_model()
     cfg = _with(cfg, True)
     drafter = kj.init_drafter(cfg, jax.random.key(4), num_layers=1, block_size=4)
     prompts = [[1, 2, 3, 4], [5, 6]]

@@ -3,7 +3,6 @@ the model with it on computes the same logits bit for bit and greedy ddtree with
 asked (the custom call counted in the lowered step); clear errors for bad arguments; on the GPU (marked gpu) both
 request kinds (line prefetches and bulk chunks, a chunk cut short by a size off 16 bytes) return x untouched."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ import kdtree_jax as kj
 from kdtree_jax.kernels.l2_prefetch import PREFETCH_BUDGET, l2_prefetch, prefetch_plan
 from kdtree_jax.quant import quantize_int4
 
-from conftest import needs_gpu
+from conftest import needs_gpu, step_calls, tiny_bf16_model, with_ffi_op
 
 gpu = pytest.mark.gpu
 
@@ -67,40 +66,28 @@ def test_plan_keeps_the_leading_arrays_within_the_budget():
 # The model
 
 
-def _model():
-    cfg = kj.configs.tiny(dtype="bfloat16")
-    return cfg, kj.init_params(cfg, jax.random.key(3))
-
-
 def _with(cfg, on: bool):
-    ops = tuple(o for o in kj.config.DEFAULT_FFI_OPS if o != "l2_prefetch") + (("l2_prefetch",) if on else ())
-    return dataclasses.replace(cfg, kernels="ffi", ffi_ops=ops)
+    return with_ffi_op(cfg, "l2_prefetch", on)
 
 
-def _count(params, cfg, rows=1, t=1, context=32) -> int:
-    from kdtree_jax.model import init_cache, step
-    from kdtree_jax.sharding import trace_context
-    cache = init_cache(cfg, rows, context)
-    tokens = jnp.ones((rows, t), jnp.int32)
-    with trace_context(params, cfg):
-        text = jax.jit(lambda p, c, tk: step(p, cfg, tk, c).logits).lower(params, cache, tokens).as_text()
-    return text.count('"kdtree_l2_prefetch"') + text.count("@kdtree_l2_prefetch")
+def _count(params, cfg, rows=1, t=1) -> int:
+    return step_calls(params, cfg, "kdtree_l2_prefetch", rows=rows, t=t)
 
 
 def test_decode_step_prefetches_only_where_asked():
     with jax.default_device(jax.devices("cpu")[0]):
-        cfg, params = _model()
+        cfg, params = tiny_bf16_model()
         off, on = _with(cfg, False), _with(cfg, True)
         assert on.impl("l2_prefetch") == "ffi" and off.impl("l2_prefetch") == "xla"
         assert _count(params, off) == 0
         assert _count(params, on) == _count(params, on, rows=2, t=5) == cfg.num_hidden_layers  # one a layer
-        assert _count(params, on, rows=2, t=40, context=96) == 0  # past PREFETCH_MAX_ROWS
+        assert _count(params, on, rows=2, t=40) == 0  # past PREFETCH_MAX_ROWS
         sharded = kj.shard_params(params, on, kj.make_mesh(ep=4, devices=jax.devices("cpu")[:4]))
         assert _count(sharded, on) == 0  # not on a mesh
 
 
 def test_decode_and_verify_steps_are_bitwise_unchanged():
-    cfg, params = _model()
+    cfg, params = tiny_bf16_model()
     from kdtree_jax.model import init_cache, prefill, step
     prompt = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
     for t in (1, 5):
@@ -115,7 +102,7 @@ def test_decode_and_verify_steps_are_bitwise_unchanged():
 
 
 def test_greedy_ddtree_with_prefetch_equals_ar():
-    cfg, params = _model()
+    cfg, params = tiny_bf16_model()
     cfg = _with(cfg, True)
     drafter = kj.init_drafter(cfg, jax.random.key(4), num_layers=1, block_size=4)
     prompts = [[1, 2, 3, 4], [5, 6]]
