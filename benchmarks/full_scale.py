@@ -330,9 +330,14 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> Non
     for name, prof in extra.get("profiles", {}).items():
         lines += ["", f"## Kernel profile, {name} (per step; {prof['launches']:.0f} kernels, "
                       f"{prof['launches'] / meta['layers']:.1f} a layer; GPU busy {prof['busy_us'] / 1e3:.2f} ms)", "",
-                  "| kernel | launches | µs | share |", "|---|---|---|---|"]
+                  "| kernel | launches | µs | share | µs on the path |", "|---|---|---|---|---|"]
+        path = prof.get("path_us", {})
         for k, c, us in prof["top"]:
-            lines.append(f"| `{k[:80]}` | {c:.0f} | {us:.0f} | {us / prof['busy_us']:.0%} |")
+            on_path = f"{path[k]:.0f}" if k in path else "-"
+            lines.append(f"| `{k[:80]}` | {c:.0f} | {us:.0f} | {us / prof['busy_us']:.0%} | {on_path} |")
+        if path:
+            lines += ["", "µs on the path: each instant of a step charged to the running kernel that ends first "
+                          f"(`profile_tools.path_shares`); no kernel running: {path.get('(idle)', 0.0):.0f} µs."]
     proj = extra.get("projection")
     if proj:
         quoted = " / ".join(f"{v}" for v in TAU_QUOTED.values())
@@ -476,7 +481,7 @@ def main(argv=None) -> int:
         if prof is not None and jax.default_backend() == "gpu":
             extra["profiles"][f"context {context}, {batch} x {t}"] = dict(
                 busy_us=prof["busy_us"], launches=sum(c for c, _ in prof["kernels"].values()),
-                top=top_kernels(prof, 25))
+                top=top_kernels(prof, 25), path_us=prof["path_us"])
         print(f"context {context:6d} {batch:2d}x{t:2d}: {1e3 * step_s:8.2f} ms  floor {1e3 * row['floor_s']:6.2f} ms "
               f"({step_s / row['floor_s']:.2f}x)  compile {compile_s:.0f}s", flush=True)
         write_report(args.out, meta, rows, extra)

@@ -533,17 +533,22 @@ __global__ void __launch_bounds__(kThreads, 1) MlaVerifyKernel(const FastParams 
 }
 
 // out[b, m, :] = sum_i w_i part_i / sum_i w_i with w_i = l_i 2^(m_i - max m), over the splits that saw a key.
-// One block per output row: the weights go through shared memory, each warp sums every 8th split (16 columns per
-// lane, four independent 16-byte loads per split), then the eight warps' sums are added in a fixed order.
+// Block (m, b, c) writes columns 128 c .. 128 c + 127 of row m (four blocks a row, so that at one query token's
+// eight rows 32 SMs read the partials, not 8): the weights go through shared memory, each warp sums every 8th split
+// (a 16-byte load a lane a split, four splits' loads in flight), then the eight warps' sums are added in a fixed
+// order. Each column is summed in the same order whatever the block count.
 constexpr int kMaxSplits = 1024;
 constexpr int kCombineWarps = 8;
+constexpr int kCombineCols = 128;  // columns a block
+constexpr int kCombineParts = kRank / kCombineCols;
 
 __global__ void __launch_bounds__(kCombineWarps * 32) CombineKernel(const float* part, const float2* stats,
                                                                     __nv_bfloat16* out, int m, int splits) {
   __shared__ float weight[kMaxSplits];
   __shared__ float top[kCombineWarps], total[kCombineWarps];
-  __shared__ float4 sums[kCombineWarps][kRank / 4];
-  const int qm = blockIdx.x, b = blockIdx.y, t = threadIdx.x, warp = t >> 5, lane = t & 31;
+  __shared__ float4 sums[kCombineWarps][kCombineCols / 4];
+  const int qm = blockIdx.x, b = blockIdx.y, col0 = kCombineCols * blockIdx.z;
+  const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   const size_t first = static_cast<size_t>(b) * splits * m + qm;  // stats row of split i: first + i * m
   GridDependencyWait();  // the attention kernel's partials
   LaunchDependents();
@@ -572,27 +577,22 @@ __global__ void __launch_bounds__(kCombineWarps * 32) CombineKernel(const float*
   if (lane == 0) total[warp] = sum;
   __syncthreads();
 
-  float4 acc[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 2
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float4* src = reinterpret_cast<const float4*>(part + first * kRank + col0) + lane;
+  const size_t stride = static_cast<size_t>(m) * kRank / 4;  // float4s from one split's row to the next's
+#pragma unroll 4
   for (int i = warp; i < splits; i += kCombineWarps) {
     const float w = weight[i];
     if (w == 0.0f) continue;
-    const float4* src = reinterpret_cast<const float4*>(part + (first + static_cast<size_t>(i) * m) * kRank);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float4 v = src[lane + 32 * j];
-      acc[j].x += w * v.x;
-      acc[j].y += w * v.y;
-      acc[j].z += w * v.z;
-      acc[j].w += w * v.w;
-    }
+    const float4 v = src[i * stride];
+    acc.x += w * v.x;
+    acc.y += w * v.y;
+    acc.z += w * v.z;
+    acc.w += w * v.w;
   }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) sums[warp][lane + 32 * j] = acc[j];
+  sums[warp][lane] = acc;
   __syncthreads();
-  if (t < kRank / 4) {
+  if (t < kCombineCols / 4) {
     float all = 0.0f;
 #pragma unroll
     for (int w = 0; w < kCombineWarps; ++w) all += total[w];
@@ -605,7 +605,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) CombineKernel(const float*
       v.z += sums[w][t].z;
       v.w += sums[w][t].w;
     }
-    __nv_bfloat16* dst = out + (static_cast<size_t>(b) * m + qm) * kRank + 4 * t;
+    __nv_bfloat16* dst = out + (static_cast<size_t>(b) * m + qm) * kRank + col0 + 4 * t;
     *reinterpret_cast<uint32_t*>(dst) = PackBf16(v.x * inv, v.y * inv);
     *reinterpret_cast<uint32_t*>(dst + 2) = PackBf16(v.z * inv, v.w * inv);
   }
@@ -778,9 +778,9 @@ ffi::Error MlaVerifyCudaImpl(cudaStream_t stream,
       return e;
     }
     if (splits > 1) {
-      return Launch(CombineKernel, dim3(static_cast<unsigned>(M), static_cast<unsigned>(B)), kCombineWarps * 32, 0,
-                    stream, pdl, "combine launch", static_cast<const float*>(p.part),
-                    static_cast<const float2*>(p.stats), p.out, p.m, p.splits);
+      const dim3 parts(static_cast<unsigned>(M), static_cast<unsigned>(B), kCombineParts);
+      return Launch(CombineKernel, parts, kCombineWarps * 32, 0, stream, pdl, "combine launch",
+                    static_cast<const float*>(p.part), static_cast<const float2*>(p.stats), p.out, p.m, p.splits);
     }
     return ffi::Error::Success();
   }

@@ -54,6 +54,9 @@
 #                                                    # package of BASE_DIR, with l2_prefetch, with the stream path
 #   OUT=/tmp/out BASE_DIR=<dir> bash scripts/gpu_small_m.sh defaults  # this build against BASE_DIR's package,
 #                                                    # alternated twice
+#   OUT=/tmp/out OLD_LIB=<dir> bash scripts/gpu_small_m.sh combine  # mla_verify's tests; the full step with this
+#                                                    # build's libraries against OLD_LIB's, alternated twice (NCU=1:
+#                                                    # then gemv_ncu)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh gemv_ncu  # ncu of the GEMV kernels (the MoE's, fused_dot's) at M = 1
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fd_ncu  # fused_dot's calls alone with and without whole-line L2
 #                                                    # requests, then ncu of its kernel (sections, sampled stalls)
@@ -310,6 +313,20 @@ defaults)  # this build's defaults against an older package's (BASE_DIR, with th
     run_full base2 "" "$OPS"
     run_older older2
   fi
+  ;;
+combine)  # mla_verify's combine over four blocks a row (128 columns each): mla_verify's GPU tests; the full step
+  # (PF_CELLS, profiles PF_PROFILE, each with its kernels' µs on the path) with this build's libraries and with
+  # OLD_LIB's (a directory of an older build's two libraries), alternated twice; then NCU=1: gemv_ncu into $OUT/ncu
+  step mla_tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
+    tests/test_mla_verify.py
+  set_depth
+  run_full base "" "$OPS"
+  run_full oldlib "${OLD_SUFFIX:--oldlib}" "$OPS" KDTREE_JAX_FFI_DIR="$OLD_LIB"
+  if [ -z "${ONCE:-}" ]; then
+    run_full base2 "" "$OPS"
+    run_full oldlib2 "${OLD_SUFFIX:--oldlib}" "$OPS" KDTREE_JAX_FFI_DIR="$OLD_LIB"
+  fi
+  [ -n "${NCU:-}" ] && OUT=$OUT/ncu bash scripts/gpu_small_m.sh gemv_ncu
   ;;
 gemv_ncu)  # where the GEMV kernels' time goes at M = 1: ncu of GemvUpKernel and GemvDownKernel (one local expert of
   # 48, K2 shapes) and of FusedDotKernel (q_a/kv_a with its norm, and the o projection): sections, then sampled stalls
