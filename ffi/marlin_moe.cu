@@ -1557,108 +1557,38 @@ __global__ void __launch_bounds__(kFusedThreads, 2) FusedMoeKernel(const FusedPa
 // Handler
 // ------------------------------------------------------------------------------------------------------------------
 
-// GEMV decode path (flag bit 11; bf16, group 32, D and F multiples of 1024, at most kGemvSlots slots): no align, no
-// tensor cores, two launches. A warp owns output rows of one slot: gemv1 the gate and the up row f of the slot's
-// expert (2 x D / 2 bytes, every 16-byte piece issued at once: 2 x D / 1024 loads a lane), gemv2 four rows d of down
-// (4 x F / 2 bytes) and the combine of those rows over a token's slots. Lane l takes the 32 inputs 32 (l + 32 s) ..
-// + 31 of step s: one 16-byte piece of the packed row and its group's scale. A nibble q becomes the float 128 + q
-// with one byte permute, so each weight costs a permute and an FMA: sum_j x_j (128 + q_j) per group, then
-// s (that - 136 sum_j x_j) with the group sums of x precomputed (an fp32 sum of terms at most 143 |x_j|: ~2^-17 of
-// sum_j |x_j| lost to the offset, far below the bf16 rounding of h and ys). The token row (gemv1) or
-// h row (gemv2) of the slot is in shared memory as fp32 (16-byte chunks swizzled by group, `Swz`), with its group
-// sums; blocks loop over the slots of local experts (at M = 1 about one). Rows are summed by warp shuffles in a fixed
-// order; h and ys are rounded to bf16 as the reference rounds them, and the combine sums as CombineKernel8 does.
+// GEMV decode path (flag bit 11; bf16, group 32, D and F multiples of 1024, at most kGemvSlots slots): no align, two
+// launches, the dots on the tensor cores with the token as the mma's 8-column operand. A block owns 16 weight rows
+// (gemv1: the gate and the up rows of 8 consecutive f; gemv2: 16 rows d of down) and splits their inputs over its
+// warps; each warp copies its [16 rows x its inputs] of packed nibbles and their scales into shared memory with
+// cp.async (no registers held while the bytes are in flight), then, a group of 32 inputs at a time:
+//   * ldmatrix gives lane (g, c) word c of the group (nibbles 8c .. 8c + 7) of rows g and g + 8, two groups a load;
+//   * each word becomes four bf16 pairs 128 + q by a shift and one lop3 (BiasedPair: nibbles s and s + 4 of the
+//     word), the A fragments of two m16n8k16 mmas; the token's 8 inputs of chunk c, staged in shared memory as bf16 in
+//     the same order (x0 x4 x1 x5 x2 x6 x3 x7), are the B fragments (every column the same token);
+//   * the two mmas add sum_j x_j (128 + q_j) over the group, in fp32, onto -136 sum_j x_j (the group sums of x
+//     precomputed), which leaves sum_j x_j (q_j - 8), and the lane adds s_g times that for its two rows: the
+//     arithmetic of the CUDA-core version this replaced (and of the stream path), with the tensor core doing the 32
+//     multiply-adds.
+// The warps' sums are added in a fixed order through shared memory; h and ys are rounded to bf16 as the reference
+// rounds them, and gemv2 sums a token's slots in slot order, as CombineKernel8 does. ~1 instruction a weight (the
+// CUDA-core version needed ~2.5: ncu showed it short of issue slots after its loads, at 0.36 instructions a cycle
+// per scheduler).
 constexpr int kGemvSlots = 64;
-constexpr int kGemvWarps = 8;
-constexpr int kGemvDownRows = 4;  // rows of down a warp
+constexpr int kUpWarps = 8;    // gemv1: the D inputs over 8 warps
+constexpr int kDownWarps = 4;  // gemv2: the F inputs over 4 warps
+constexpr int kTcRows = 16;    // weight rows a block (the mma's M)
 
-// acc + sum_j x_j (128 + q_j) over the 8 nibbles of w, x = (a, b): one byte permute puts nibble q under the byte
-// 0x43, which is the float 128 + q (exponent 7, q in the mantissa's bits 16-19), so a weight costs a permute and an
-// FMA.
-__device__ __forceinline__ float NibbleDot(uint32_t w, float4 a, float4 b, float acc) {
-  const uint32_t lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
-  const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float ql = __uint_as_float(__byte_perm(lo, 0x43000000u, 0x7044u | (i << 8)));
-    const float qh = __uint_as_float(__byte_perm(hi, 0x43000000u, 0x7044u | (i << 8)));
-    acc = fmaf(x[2 * i], ql, acc);
-    acc = fmaf(x[2 * i + 1], qh, acc);
-  }
-  return acc;
-}
+// A warp's row of `groups` 16-byte groups in shared memory, padded to an odd count of 16-byte chunks so that
+// ldmatrix's eight row reads fall in eight different 16-byte bank groups.
+__host__ __device__ constexpr int RowChunks(int groups) { return groups | 1; }
 
-// The staged row's group g (32 floats) holds its 16-byte chunk c at chunk c ^ (g % 8), so that the 32 lanes of a
-// warp, each reading chunk c of its own group, hit 8 different chunk positions in every phase of 8 (no conflicts).
-__device__ __forceinline__ int Swz(int g, int c) { return 32 * g + 4 * (c ^ (g & 7)); }
-
-// kRows packed rows . v over `cols` inputs (cols / 1024 pieces a lane, preloaded), each staged chunk of v read once for
-// all rows: dot[r] = the sum over the lane's groups of s_g (sum_j v_j q_j - 8 sum_j v_j); the caller sums the lanes.
-template <int kRows, int kPieces>
-__device__ __forceinline__ void RowDots(const uint4 (&w)[kRows][kPieces], const float (&sc)[kRows][kPieces],
-                                        const float* v, const float* vsum, int lane, float (&dot)[kRows]) {
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) dot[r] = 0.0f;
-#pragma unroll
-  for (int st = 0; st < kPieces; ++st) {
-    const int grp = lane + 32 * st;
-    float part[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) part[r] = 0.0f;
-#pragma unroll
-    for (int wd = 0; wd < 4; ++wd) {
-      const float4 a = *reinterpret_cast<const float4*>(v + Swz(grp, 2 * wd));
-      const float4 b = *reinterpret_cast<const float4*>(v + Swz(grp, 2 * wd + 1));
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const uint32_t word = wd == 0 ? w[r][st].x : wd == 1 ? w[r][st].y : wd == 2 ? w[r][st].z : w[r][st].w;
-        part[r] = NibbleDot(word, a, b, part[r]);
-      }
-    }
-    const float gs = 136.0f * vsum[grp];  // sum_j v_j (q_j - 8) = sum_j v_j (128 + q_j) - 136 sum_j v_j
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) dot[r] = fmaf(sc[r][st], part[r] - gs, dot[r]);
-  }
-}
-
-__device__ __forceinline__ float WarpSum(float v) {
-#pragma unroll
-  for (int d = 16; d >= 1; d /= 2) v += __shfl_xor_sync(0xffffffffu, v, d);
-  return v;
-}
-
-// Stage `n` bf16 values (n a multiple of 32, at most 8 x 4 x the block's threads) as fp32 into v (group g of 32
-// values swizzled: `Swz`), and the sum of each group into vsum (n / 32); block-wide. Every thread's 16-byte loads are
-// issued before the first store; a group's four pieces are four neighbouring threads', summed by two shuffles.
-__device__ __forceinline__ void StageRow(const __nv_bfloat16* src, int n, float* v, float* vsum) {
-  __syncthreads();  // the previous slot's reads are done
-  uint4 got[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int at = threadIdx.x + i * blockDim.x;
-    got[i] = 8 * at < n ? LoadGlobal16Cg(src + 8 * at) : make_uint4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int at = threadIdx.x + i * blockDim.x, g = at / 4, piece = at % 4;
-    const uint32_t words[4] = {got[i].x, got[i].y, got[i].z, got[i].w};
-    float f[8];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 two = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
-      f[2 * j] = two.x;
-      f[2 * j + 1] = two.y;
-    }
-    float sum = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if (8 * at < n) {
-      *reinterpret_cast<float4*>(v + Swz(g, 2 * piece)) = make_float4(f[0], f[1], f[2], f[3]);
-      *reinterpret_cast<float4*>(v + Swz(g, 2 * piece + 1)) = make_float4(f[4], f[5], f[6], f[7]);
-      if (piece == 0) vsum[g] = sum;
-    }
-  }
-  __syncthreads();
+// Shared-memory bytes of a GEMV block: the staged row (bf16) and its group offsets (fp32), then per warp its
+// [16 x groups] nibbles (padded rows) and [16 x groups] bf16 scales, then the warps' sums [warps x 16] (fp32).
+__host__ __device__ constexpr int GemvSmem(int inputs, int warps) {
+  return 2 * inputs + 4 * (inputs / 32) +
+         warps * (kTcRows * RowChunks(inputs / 32 / warps) * 16 + kTcRows * (inputs / 32 / warps) * 2) +
+         4 * warps * kTcRows;
 }
 
 struct GemvParams {
@@ -1678,17 +1608,125 @@ struct GemvParams {
 
 __device__ __forceinline__ bool LocalExpert(int e, int experts) { return e >= 0 && e < experts; }
 
-// grid F / 8 blocks of 8 warps: warp w of block b takes both the gate and the up row f = 8 b + w (2 x D / 1024 loads
-// of 16 bytes a lane in flight at once, so the grid is one wave at two blocks an SM) and writes h[slot, f] for every
-// slot of a local expert
-template <int kPieces>
-__global__ void __launch_bounds__(32 * kGemvWarps, 2) GemvUpKernel(const GemvParams p) {
-  extern __shared__ __align__(16) float gsm[];
-  float* v = gsm;              // [D]
-  float* vsum = gsm + p.d;     // [D / 32]
+// The block's shared memory carved as GemvSmem lays it out, for `inputs` inputs over `warps` warps.
+struct GemvSmemMap {
+  uint32_t v;       // staged row: inputs bf16, each 8-input chunk as x0 x4 x1 x5 x2 x6 x3 x7
+  float* off;       // [inputs / 32]: -136 x the group's sum of the staged row
+  uint32_t w;       // this warp's nibbles [16][RowChunks(groups)] x 16 bytes
+  uint32_t s;       // this warp's scales [16][groups] bf16
+  float* red;       // [warps][16]
+};
+
+__device__ __forceinline__ GemvSmemMap CarveGemv(uint8_t* base, int inputs, int warps, int warp) {
+  const int groups = inputs / 32 / warps;
+  const int wbytes = kTcRows * RowChunks(groups) * 16, sbytes = kTcRows * groups * 2;
+  uint8_t* wbase = base + 2 * inputs + 4 * (inputs / 32);
+  GemvSmemMap m;
+  m.v = SmemAddress(base);
+  m.off = reinterpret_cast<float*>(base + 2 * inputs);
+  m.w = SmemAddress(wbase + warp * (wbytes + sbytes));
+  m.s = m.w + wbytes;
+  m.red = reinterpret_cast<float*>(wbase + warps * (wbytes + sbytes));
+  return m;
+}
+
+// Where a warp's 16 weight rows start: rows 0-7 at lo + r * q_stride words (scales lo_s + r * s_stride), rows 8-15
+// at hi / hi_s the same way; every pointer already at the warp's first input.
+struct TcRowSource {
+  const uint32_t *lo, *hi;
+  const __nv_bfloat16 *lo_s, *hi_s;
+  int64_t q_stride, s_stride;
+};
+
+// This warp's cp.async copies of its kGroups groups of the 16 rows (and their scales) into its shared memory,
+// committed as one group.
+template <int kGroups>
+__device__ __forceinline__ void CopyRows(const GemvSmemMap& m, const TcRowSource& src, int lane) {
+#pragma unroll
+  for (int i = lane; i < kTcRows * kGroups; i += 32) {
+    const int r = i / kGroups, g = i % kGroups;
+    CopyAsync16Cg(m.w + (r * RowChunks(kGroups) + g) * 16, (r < 8 ? src.lo : src.hi) + (r % 8) * src.q_stride + 4 * g);
+  }
+#pragma unroll
+  for (int i = lane; i < kTcRows * kGroups / 4; i += 32) {  // 8 bytes: four groups' scales
+    const int r = i / (kGroups / 4), q = i % (kGroups / 4);
+    CopyAsync8(m.s + (r * kGroups + 4 * q) * 2, (r < 8 ? src.lo_s : src.hi_s) + (r % 8) * src.s_stride + 4 * q);
+  }
+  CopyCommit();
+}
+
+// The warp's 16 rows . v over its kGroups groups (group0 = its first group of the staged row): tot[0] for row g,
+// tot[1] for row g + 8 (lane = 4 g + c); every lane of a quad ends with the same two sums.
+template <int kGroups>
+__device__ __forceinline__ void TcRowDots(const GemvSmemMap& m, int group0, int lane, float (&tot)[2]) {
+  const int g = lane >> 2, c = lane & 3, q = lane >> 3;
+  const uint32_t rows = m.w + (((q & 1) * 8 + (lane & 7)) * RowChunks(kGroups) + (q >> 1)) * 16;
+  tot[0] = tot[1] = 0.0f;
+#pragma unroll 2
+  for (int j = 0; j < kGroups; j += 2) {
+    uint32_t r[4];
+    Ldsm4(r, rows + 16 * j);  // rows g, g + 8 of group j, then of group j + 1
+    const uint32_t s0 = LoadShared4(m.s + (g * kGroups + j) * 2), s1 = LoadShared4(m.s + ((g + 8) * kGroups + j) * 2);
+    const float2 o = *reinterpret_cast<const float2*>(m.off + group0 + j);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4 b = LoadShared16(m.v + ((group0 + j + h) * 4 + c) * 16);
+      const uint32_t lo = r[2 * h], hi = r[2 * h + 1];
+      const float off = h == 0 ? o.x : o.y;
+      float d[4] = {off, off, off, off};  // -136 sum_j x_j
+      Mma(d, BiasedPair(lo), BiasedPair(hi), BiasedPair(lo >> 4), BiasedPair(hi >> 4), b.x, b.y);
+      Mma(d, BiasedPair(lo >> 8), BiasedPair(hi >> 8), BiasedPair(lo >> 12), BiasedPair(hi >> 12), b.z, b.w);
+      const float sg = __uint_as_float(h == 0 ? s0 << 16 : s0 & 0xFFFF0000u);
+      const float sg8 = __uint_as_float(h == 0 ? s1 << 16 : s1 & 0xFFFF0000u);
+      tot[0] = fmaf(sg, d[0], tot[0]);
+      tot[1] = fmaf(sg8, d[2], tot[1]);
+    }
+  }
+}
+
+// Stage `n` bf16 values (n a multiple of 32, at most 4 x 8 x the block's threads) into m.v, each 8-value chunk as
+// x0 x4 x1 x5 x2 x6 x3 x7 (the B fragments' order), and -136 x each group's fp32 sum into m.off; block-wide. A group's
+// four chunks are four neighbouring threads', summed by two shuffles.
+__device__ __forceinline__ void StageBf16(const __nv_bfloat16* src, int n, const GemvSmemMap& m) {
+  __syncthreads();  // the previous slot's reads are done
+  uint4 got[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int at = threadIdx.x + i * blockDim.x;
+    got[i] = 8 * at < n ? LoadGlobal16Cg(src + 8 * at) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int at = threadIdx.x + i * blockDim.x;
+    const uint32_t words[4] = {got[i].x, got[i].y, got[i].z, got[i].w};
+    float f[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 two = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
+      f[2 * j] = two.x;
+      f[2 * j + 1] = two.y;
+    }
+    float sum = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (8 * at < n) {
+      const uint4 perm = make_uint4(__byte_perm(got[i].x, got[i].z, 0x5410), __byte_perm(got[i].x, got[i].z, 0x7632),
+                                    __byte_perm(got[i].y, got[i].w, 0x5410), __byte_perm(got[i].y, got[i].w, 0x7632));
+      StoreShared16(m.v + 16 * at, perm);
+      if (at % 4 == 0) m.off[at / 4] = -136.0f * sum;
+    }
+  }
+  __syncthreads();
+}
+
+// grid F / 8 blocks of 8 warps: block b owns f = 8 b .. 8 b + 7 (rows 0-7 of its tile the gate rows, 8-15 the up
+// rows), warp w inputs [w D / 8, (w + 1) D / 8); for every slot of a local expert it writes h[slot, f].
+template <int kGroups>  // D / 256: groups a warp
+__global__ void __launch_bounds__(32 * kUpWarps, 2) GemvUpKernel(const GemvParams p) {
+  extern __shared__ __align__(16) uint8_t gsm[];
   __shared__ int ids_s[kGemvSlots];
-  const int lane = threadIdx.x % 32;
-  const int f = blockIdx.x * kGemvWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, f0 = blockIdx.x * 8;
+  const GemvSmemMap m = CarveGemv(gsm, p.d, kUpWarps, warp);
   GridDependencyWait();
   LaunchDependents();
   if (threadIdx.x < p.slots) ids_s[threadIdx.x] = p.ids[threadIdx.x];  // every slot's expert, one load each
@@ -1697,63 +1735,62 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 2) GemvUpKernel(const GemvPar
   for (int slot = 0; slot < p.slots; ++slot) {
     const int e = ids_s[slot];
     if (!LocalExpert(e, p.e)) continue;
-    const int64_t row = static_cast<int64_t>(e) * p.f + f;
-    uint4 w[2][kPieces];  // the gate row, the up row
-    float sc[2][kPieces];
-#pragma unroll
-    for (int st = 0; st < kPieces; ++st) w[0][st] = LoadWeight16(p.gate_q + row * (p.d / 8) + 4 * lane + 128 * st);
-#pragma unroll
-    for (int st = 0; st < kPieces; ++st) w[1][st] = LoadWeight16(p.up_q + row * (p.d / 8) + 4 * lane + 128 * st);
-#pragma unroll
-    for (int st = 0; st < kPieces; ++st) {
-      sc[0][st] = __bfloat162float(p.gate_s[row * (p.d / 32) + lane + 32 * st]);
-      sc[1][st] = __bfloat162float(p.up_s[row * (p.d / 32) + lane + 32 * st]);
-    }
+    const int64_t row = static_cast<int64_t>(e) * p.f + f0;  // the gate and up rows f0 .. f0 + 7
+    const int64_t q0 = row * (p.d / 8) + warp * kGroups * 4, s0 = row * (p.d / 32) + warp * kGroups;
+    const TcRowSource src{p.gate_q + q0, p.up_q + q0, p.gate_s + s0, p.up_s + s0, p.d / 8, p.d / 32};
+    CopyRows<kGroups>(m, src, lane);  // (this warp read its previous slot's rows before the sums below)
     const int tok = slot / p.topk;
     if (tok != staged) {  // the slot's token row (all of a token's slots share it)
-      StageRow(p.x + static_cast<int64_t>(tok) * p.d, p.d, v, vsum);
+      StageBf16(p.x + static_cast<int64_t>(tok) * p.d, p.d, m);
       staged = tok;
     }
-    float gu[2];
-    RowDots<2, kPieces>(w, sc, v, vsum, lane, gu);
-    const float g = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[0])));
-    const float u = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[1])));
-    if (lane == 0) {
+    CopyWait<0>();
+    __syncwarp();
+    float tot[2];
+    TcRowDots<kGroups>(m, warp * kGroups, lane, tot);
+    if ((lane & 3) == 0) {
+      m.red[warp * kTcRows + lane / 4] = tot[0];
+      m.red[warp * kTcRows + lane / 4 + 8] = tot[1];
+    }
+    __syncthreads();
+    if (threadIdx.x < 8) {
+      float gs = 0.0f, us = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kUpWarps; ++w) {
+        gs += m.red[w * kTcRows + threadIdx.x];
+        us += m.red[w * kTcRows + threadIdx.x + 8];
+      }
+      const float g = __bfloat162float(__float2bfloat16_rn(gs)), u = __bfloat162float(__float2bfloat16_rn(us));
       const float silu = __bfloat162float(__float2bfloat16_rn(g / (1.0f + __expf(-g))));
-      p.h[static_cast<int64_t>(slot) * p.f + f] = __float2bfloat16_rn(silu * u);
+      p.h[static_cast<int64_t>(slot) * p.f + f0 + threadIdx.x] = __float2bfloat16_rn(silu * u);
     }
+    __syncthreads();  // the sums are read before the next slot's (of the same token: no restaging) are written
   }
 }
 
-// The kGemvDownRows rows d0 .. of down of expert e and their scales, issued at once.
-template <int kPieces>
-__device__ __forceinline__ void LoadDownRows(const GemvParams& p, int e, int d0, int lane,
-                                             uint4 (&w)[kGemvDownRows][kPieces], float (&sc)[kGemvDownRows][kPieces]) {
-#pragma unroll
-  for (int r = 0; r < kGemvDownRows; ++r) {
-    const int64_t row = static_cast<int64_t>(e) * p.d + d0 + r;
-#pragma unroll
-    for (int st = 0; st < kPieces; ++st) {
-      w[r][st] = LoadWeight16(p.down_q + row * (p.f / 8) + 4 * lane + 128 * st);
-      sc[r][st] = __bfloat162float(p.down_s[row * (p.f / 32) + lane + 32 * st]);
-    }
-  }
+// The 16 down rows d0 .. of expert e, this warp's inputs, copied (cp.async, committed).
+template <int kGroups>
+__device__ __forceinline__ void CopyDownRows(const GemvParams& p, const GemvSmemMap& m, int e, int d0, int warp,
+                                             int lane) {
+  const int64_t row = static_cast<int64_t>(e) * p.d + d0;
+  const int64_t q0 = row * (p.f / 8) + warp * kGroups * 4, s0 = row * (p.f / 32) + warp * kGroups;
+  const TcRowSource src{p.down_q + q0, p.down_q + q0 + 8 * (p.f / 8), p.down_s + s0, p.down_s + s0 + 8 * (p.f / 32),
+                        p.f / 8, p.f / 32};
+  CopyRows<kGroups>(m, src, lane);
 }
 
-// grid D / 32 blocks of 8 warps: warp w of block b computes out[t, d] for d = 32 b + 4 w .. + 3 and every token t,
-// the combine included: the sum over t's slots of a local expert, in slot order and fp32, of weight x ys (ys = h .
-// down rounded to bf16), as CombineKernel8 sums it (zeros for a token without one). The router's ids and weights and
-// the first local slot's down rows are read before the wait for gemv1: the router ended before gemv1 passed its own
+// grid D / 16 blocks of 4 warps: block b computes out[t, d] for d = 16 b .. + 15 and every token t, the combine
+// included: the sum over t's slots of a local expert, in slot order and fp32, of weight x ys (ys = h . down rounded
+// to bf16), as CombineKernel8 sums it (zeros for a token without one). The router's ids and weights are read, and the
+// first local slot's down rows requested, before the wait for gemv1: the router ended before gemv1 passed its own
 // wait, and so before this grid could start.
-template <int kPieces>
-__global__ void __launch_bounds__(32 * kGemvWarps, 2) GemvDownKernel(const GemvParams p) {
-  extern __shared__ __align__(16) float gsm[];
-  float* v = gsm;              // [F]
-  float* vsum = gsm + p.f;     // [F / 32]
-  const int lane = threadIdx.x % 32;
-  const int d0 = (blockIdx.x * kGemvWarps + threadIdx.x / 32) * kGemvDownRows;
+template <int kGroups>  // F / 128: groups a warp
+__global__ void __launch_bounds__(32 * kDownWarps, 4) GemvDownKernel(const GemvParams p) {
+  extern __shared__ __align__(16) uint8_t gsm[];
   __shared__ int ids_s[kGemvSlots];
   __shared__ float wts_s[kGemvSlots];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, d0 = blockIdx.x * kTcRows;
+  const GemvSmemMap m = CarveGemv(gsm, p.f, kDownWarps, warp);
   if (threadIdx.x < p.slots) {
     ids_s[threadIdx.x] = p.ids[threadIdx.x];
     wts_s[threadIdx.x] = p.weights[threadIdx.x];
@@ -1761,30 +1798,34 @@ __global__ void __launch_bounds__(32 * kGemvWarps, 2) GemvDownKernel(const GemvP
   __syncthreads();
   int first = 0;
   while (first < p.slots && !LocalExpert(ids_s[first], p.e)) ++first;
-  uint4 w[kGemvDownRows][kPieces];
-  float sc[kGemvDownRows][kPieces];
-  if (first < p.slots) LoadDownRows<kPieces>(p, ids_s[first], d0, lane, w, sc);
+  if (first < p.slots) CopyDownRows<kGroups>(p, m, ids_s[first], d0, warp, lane);
   GridDependencyWait();  // h (gemv1)
   LaunchDependents();
-  const int m = p.slots / p.topk;
-  for (int tok = 0; tok < m; ++tok) {
-    float acc[kGemvDownRows];
-#pragma unroll
-    for (int r = 0; r < kGemvDownRows; ++r) acc[r] = 0.0f;
+  const int tokens = p.slots / p.topk;
+  for (int tok = 0; tok < tokens; ++tok) {
+    float acc = 0.0f;  // thread t < 16: row d0 + t
     for (int j = 0; j < p.topk; ++j) {
       const int slot = tok * p.topk + j, e = ids_s[slot];
       if (!LocalExpert(e, p.e)) continue;
-      if (slot != first) LoadDownRows<kPieces>(p, e, d0, lane, w, sc);
-      StageRow(p.h + static_cast<int64_t>(slot) * p.f, p.f, v, vsum);
-      float dot[kGemvDownRows];
-      RowDots<kGemvDownRows, kPieces>(w, sc, v, vsum, lane, dot);
+      if (slot != first) CopyDownRows<kGroups>(p, m, e, d0, warp, lane);
+      StageBf16(p.h + static_cast<int64_t>(slot) * p.f, p.f, m);
+      CopyWait<0>();
+      __syncwarp();
+      float tot[2];
+      TcRowDots<kGroups>(m, warp * kGroups, lane, tot);
+      if ((lane & 3) == 0) {
+        m.red[warp * kTcRows + lane / 4] = tot[0];
+        m.red[warp * kTcRows + lane / 4 + 8] = tot[1];
+      }
+      __syncthreads();
+      if (threadIdx.x < kTcRows) {
+        float ys = 0.0f;
 #pragma unroll
-      for (int r = 0; r < kGemvDownRows; ++r) acc[r] += wts_s[slot] * __bfloat162float(__float2bfloat16_rn(WarpSum(dot[r])));
+        for (int w = 0; w < kDownWarps; ++w) ys += m.red[w * kTcRows + threadIdx.x];
+        acc += wts_s[slot] * __bfloat162float(__float2bfloat16_rn(ys));
+      }
     }
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < kGemvDownRows; ++r) p.out[static_cast<int64_t>(tok) * p.d + d0 + r] = __float2bfloat16_rn(acc[r]);
-    }
+    if (threadIdx.x < kTcRows) p.out[static_cast<int64_t>(tok) * p.d + d0 + threadIdx.x] = __float2bfloat16_rn(acc);
   }
 }
 
@@ -1991,29 +2032,28 @@ ffi::Error MarlinMoeCudaImpl(cudaStream_t stream,
                         static_cast<__nv_bfloat16*>(out->untyped_data()), static_cast<int>(E), static_cast<int>(D),
                         static_cast<int>(F), static_cast<int>(topk), static_cast<int>(S)};
     const bool pdl = !(flags & kFlagSerial);
-    const int up_smem = static_cast<int>(4 * (D + D / 32)), down_smem = static_cast<int>(4 * (F + F / 32));
-    auto up = D / 1024 == 7 ? GemvUpKernel<7> : D / 1024 == 8 ? GemvUpKernel<8> : D / 1024 <= 2 ? GemvUpKernel<2>
-                                                                                                  : GemvUpKernel<4>;
-    auto down = F / 1024 == 2 ? GemvDownKernel<2> : GemvDownKernel<1>;
-    if (D / 1024 != 7 && D / 1024 != 8 && D / 1024 != 2 && D / 1024 != 4) {
+    const int up_smem = GemvSmem(static_cast<int>(D), kUpWarps), down_smem = GemvSmem(static_cast<int>(F), kDownWarps);
+    if (D != 2048 && D != 4096 && D != 7168 && D != 8192) {
       return ffi::Error::InvalidArgument("marlin_moe: the GEMV path takes D of 2048, 4096, 7168 or 8192");
     }
-    if (F / 1024 != 1 && F / 1024 != 2) {
+    if (F != 1024 && F != 2048) {
       return ffi::Error::InvalidArgument("marlin_moe: the GEMV path takes F of 1024 or 2048");
     }
-    for (auto* kernel : {up, down}) {
-      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024) != cudaSuccess) {
-        return LastError("raising the GEMV path's shared-memory limit");
-      }
+    auto up = D == 2048 ? GemvUpKernel<8> : D == 4096 ? GemvUpKernel<16> : D == 7168 ? GemvUpKernel<28>
+                                                                                       : GemvUpKernel<32>;
+    auto down = F == 1024 ? GemvDownKernel<8> : GemvDownKernel<16>;
+    if (cudaFuncSetAttribute(up, cudaFuncAttributeMaxDynamicSharedMemorySize, up_smem) != cudaSuccess ||
+        cudaFuncSetAttribute(down, cudaFuncAttributeMaxDynamicSharedMemorySize, down_smem) != cudaSuccess) {
+      return LastError("raising the GEMV path's shared-memory limit");
     }
-    if (ffi::Error e = Launch(up, dim3(static_cast<unsigned>(F / kGemvWarps)), 32 * kGemvWarps, up_smem, stream, pdl,
+    if (ffi::Error e = Launch(up, dim3(static_cast<unsigned>(F / 8)), 32 * kUpWarps, up_smem, stream, pdl,
                               "gemv1 launch", gp);
         e.failure()) {
       return e;
     }
     // gemv2 sums each token's slots itself (no combine launch; ys is not written on this path)
-    return Launch(down, dim3(static_cast<unsigned>(D / (kGemvWarps * kGemvDownRows))), 32 * kGemvWarps, down_smem,
-                  stream, pdl, "gemv2 launch", gp);
+    return Launch(down, dim3(static_cast<unsigned>(D / kTcRows)), 32 * kDownWarps, down_smem, stream, pdl,
+                  "gemv2 launch", gp);
   }
   if (stream_ok || tile_ok) {
     const int64_t need = (S + (E < S ? E : S) * (bm - 1)) / bm;

@@ -54,7 +54,7 @@
 #                                                    # package of BASE_DIR, with l2_prefetch, with the stream path
 #   OUT=/tmp/out BASE_DIR=<dir> bash scripts/gpu_small_m.sh defaults  # this build against BASE_DIR's package,
 #                                                    # alternated twice
-#   OUT=/tmp/out OLD_LIB=<dir> bash scripts/gpu_small_m.sh combine  # mla_verify's tests; the full step with this
+#   OUT=/tmp/out OLD_LIB=<dir> bash scripts/gpu_small_m.sh libs  # GPU tests (LIB_TESTS); the full step with this
 #                                                    # build's libraries against OLD_LIB's, alternated twice (NCU=1:
 #                                                    # then gemv_ncu)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh gemv_ncu  # ncu of the GEMV kernels (the MoE's, fused_dot's) at M = 1
@@ -314,11 +314,13 @@ defaults)  # this build's defaults against an older package's (BASE_DIR, with th
     run_older older2
   fi
   ;;
-combine)  # mla_verify's combine over four blocks a row (128 columns each): mla_verify's GPU tests; the full step
-  # (PF_CELLS, profiles PF_PROFILE, each with its kernels' µs on the path) with this build's libraries and with
-  # OLD_LIB's (a directory of an older build's two libraries), alternated twice; then NCU=1: gemv_ncu into $OUT/ncu
-  step mla_tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
-    tests/test_mla_verify.py
+libs)  # this build's libraries against OLD_LIB's (a directory of an older build's two libraries): the GPU tests
+  # marked gpu in LIB_TESTS (files) matching LIB_K (pytest -k; default: mla_verify's and the GEMV path's), then the
+  # full step (PF_CELLS, profiles PF_PROFILE, each with its kernels' µs on the path) with each, alternated twice
+  # (ONCE=1: once); NCU=1: then gemv_ncu into $OUT/ncu
+  read -r -a LT <<< "${LIB_TESTS:-tests/test_mla_verify.py tests/test_marlin_moe.py}"
+  step lib_tests 300 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
+    -k "${LIB_K:-gemv_path or test_mla_verify}" "${LT[@]}"
   set_depth
   run_full base "" "$OPS"
   run_full oldlib "${OLD_SUFFIX:--oldlib}" "$OPS" KDTREE_JAX_FFI_DIR="$OLD_LIB"

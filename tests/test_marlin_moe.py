@@ -541,6 +541,25 @@ def test_gpu_gemv_path_k2_shapes(k2_experts, m, k, e, kind, bm, flags):
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("d, f, m, kind", [(2048, 1024, 2, "uniform"), (4096, 2048, 3, "repeat"),
+                                           (8192, 1024, 1, "sentinel")])
+def test_gpu_gemv_path_other_shapes(d, f, m, kind):
+    """The GEMV path's other instances (its warps' group counts 8, 16 and 32 for gate/up, 8 and 16 for down) against
+    the reference, with the output poisoned first."""
+    experts = random_experts(jax.random.key(d + f), 16, d, f)
+    rng = np.random.default_rng(d + f + m)
+    ids, weights = make_routing(rng, m, 8, 16, kind)
+    x = jax.random.normal(jax.random.key(m + d), (m, d), jnp.bfloat16)
+    _poison((m * 8, d + f))
+    gpu0 = jax.devices("gpu")[0]
+    host = np.asarray(run(x, ids, weights, experts, device=gpu0, flags=FLAG_GEMV), np.float32)
+    assert np.all(np.isfinite(host))
+    ref = _ref(*jax.device_put((x, ids, weights, *experts), gpu0))
+    assert rel_err(host, ref) <= 1e-2
+
+
+@gpu
+@needs_gpu
 @pytest.mark.parametrize("m, k, e, kind, bm, flags", K2_CASES)
 def test_gpu_fast_path_k2_shapes(k2_experts, m, k, e, kind, bm, flags):
     rng = np.random.default_rng(hash((m, k, kind, bm or 0, flags)) % 2**32)
