@@ -337,7 +337,8 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> Non
             lines.append(f"| `{k[:80]}` | {c:.0f} | {us:.0f} | {us / prof['busy_us']:.0%} | {on_path} |")
         if path:
             lines += ["", "µs on the path: each instant of a step charged to the running kernel that ends first "
-                          f"(`profile_tools.path_shares`); no kernel running: {path.get('(idle)', 0.0):.0f} µs."]
+                          f"(`profile_tools.path_shares`); no kernel running: {path.get('(idle)', 0.0):.0f} µs "
+                          f"(and {path.get('(between calls)', 0.0):.0f} µs between the profiled calls)."]
     proj = extra.get("projection")
     if proj:
         quoted = " / ".join(f"{v}" for v in TAU_QUOTED.values())

@@ -37,17 +37,18 @@ def chain_spans(events: list[tuple[str, float, float]], first: str, last: str) -
     return spans
 
 
-def path_shares(events: list[tuple[str, float, float]]) -> dict[str, float]:
+def path_shares(events: list[tuple[str, float, float]], calls: int = 1) -> dict[str, float]:
     """µs of the span from the first start to the last end, each instant given to the running kernel that ends first
     (events: (family, start µs, duration µs) of every stream), and to "(idle)" when none runs. A kernel launched early
     that waits for the one before it (programmatic dependent launch) is charged only after that one ends, and a kernel
     that ran beside a longer one on another stream only while it was the next to end: what each kernel added to the
-    step, where the busy time adds up every kernel's whole duration. The values sum to the span."""
+    step, where the busy time adds up every kernel's whole duration. With `calls` calls in the trace, the calls - 1
+    longest idle stretches are the gaps between calls: "(between calls)", not "(idle)". The values sum to the span."""
     bounds = sorted({t for _, ts, d in events for t in (ts, ts + d)})
     order = sorted(events, key=lambda e: e[1])
     shares = collections.defaultdict(float)
     running: list[tuple[float, int, str]] = []
-    nxt = 0
+    idle, stretch, nxt = [], 0.0, 0
     for a, b in zip(bounds, bounds[1:]):
         while nxt < len(order) and order[nxt][1] <= a:
             fam, ts, d = order[nxt]
@@ -55,14 +56,28 @@ def path_shares(events: list[tuple[str, float, float]]) -> dict[str, float]:
             nxt += 1
         while running and running[0][0] <= a:
             heapq.heappop(running)
-        shares[running[0][2] if running else "(idle)"] += b - a
+        if running:
+            shares[running[0][2]] += b - a
+            if stretch:
+                idle.append(stretch)
+            stretch = 0.0
+        else:
+            stretch += b - a
+    if stretch:
+        idle.append(stretch)
+    idle.sort(reverse=True)
+    gaps = idle[:max(calls - 1, 0)]
+    if gaps:
+        shares["(between calls)"] = sum(gaps)
+    if len(idle) > len(gaps):
+        shares["(idle)"] = sum(idle[len(gaps):])
     return dict(shares)
 
 
-def parse_trace(path: str, chain: tuple[str, str] | None = None) -> dict:
+def parse_trace(path: str, chain: tuple[str, str] | None = None, calls: int = 1) -> dict:
     """{"kernels": {family: [launches, total_us]}, "busy_us": sum of stream events, "span_us": first to last,
-    "path_us": `path_shares`} of every event on the GPU streams of a perfetto trace (threads named "Stream ..." of a
-    GPU process), and "host":
+    "path_us": `path_shares` of `calls` calls} of every event on the GPU streams of a perfetto trace (threads named
+    "Stream ..." of a GPU process), and "host":
     {name with digits as #: [events, total_us]} of the events of the other processes (XLA's thunks, launches).
     chain (first, last kernel family): "chain_us", the `chain_spans` of the trace."""
     with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
@@ -99,7 +114,7 @@ def parse_trace(path: str, chain: tuple[str, str] | None = None) -> dict:
         t0 = ts if t0 is None else min(t0, ts)
         t1 = ts + dur if t1 is None else max(t1, ts + dur)
     out = {"kernels": dict(kernels), "host": dict(host), "busy_us": busy,
-           "span_us": (t1 - t0) if t0 is not None else 0.0, "path_us": path_shares(stream_events)}
+           "span_us": (t1 - t0) if t0 is not None else 0.0, "path_us": path_shares(stream_events, calls)}
     if chain is not None:
         out["chain_us"] = chain_spans(stream_events, *chain)
     return out
@@ -119,7 +134,7 @@ def profile_calls(fn, args, calls: int, logdir: str | None = None, chain: tuple[
     paths = sorted(glob.glob(os.path.join(logdir, "**", "perfetto_trace.json*"), recursive=True))
     if not paths:
         raise RuntimeError(f"no perfetto trace under {logdir}")
-    res = parse_trace(paths[-1], chain)
+    res = parse_trace(paths[-1], chain, calls)
     res["kernels"] = {k: [n / calls, us / calls] for k, (n, us) in res["kernels"].items()}
     res["host"] = {k: [n / calls, us / calls] for k, (n, us) in res["host"].items()}
     res["busy_us"] /= calls

@@ -34,11 +34,14 @@ def test_chain_spans_count_an_overlapped_chain_once():
 
 def test_path_shares_charge_each_instant_to_the_kernel_that_ends_first():
     """A kernel launched early that waits (B, started at 1, ends at 9 after A ends at 4) is charged from A's end; one
-    beside a longer one on another stream (C inside D) only while it is the next to end; gaps go to "(idle)"; the
-    shares sum to the span."""
+    beside a longer one on another stream (C inside D) only while it is the next to end; gaps go to "(idle)", the
+    longest calls - 1 of them to "(between calls)"; the shares sum to the span."""
     from profile_tools import path_shares
 
     events = [("A", 0.0, 4.0), ("B", 1.0, 8.0), ("D", 10.0, 10.0), ("C", 12.0, 3.0), ("A", 22.0, 1.0)]
     shares = path_shares(events[::-1])
     assert shares == {"A": 5.0, "B": 5.0, "(idle)": 3.0, "D": 7.0, "C": 3.0}
     assert sum(shares.values()) == 23.0
+    # two calls: the longest idle stretch (20 -> 22) is the gap between them
+    assert path_shares(events, calls=2) == {"A": 5.0, "B": 5.0, "(idle)": 1.0, "(between calls)": 2.0, "D": 7.0,
+                                            "C": 3.0}
