@@ -196,7 +196,7 @@ def time_step(params, cfg, batch: int, t: int, context: int, rng, repeats: int, 
                 out = call(state)
             jax.block_until_ready(out)
             samples.append((time.perf_counter() - t0) / 5)
-        prof = profile_calls(call, (state,), 3) if profile else None
+        prof = profile_calls(call, (state,), 3, keep_events=True) if profile else None
     del state
     return float(np.median(samples)), compile_s, prof
 
@@ -480,6 +480,9 @@ def main(argv=None) -> int:
                    floor_s=fb["total"] / ceil["copy_Bps"])
         rows.append(row)
         if prof is not None and jax.default_backend() == "gpu":
+            os.makedirs(args.out, exist_ok=True)
+            with gzip.open(os.path.join(args.out, f"timeline_{context}_{batch}x{t}.json.gz"), "wt") as f:
+                json.dump(prof.pop("events"), f)  # every kernel of the three profiled steps: [family, stream, µs, µs]
             extra["profiles"][f"context {context}, {batch} x {t}"] = dict(
                 busy_us=prof["busy_us"], launches=sum(c for c, _ in prof["kernels"].values()),
                 top=top_kernels(prof, 25), path_us=prof["path_us"])

@@ -74,12 +74,13 @@ def path_shares(events: list[tuple[str, float, float]], calls: int = 1) -> dict[
     return dict(shares)
 
 
-def parse_trace(path: str, chain: tuple[str, str] | None = None, calls: int = 1) -> dict:
+def parse_trace(path: str, chain: tuple[str, str] | None = None, calls: int = 1, keep_events: bool = False) -> dict:
     """{"kernels": {family: [launches, total_us]}, "busy_us": sum of stream events, "span_us": first to last,
     "path_us": `path_shares` of `calls` calls} of every event on the GPU streams of a perfetto trace (threads named
     "Stream ..." of a GPU process), and "host":
     {name with digits as #: [events, total_us]} of the events of the other processes (XLA's thunks, launches).
-    chain (first, last kernel family): "chain_us", the `chain_spans` of the trace."""
+    chain (first, last kernel family): "chain_us", the `chain_spans` of the trace. keep_events: "events", every GPU
+    stream event as [family, stream (thread id), start µs from the first, duration µs], in start order."""
     with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -92,7 +93,7 @@ def parse_trace(path: str, chain: tuple[str, str] | None = None, calls: int = 1)
     gpu = {pid for pid, n in procs.items() if "GPU" in n or "/device:" in n}
     kernels = collections.defaultdict(lambda: [0, 0.0])
     host = collections.defaultdict(lambda: [0, 0.0])
-    busy, t0, t1, stream_events = 0.0, None, None, []
+    busy, t0, t1, stream_events, tids = 0.0, None, None, [], []
     for e in events:
         if e.get("ph") == "X" and e.get("pid") not in gpu:  # host threads: what the runtime did (thunks, launches)
             h = host[re.sub(r"\d+", "#", str(e.get("name", "?")))[:80]]
@@ -106,6 +107,7 @@ def parse_trace(path: str, chain: tuple[str, str] | None = None, calls: int = 1)
         dur = float(e.get("dur", 0.0))
         family = _kernel_family(e["name"])
         stream_events.append((family, float(e["ts"]), dur))
+        tids.append(e.get("tid"))
         k = kernels[family]
         k[0] += 1
         k[1] += dur
@@ -117,10 +119,14 @@ def parse_trace(path: str, chain: tuple[str, str] | None = None, calls: int = 1)
            "span_us": (t1 - t0) if t0 is not None else 0.0, "path_us": path_shares(stream_events, calls)}
     if chain is not None:
         out["chain_us"] = chain_spans(stream_events, *chain)
+    if keep_events:
+        out["events"] = sorted(([f, tid, round(ts - (t0 or 0.0), 3), round(d, 3)]
+                                for (f, ts, d), tid in zip(stream_events, tids)), key=lambda e: e[2])
     return out
 
 
-def profile_calls(fn, args, calls: int, logdir: str | None = None, chain: tuple[str, str] | None = None) -> dict:
+def profile_calls(fn, args, calls: int, logdir: str | None = None, chain: tuple[str, str] | None = None,
+                  keep_events: bool = False) -> dict:
     """Run fn(*args) `calls` times under the profiler (after one warm call) and parse the GPU streams' kernels.
     Kernel totals are divided by `calls` (per call); chain: as `parse_trace`'s (every span, not divided)."""
     import jax
@@ -134,7 +140,7 @@ def profile_calls(fn, args, calls: int, logdir: str | None = None, chain: tuple[
     paths = sorted(glob.glob(os.path.join(logdir, "**", "perfetto_trace.json*"), recursive=True))
     if not paths:
         raise RuntimeError(f"no perfetto trace under {logdir}")
-    res = parse_trace(paths[-1], chain, calls)
+    res = parse_trace(paths[-1], chain, calls, keep_events)
     res["kernels"] = {k: [n / calls, us / calls] for k, (n, us) in res["kernels"].items()}
     res["host"] = {k: [n / calls, us / calls] for k, (n, us) in res["host"].items()}
     res["busy_us"] /= calls

@@ -57,6 +57,8 @@
 #   OUT=/tmp/out OLD_LIB=<dir> bash scripts/gpu_small_m.sh libs  # GPU tests (LIB_TESTS); the full step with this
 #                                                    # build's libraries against OLD_LIB's, alternated twice (NCU=1:
 #                                                    # then gemv_ncu)
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh timeline  # the full step, then one layer of each profiled cell kernel
+#                                                    # by kernel (benchmarks/timeline.py)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh gemv_ncu  # ncu of the GEMV kernels (the MoE's, fused_dot's) at M = 1
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fd_ncu  # fused_dot's calls alone with and without whole-line L2
 #                                                    # requests, then ncu of its kernel (sections, sampled stalls)
@@ -329,6 +331,14 @@ libs)  # this build's libraries against OLD_LIB's (a directory of an older build
     run_full oldlib2 "${OLD_SUFFIX:--oldlib}" "$OPS" KDTREE_JAX_FFI_DIR="$OLD_LIB"
   fi
   [ -n "${NCU:-}" ] && OUT=$OUT/ncu bash scripts/gpu_small_m.sh gemv_ncu
+  ;;
+timeline)  # the full step as is (PF_CELLS, profiled at PF_PROFILE; on an H100 at LAYERS_SMALL layers), then one
+  # layer of each profiled cell kernel by kernel (benchmarks/timeline.py on the timelines full_scale.py keeps)
+  set_depth
+  run_full base "" "$OPS"
+  for t in "$OUT"/results/base/timeline_*.json.gz; do
+    TAIL=60 step "layer_$(basename "$t" .json.gz)" 60 python3 benchmarks/timeline.py "$t"
+  done
   ;;
 gemv_ncu)  # where the GEMV kernels' time goes at M = 1: ncu of GemvUpKernel and GemvDownKernel (one local expert of
   # 48, K2 shapes) and of FusedDotKernel (q_a/kv_a with its norm, and the o projection): sections, then sampled stalls

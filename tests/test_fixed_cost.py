@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import fixed_cost  # noqa: E402
 
@@ -45,3 +47,26 @@ def test_path_shares_charge_each_instant_to_the_kernel_that_ends_first():
     # two calls: the longest idle stretch (20 -> 22) is the gap between them
     assert path_shares(events, calls=2) == {"A": 5.0, "B": 5.0, "(idle)": 1.0, "(between calls)": 2.0, "D": 7.0,
                                             "C": 3.0}
+
+
+def test_timeline_layer_rows_cut_one_layer_window(tmp_path):
+    """benchmarks/timeline.py: the window from one marker kernel to the next holds the kernels starting in it, each
+    with its share of the window (a kernel running past the window's end counts up to it), and the script prints
+    them."""
+    import gzip
+    import json
+
+    from timeline import layer_rows, main
+
+    events = [["M", 1, 0.0, 5.0], ["X", 2, 1.0, 10.0], ["Y", 1, 6.0, 2.0], ["M", 1, 20.0, 5.0], ["Z", 1, 26.0, 1.0],
+              ["M", 1, 30.0, 1.0]]
+    rows, window = layer_rows(events, "M", 0)
+    assert window == 20.0
+    assert [(r["family"], r["start"], r["end"], r["path"]) for r in rows] == [
+        ("M", 0.0, 5.0, 5.0), ("X", 1.0, 11.0, 1.0 + 3.0), ("Y", 6.0, 8.0, 2.0)]
+    path = tmp_path / "timeline.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(events, f)
+    assert main([str(path), "--marker", "M", "--layer", "1"]) == 0
+    with pytest.raises(ValueError, match="3 M kernels"):
+        layer_rows(events, "M", 2)

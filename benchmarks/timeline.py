@@ -1,0 +1,60 @@
+"""One layer of a profiled step, kernel by kernel: what ran on which stream, when, and what each kernel added to the
+step (`profile_tools.path_shares` over the layer's window).
+
+    python benchmarks/timeline.py results/full_scale/timeline_4096_1x1.json.gz [--marker MlaVerifyKernel] [--layer 20]
+
+The timeline files are written by `benchmarks/full_scale.py` for its profiled cells (every GPU kernel of three
+steps: [family, stream, start µs, duration µs]). A layer's window runs from the start of its marker kernel (one a
+layer, default the attention kernel) to the start of the next one; kernels launched early that wait (programmatic
+dependent launch) show a long duration and a small share."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_tools import path_shares  # noqa: E402
+
+
+def layer_rows(events: list, marker: str, layer: int) -> tuple[list[dict], float]:
+    """The kernels starting in the window [start of the layer-th marker, start of the next one): rows of family,
+    stream, start and end (µs from the window's start), duration and µs on the path (each instant of the window
+    charged to the running kernel that ends first), in start order; and the window's length."""
+    starts = [e[2] for e in events if e[0] == marker]
+    if layer + 1 >= len(starts):
+        raise ValueError(f"{len(starts)} {marker} kernels in the timeline: no window after number {layer}")
+    a, b = starts[layer], starts[layer + 1]
+    inside = [e for e in events if a <= e[2] < b]
+    clipped = [(f"{i}", ts, min(ts + d, b) - ts) for i, (_, _, ts, d) in enumerate(inside)]
+    shares = path_shares(clipped)
+    rows = [dict(family=f, stream=s, start=ts - a, end=ts + d - a, dur=d, path=shares.get(f"{i}", 0.0))
+            for i, (f, s, ts, d) in enumerate(inside)]
+    return rows, b - a
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("timeline", help="a timeline_*.json.gz written by benchmarks/full_scale.py")
+    ap.add_argument("--marker", default="MlaVerifyKernel", help="the kernel family that starts each layer's window")
+    ap.add_argument("--layer", type=int, default=None, help="which window (default: the middle one of the first step)")
+    args = ap.parse_args(argv)
+    with gzip.open(args.timeline, "rt") as f:
+        events = json.load(f)
+    count = sum(e[0] == args.marker for e in events)
+    layer = args.layer if args.layer is not None else max(count // 6, 0)  # three steps: the middle of the first
+    rows, window = layer_rows(events, args.marker, layer)
+    print(f"window {layer} of {count} ({args.marker} to the next): {window:.1f} µs, {len(rows)} kernels, "
+          f"{sum(r['path'] for r in rows):.1f} µs of them on the path\n")
+    print("| kernel | stream | start µs | end µs | µs | µs on the path |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| `{r['family'][:60]}` | {r['stream']} | {r['start']:.1f} | {r['end']:.1f} | {r['dur']:.1f} | "
+              f"{r['path']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
