@@ -20,8 +20,9 @@ then gate+up with the SiLU-and-multiply fused, then down, each streaming every t
 (and the FLAG_TILE bit) picks the path, by M and the slots per expert at trace time (`choose_path`):
 
 - GEMV decode path (the default at K2's shapes for at most 64 slots, `gemv_eligible`; KDTREE_JAX_MOE_GEMV=0 turns it
-  off): no sort and no tensor cores, a warp owning the gate and up rows of one output (then four down rows), two
-  launches, the combine inside the second (ffi/marlin_moe.cu);
+  off): no sort, a block owning 16 weight rows (the gate and up rows of 8 outputs, then 16 down rows) with their
+  inputs split over its warps, the token the mma's 8-column operand, two launches, the combine inside the second
+  (ffi/marlin_moe.cu);
 - stream path (block_m 8, 16, 32; fewer than 8 slots per expert, or no tile path): mma.sync with the weights as the
   16-row operand and 8 slots as the other; a block owns 16 rows of gate and up (or 32 of down) and one block of
   slots; every mma step lies in one quantization group, so the INT4 values go to the tensor cores exactly (one lop3
@@ -71,7 +72,7 @@ FLAG_PERSIST = 128  # stream path: as many blocks as fit at once, each looping o
 FLAG_X_L1 = 256  # stream path, gate/up: the token values prefetched into L1 as many chunks ahead as the weights
 FLAG_FUSED = 512  # the fused decode path: the whole MoE in one launch (target FUSED_TARGET; see `fused_eligible`)
 FLAG_FUSED_ONE = 1024  # the fused path on one block an SM (not two): room for the other compute stream's kernels
-FLAG_GEMV = 2048  # the GEMV decode path: CUDA cores, a warp two weight rows, no align (`gemv_eligible`)
+FLAG_GEMV = 2048  # the GEMV decode path: a block 16 weight rows, the token the mma's N, no align (`gemv_eligible`)
 GEMV_MAX_SLOTS = 64  # M k the GEMV path takes
 FUSED_TARGET = "kdtree_marlin_moe_fused"
 FUSED_MAX_SLOTS = 256  # M k the fused path takes (its kernel sorts the slots with one thread each)
