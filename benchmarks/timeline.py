@@ -2,6 +2,7 @@
 step (`profile_tools.path_shares` over the layer's window).
 
     python benchmarks/timeline.py results/full_scale/timeline_4096_1x1.json.gz [--marker MlaVerifyKernel] [--layer 20]
+    python benchmarks/timeline.py TIMELINE --windows [--show GemvUpKernel,GemvDownKernel]   # every window, sorted
 
 The timeline files are written by `benchmarks/full_scale.py` for its profiled cells (every GPU kernel of three
 steps: [family, stream, start µs, duration µs]). A layer's window runs from the start of its marker kernel (one a
@@ -41,10 +42,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("timeline", help="a timeline_*.json.gz written by benchmarks/full_scale.py")
     ap.add_argument("--marker", default="MlaVerifyKernel", help="the kernel family that starts each layer's window")
     ap.add_argument("--layer", type=int, default=None, help="which window (default: the middle one of the first step)")
+    ap.add_argument("--windows", action="store_true",
+                    help="every window of the first step: its length and the µs on the path of --show's kernels")
+    ap.add_argument("--show", default="GemvUpKernel,GemvDownKernel", help="kernel families for --windows")
     args = ap.parse_args(argv)
     with gzip.open(args.timeline, "rt") as f:
         events = json.load(f)
     count = sum(e[0] == args.marker for e in events)
+    if args.windows:
+        show = [f.strip() for f in args.show.split(",") if f.strip()]
+        lines = []
+        for layer in range(max(count // 3 - 1, 0)):  # the first of the three profiled steps
+            rows, window = layer_rows(events, args.marker, layer)
+            lines.append((window, layer, [sum(r["path"] for r in rows if r["family"] == f) for f in show]))
+        print(f"| window µs | window | {' | '.join(f'{f} µs on the path' for f in show)} |\n"
+              f"|---|---|{'---|' * len(show)}")
+        for window, layer, paths in sorted(lines):
+            print(f"| {window:.1f} | {layer} | {' | '.join(f'{p:.1f}' for p in paths)} |")
+        return 0
     layer = args.layer if args.layer is not None else max(count // 6, 0)  # three steps: the middle of the first
     rows, window = layer_rows(events, args.marker, layer)
     print(f"window {layer} of {count} ({args.marker} to the next): {window:.1f} µs, {len(rows)} kernels, "

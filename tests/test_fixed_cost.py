@@ -49,7 +49,7 @@ def test_path_shares_charge_each_instant_to_the_kernel_that_ends_first():
                                             "C": 3.0}
 
 
-def test_timeline_layer_rows_cut_one_layer_window(tmp_path):
+def test_timeline_layer_rows_cut_one_layer_window(tmp_path, capsys):
     """benchmarks/timeline.py: the window from one marker kernel to the next holds the kernels starting in it, each
     with its share of the window (a kernel running past the window's end counts up to it), and the script prints
     them."""
@@ -68,5 +68,12 @@ def test_timeline_layer_rows_cut_one_layer_window(tmp_path):
     with gzip.open(path, "wt") as f:
         json.dump(events, f)
     assert main([str(path), "--marker", "M", "--layer", "1"]) == 0
+    capsys.readouterr()
+    steps = [["M", 1, 0.0, 1.0], ["Z", 1, 3.0, 2.0], ["M", 1, 10.0, 1.0], ["M", 1, 100.0, 1.0], ["M", 1, 110.0, 1.0],
+             ["M", 1, 200.0, 1.0], ["M", 1, 210.0, 1.0]]  # three steps of two layers: one window in the first
+    with gzip.open(path, "wt") as f:
+        json.dump(steps, f)
+    assert main([str(path), "--marker", "M", "--windows", "--show", "Z"]) == 0
+    assert capsys.readouterr().out.splitlines()[2:] == ["| 10.0 | 0 | 2.0 |"]
     with pytest.raises(ValueError, match="3 M kernels"):
         layer_rows(events, "M", 2)
