@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import inspect
 import json
 import logging
 import os
@@ -178,12 +179,19 @@ def check_arrays(what: str, found: dict[Path, Any], expected: dict[Path, Any]) -
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _numpy_handler():
+    """orbax's NumpyHandler writing numpy arrays as they are, without its defensive deep copy (the converter does not
+    touch them while they are written; the copy would double the converter's peak memory), where the installed orbax
+    has that switch (`deepcopy_host_arrays`, not in orbax-checkpoint 0.12.4 for one: there it is the default
+    handler, whose copy costs memory, not correctness)."""
+    if "deepcopy_host_arrays" in inspect.signature(type_handlers.NumpyHandler.__init__).parameters:
+        return type_handlers.NumpyHandler(deepcopy_host_arrays=False)
+    return type_handlers.NumpyHandler()
+
+
 def _writer() -> ocp.Checkpointer:
-    # numpy arrays are written as they are, without orbax's defensive deep copy (the converter does not touch
-    # them while they are written): the copy would double the converter's peak memory.
     registry = type_handlers.create_type_handler_registry(
-        (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
-        (jax.Array, type_handlers.get_type_handler(jax.Array)))
+        (np.ndarray, _numpy_handler()), (jax.Array, type_handlers.get_type_handler(jax.Array)))
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=registry))
 
 

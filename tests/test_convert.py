@@ -118,6 +118,29 @@ def test_bf16_source_is_copied_bit_exactly(fp32, tmp_path):
     assert rel_err(logits(m), hf_logits(model.to(torch.float32))) <= 3e-2
 
 
+def test_convert_with_an_orbax_without_the_deep_copy_switch(monkeypatch, tmp_path):
+    """orbax-checkpoint 0.12.4 (the GPU machine's, 2026-12-06) has no NumpyHandler(deepcopy_host_arrays=...): the
+    converter then uses the plain handler (it failed with a TypeError before) and writes the same arrays."""
+    from orbax.checkpoint import type_handlers
+
+    from kdtree_jax import checkpoint
+
+    class OldNumpyHandler(type_handlers.NumpyHandler):
+        def __init__(self, metadata_key=None, ocdbt_process_id=None):  # 0.12.4's signature
+            super().__init__(metadata_key=metadata_key, ocdbt_process_id=ocdbt_process_id)
+
+    monkeypatch.setattr(checkpoint.type_handlers, "NumpyHandler", OldNumpyHandler)
+    assert type(checkpoint._numpy_handler()) is OldNumpyHandler
+    model = build_hf_model("yarn").to(torch.bfloat16)
+    src = save_hf_model(model, str(tmp_path / "hf"))
+    quiet_convert(src, str(tmp_path / "out"))
+    m = kj.load(str(tmp_path / "out"))
+    t = load_file(os.path.join(src, "model.safetensors"))
+    np.testing.assert_array_equal(np.asarray(m.params.embed), t["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(np.asarray(m.params.moe_layers[1].mlp.we_down[5]),
+                                  t["model.layers.2.mlp.experts.5.down_proj.weight"])
+
+
 @pytest.mark.parametrize("block", [(128, 128), (16, 32)])  # K2's blocks; small ones split both dimensions
 def test_fp8_source_matches_dequantized_transformers(fp32, tmp_path, block):
     src = cf.to_fp8(fp32[1], str(tmp_path / "hf"), str(tmp_path / "ref"), block)
