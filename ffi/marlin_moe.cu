@@ -1571,9 +1571,10 @@ __global__ void __launch_bounds__(kFusedThreads, 2) FusedMoeKernel(const FusedPa
 //     arithmetic of the CUDA-core version this replaced (and of the stream path), with the tensor core doing the 32
 //     multiply-adds.
 // The warps' sums are added in a fixed order through shared memory; h and ys are rounded to bf16 as the reference
-// rounds them, and gemv2 sums a token's slots in slot order, as CombineKernel8 does. ~1 instruction a weight (the
-// CUDA-core version needed ~2.5: ncu showed it short of issue slots after its loads, at 0.36 instructions a cycle
-// per scheduler).
+// rounds them, and gemv2 sums a token's slots in slot order, as CombineKernel8 does. ~1 instruction a weight where
+// the CUDA-core version this replaced needed ~2.5, yet the same time (H100, 2026-12-06: both are bound by the chain
+// of latencies from the router's ids to the block's sums, not by instructions); a token's local slots run one after
+// another in a block.
 constexpr int kGemvSlots = 64;
 constexpr int kUpWarps = 8;    // gemv1: the D inputs over 8 warps
 constexpr int kDownWarps = 4;  // gemv2: the F inputs over 4 warps
