@@ -3,6 +3,7 @@ step (`profile_tools.path_shares` over the layer's window).
 
     python benchmarks/timeline.py results/full_scale/timeline_4096_1x1.json.gz [--marker MlaVerifyKernel] [--layer 20]
     python benchmarks/timeline.py TIMELINE --windows [--show GemvUpKernel,GemvDownKernel]   # every window, sorted
+    python benchmarks/timeline.py TIMELINE --gaps [--min-gap 3]   # every stretch with no kernel running
 
 The timeline files are written by `benchmarks/full_scale.py` for its profiled cells (every GPU kernel of three
 steps: [family, stream, start µs, duration µs]). A layer's window runs from the start of its marker kernel (one a
@@ -37,6 +38,18 @@ def layer_rows(events: list, marker: str, layer: int) -> tuple[list[dict], float
     return rows, b - a
 
 
+def idle_gaps(events: list, min_gap: float) -> list[dict]:
+    """Every stretch of at least min_gap µs in which no kernel runs on any stream, in time order, with the kernels that
+    ended before it and started after it."""
+    out, end, last = [], None, None
+    for f, _, ts, d in sorted(events, key=lambda e: e[2]):
+        if end is not None and ts - end >= min_gap:
+            out.append(dict(start=end, us=ts - end, before=last, after=f))
+        if end is None or ts + d > end:
+            end, last = ts + d, f
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("timeline", help="a timeline_*.json.gz written by benchmarks/full_scale.py")
@@ -45,9 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", action="store_true",
                     help="every window of the first step: its length and the µs on the path of --show's kernels")
     ap.add_argument("--show", default="GemvUpKernel,GemvDownKernel", help="kernel families for --windows")
+    ap.add_argument("--gaps", action="store_true", help="every stretch with no kernel running (of --min-gap µs)")
+    ap.add_argument("--min-gap", type=float, default=3.0)
     args = ap.parse_args(argv)
     with gzip.open(args.timeline, "rt") as f:
         events = json.load(f)
+    if args.gaps:
+        gaps = idle_gaps(events, args.min_gap)
+        print(f"{len(gaps)} stretches of >= {args.min_gap} µs with no kernel running, {sum(g['us'] for g in gaps):.0f} "
+              "µs in all\n\n| from µs | µs | after | before |\n|---|---|---|---|")
+        for g in gaps:
+            print(f"| {g['start']:.1f} | {g['us']:.1f} | `{g['before']}` | `{g['after']}` |")
+        return 0
     count = sum(e[0] == args.marker for e in events)
     if args.windows:
         show = [f.strip() for f in args.show.split(",") if f.strip()]

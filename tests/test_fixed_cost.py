@@ -77,3 +77,7 @@ def test_timeline_layer_rows_cut_one_layer_window(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[2:] == ["| 10.0 | 0 | 2.0 |"]
     with pytest.raises(ValueError, match="3 M kernels"):
         layer_rows(events, "M", 2)
+    # idle stretches: 11 -> 20 (X ended last, M next), 27 -> 30; none inside the overlapping kernels
+    from timeline import idle_gaps
+    assert idle_gaps(events, 3.0) == [dict(start=11.0, us=9.0, before="X", after="M"),
+                                      dict(start=27.0, us=3.0, before="Z", after="M")]
