@@ -1685,6 +1685,21 @@ __device__ __forceinline__ void TcRowDots(const GemvSmemMap& m, int group0, int 
   }
 }
 
+// Once this warp's copies have landed: its 16 rows' sums over its inputs into m.red[warp] (rows g and g + 8 from the
+// first lane of each quad), then a block barrier, after which m.red holds every warp's sums.
+template <int kGroups>
+__device__ __forceinline__ void WarpSumsToShared(const GemvSmemMap& m, int warp, int lane) {
+  CopyWait<0>();
+  __syncwarp();
+  float tot[2];
+  TcRowDots<kGroups>(m, warp * kGroups, lane, tot);
+  if ((lane & 3) == 0) {
+    m.red[warp * kTcRows + lane / 4] = tot[0];
+    m.red[warp * kTcRows + lane / 4 + 8] = tot[1];
+  }
+  __syncthreads();
+}
+
 // Stage `n` bf16 values (n a multiple of 32, at most 4 x 8 x the block's threads) into m.v, each 8-value chunk as
 // x0 x4 x1 x5 x2 x6 x3 x7 (the B fragments' order), and -136 x each group's fp32 sum into m.off; block-wide. A group's
 // four chunks are four neighbouring threads', summed by two shuffles.
@@ -1745,15 +1760,7 @@ __global__ void __launch_bounds__(32 * kUpWarps, 2) GemvUpKernel(const GemvParam
       StageBf16(p.x + static_cast<int64_t>(tok) * p.d, p.d, m);
       staged = tok;
     }
-    CopyWait<0>();
-    __syncwarp();
-    float tot[2];
-    TcRowDots<kGroups>(m, warp * kGroups, lane, tot);
-    if ((lane & 3) == 0) {
-      m.red[warp * kTcRows + lane / 4] = tot[0];
-      m.red[warp * kTcRows + lane / 4 + 8] = tot[1];
-    }
-    __syncthreads();
+    WarpSumsToShared<kGroups>(m, warp, lane);
     if (threadIdx.x < 8) {
       float gs = 0.0f, us = 0.0f;
 #pragma unroll
@@ -1810,15 +1817,7 @@ __global__ void __launch_bounds__(32 * kDownWarps, 4) GemvDownKernel(const GemvP
       if (!LocalExpert(e, p.e)) continue;
       if (slot != first) CopyDownRows<kGroups>(p, m, e, d0, warp, lane);
       StageBf16(p.h + static_cast<int64_t>(slot) * p.f, p.f, m);
-      CopyWait<0>();
-      __syncwarp();
-      float tot[2];
-      TcRowDots<kGroups>(m, warp * kGroups, lane, tot);
-      if ((lane & 3) == 0) {
-        m.red[warp * kTcRows + lane / 4] = tot[0];
-        m.red[warp * kTcRows + lane / 4 + 8] = tot[1];
-      }
-      __syncthreads();
+      WarpSumsToShared<kGroups>(m, warp, lane);
       if (threadIdx.x < kTcRows) {
         float ys = 0.0f;
 #pragma unroll
