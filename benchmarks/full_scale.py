@@ -201,6 +201,41 @@ def time_step(params, cfg, batch: int, t: int, context: int, rng, repeats: int, 
     return float(np.median(samples)), compile_s, prof
 
 
+def time_loop(params, cfg, batch: int, t: int, context: int, rng, repeats: int, steps: int, profile: bool):
+    """(seconds per step, profile or None) of `steps` steps inside one executable (a fori_loop carrying the cache,
+    as the jitted decode loop runs them): what a step costs where no call's host-side work comes between steps. Each
+    step's tokens depend on the last step's logits, so that no part of a step is hoisted out of the loop."""
+    depths, vis = random_trees(batch, t, rng)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, t)), jnp.int32)
+    cache = init_cache(cfg, batch, context + t + 8)
+    cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
+
+    def steps_fn(p, c, tok, d, m):
+        def body(_, carry):
+            acc, c = carry
+            o = step(p, cfg, tok + (acc[:, :1] > 1e30).astype(jnp.int32), c, depths=d, tree_mask=m)
+            return acc + o.logits[:, 0, :8].astype(jnp.float32), o.cache
+        return jax.lax.fori_loop(0, steps, body, (jnp.zeros((batch, 8), jnp.float32), c))
+
+    fn = jax.jit(steps_fn, donate_argnums=1)
+    state = [params, cache, tokens, jnp.asarray(depths), jnp.asarray(vis)]
+
+    def call(st):
+        out, st[1] = fn(*st)
+        return out
+
+    with trace_context(params, cfg):
+        jax.block_until_ready(call(state))
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(call(state))
+            samples.append((time.perf_counter() - t0) / steps)
+        prof = profile_calls(call, (state,), 1, keep_events=True) if profile else None
+    del state
+    return float(np.median(samples)), prof
+
+
 def time_drafter(cfg, params, small: bool, context: int, batch: int, repeats: int) -> dict:
     """The K2.5-DFlash-shaped drafter's step (draft logits for one block) and its bytes floor."""
     from kdtree_jax.drafter import draft, init_draft_cache
@@ -322,6 +357,14 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> Non
                      f"{1e3 * r['floor_s']:.2f} | {r['step_s'] / r['floor_s']:.2f} | {r['bytes']['weights'] / 1e9:.2f}"
                      f" | {r['bytes']['experts'] / 1e9:.2f} | {r['bytes']['cache'] / 1e9:.2f} | "
                      f"{r['compile_s']:.0f} |")
+    looped = [r for r in rows if r.get("loop_step_s")]
+    if looped:
+        lines += ["", "The same cells as steps inside one executable (`--loop`: a fori_loop carrying the cache, as the "
+                      "jitted decode loop runs them; no per-call host work between steps):", "",
+                  "| context | batch x nodes | step ms, one call a step | step ms, in a loop | x floor in a loop |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['context']} | {r['batch']} x {r['tokens']} | {1e3 * r['step_s']:.2f} | "
+                  f"{1e3 * r['loop_step_s']:.2f} | {r['loop_step_s'] / r['floor_s']:.2f} |" for r in looped]
     d = extra.get("drafter")
     if d:
         lines += ["", f"Drafter (K2.5-DFlash shape, {d['layers']} layers, replicated, batch {d['batch']}, context "
@@ -424,6 +467,8 @@ def main(argv=None) -> int:
                     "report puts its cells beside this run's")
     ap.add_argument("--replot", metavar="JSON", help="rewrite the report (table, projection, plot) next to a saved "
                     "full_scale.json, from its numbers")
+    ap.add_argument("--loop", type=int, default=0, metavar="K", help="also time each cell as K steps inside one "
+                    "executable (a fori_loop, as the jitted decode loop runs): the step without per-call host work")
     ap.add_argument("--hlo", action="store_true", help="write the profiled cells' optimized HLO (.hlo.txt.gz) to --out")
     args = ap.parse_args(argv)
     if args.replot:
@@ -478,7 +523,6 @@ def main(argv=None) -> int:
         fb = floor_bytes(params, cfg, batch, t, context)
         row = dict(context=context, batch=batch, tokens=t, step_s=step_s, compile_s=compile_s, bytes=fb,
                    floor_s=fb["total"] / ceil["copy_Bps"])
-        rows.append(row)
         if prof is not None and jax.default_backend() == "gpu":
             os.makedirs(args.out, exist_ok=True)
             with gzip.open(os.path.join(args.out, f"timeline_{context}_{batch}x{t}.json.gz"), "wt") as f:
@@ -488,6 +532,19 @@ def main(argv=None) -> int:
                 top=top_kernels(prof, 25), path_us=prof["path_us"])
         print(f"context {context:6d} {batch:2d}x{t:2d}: {1e3 * step_s:8.2f} ms  floor {1e3 * row['floor_s']:6.2f} ms "
               f"({step_s / row['floor_s']:.2f}x)  compile {compile_s:.0f}s", flush=True)
+        if args.loop:
+            try:
+                row["loop_step_s"], lprof = time_loop(params, cfg, batch, t, context, rng, args.repeats, args.loop,
+                                                      prof_it and jax.default_backend() == "gpu")
+                print(f"context {context:6d} {batch:2d}x{t:2d}: {1e3 * row['loop_step_s']:8.2f} ms a step in a loop "
+                      f"of {args.loop}", flush=True)
+                if lprof is not None:
+                    os.makedirs(args.out, exist_ok=True)
+                    with gzip.open(os.path.join(args.out, f"timeline_loop_{context}_{batch}x{t}.json.gz"), "wt") as f:
+                        json.dump(lprof.pop("events"), f)
+            except Exception as e:  # noqa: BLE001
+                print(f"context {context} {batch}x{t}: the loop failed: {str(e).splitlines()[0][:200]}", flush=True)
+        rows.append(row)
         write_report(args.out, meta, rows, extra)
     extra["projection"] = projection(rows, extra, args.layers, comm)
     write_report(args.out, meta, rows, extra)

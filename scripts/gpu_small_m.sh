@@ -59,6 +59,8 @@
 #                                                    # then gemv_ncu)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh timeline  # the full step, then one layer of each profiled cell kernel
 #                                                    # by kernel (benchmarks/timeline.py)
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh loop  # the full step one call a step, as LOOP steps in one executable,
+#                                                    # and with XLA's command buffers off; each timeline's gaps
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh gemv_ncu  # ncu of the GEMV kernels (the MoE's, fused_dot's) at M = 1
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fd_ncu  # fused_dot's calls alone with and without whole-line L2
 #                                                    # requests, then ncu of its kernel (sections, sampled stalls)
@@ -160,7 +162,7 @@ run_full() {  # run_full NAME SUFFIX OPS [ENV...]: one full_scale.py run at PF_C
   [ "$name" != base ] && base=(--base "$OUT/results/base/full_scale.json")
   step "$name" "${PF_LIMIT:-150}" "${BIG[@]}" XLA_FLAGS="$FLAGS" "$@" python3 "${SCRIPT:-benchmarks/full_scale.py}" \
     --out "$OUT/results/$name" --cells "$PF_CELLS" --profile "${PF_PROFILE:-4096:1x1}" --repeats 3 \
-    --commit "$KDTREE_COMMIT$suffix" --ffi-ops "$ops" "${base[@]}" "${DEPTH[@]}"
+    --commit "$KDTREE_COMMIT$suffix" --ffi-ops "$ops" "${base[@]}" "${DEPTH[@]}" ${LOOP:+--loop "$LOOP"}
 }
 run_older() {  # run_older NAME: the package of BASE_DIR (a git archive of an older commit's kdtree_jax and
   # benchmarks) with this commit's benchmark scripts copied into it (they put their own tree first on the path)
@@ -331,6 +333,16 @@ libs)  # this build's libraries against OLD_LIB's (a directory of an older build
     run_full oldlib2 "${OLD_SUFFIX:--oldlib}" "$OPS" KDTREE_JAX_FFI_DIR="$OLD_LIB"
   fi
   [ -n "${NCU:-}" ] && OUT=$OUT/ncu bash scripts/gpu_small_m.sh gemv_ncu
+  ;;
+loop)  # where the per-call idle goes: the full step timed one call a step and as LOOP (default 16) steps in one
+  # executable (full_scale.py --loop), then one call a step with XLA's command buffers off; the idle stretches of
+  # each profiled timeline (benchmarks/timeline.py --gaps)
+  set_depth
+  LOOP=${LOOP:-16} run_full base "" "$OPS"
+  run_full nocb "-nocb" "$OPS" XLA_FLAGS="$FLAGS --xla_gpu_enable_command_buffer="
+  for t in "$OUT"/results/base/timeline_*.json.gz "$OUT"/results/nocb/timeline_*.json.gz; do
+    TAIL=30 step "gaps_$(basename "$(dirname "$t")")_$(basename "$t" .json.gz)" 60 python3 benchmarks/timeline.py "$t" --gaps
+  done
   ;;
 timeline)  # the full step as is (PF_CELLS, profiled at PF_PROFILE; on an H100 at LAYERS_SMALL layers), then one
   # layer of each profiled cell kernel by kernel (benchmarks/timeline.py on the timelines full_scale.py keeps)
