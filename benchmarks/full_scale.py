@@ -527,9 +527,12 @@ def main(argv=None) -> int:
             os.makedirs(args.out, exist_ok=True)
             with gzip.open(os.path.join(args.out, f"timeline_{context}_{batch}x{t}.json.gz"), "wt") as f:
                 json.dump(prof.pop("events"), f)  # every kernel of the three profiled steps: [family, stream, µs, µs]
+            with gzip.open(os.path.join(args.out, f"host_{context}_{batch}x{t}.json.gz"), "wt") as f:
+                json.dump(prof.pop("host_events"), f)  # the host's events of >= 5 µs: [name, thread, µs, µs]
             extra["profiles"][f"context {context}, {batch} x {t}"] = dict(
                 busy_us=prof["busy_us"], launches=sum(c for c, _ in prof["kernels"].values()),
-                top=top_kernels(prof, 25), path_us=prof["path_us"])
+                top=top_kernels(prof, 25), path_us=prof["path_us"],
+                host_top=sorted(prof["host"].items(), key=lambda kv: -kv[1][1])[:20])
         print(f"context {context:6d} {batch:2d}x{t:2d}: {1e3 * step_s:8.2f} ms  floor {1e3 * row['floor_s']:6.2f} ms "
               f"({step_s / row['floor_s']:.2f}x)  compile {compile_s:.0f}s", flush=True)
         if args.loop:
@@ -542,6 +545,8 @@ def main(argv=None) -> int:
                     os.makedirs(args.out, exist_ok=True)
                     with gzip.open(os.path.join(args.out, f"timeline_loop_{context}_{batch}x{t}.json.gz"), "wt") as f:
                         json.dump(lprof.pop("events"), f)
+                    with gzip.open(os.path.join(args.out, f"host_loop_{context}_{batch}x{t}.json.gz"), "wt") as f:
+                        json.dump(lprof.pop("host_events"), f)
             except Exception as e:  # noqa: BLE001
                 print(f"context {context} {batch}x{t}: the loop failed: {str(e).splitlines()[0][:200]}", flush=True)
         rows.append(row)

@@ -74,13 +74,18 @@ def path_shares(events: list[tuple[str, float, float]], calls: int = 1) -> dict[
     return dict(shares)
 
 
+HOST_EVENT_MIN_US = 5.0  # the host events kept with keep_events: what can explain an idle GPU
+
+
 def parse_trace(path: str, chain: tuple[str, str] | None = None, calls: int = 1, keep_events: bool = False) -> dict:
     """{"kernels": {family: [launches, total_us]}, "busy_us": sum of stream events, "span_us": first to last,
     "path_us": `path_shares` of `calls` calls} of every event on the GPU streams of a perfetto trace (threads named
     "Stream ..." of a GPU process), and "host":
     {name with digits as #: [events, total_us]} of the events of the other processes (XLA's thunks, launches).
     chain (first, last kernel family): "chain_us", the `chain_spans` of the trace. keep_events: "events", every GPU
-    stream event as [family, stream (thread id), start µs from the first, duration µs], in start order."""
+    stream event as [family, stream (thread id), start µs from the first, duration µs], in start order, and
+    "host_events", the host threads' events of at least HOST_EVENT_MIN_US as [name, thread, start µs from the first
+    GPU event, duration µs]."""
     with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -93,12 +98,14 @@ def parse_trace(path: str, chain: tuple[str, str] | None = None, calls: int = 1,
     gpu = {pid for pid, n in procs.items() if "GPU" in n or "/device:" in n}
     kernels = collections.defaultdict(lambda: [0, 0.0])
     host = collections.defaultdict(lambda: [0, 0.0])
-    busy, t0, t1, stream_events, tids = 0.0, None, None, [], []
+    busy, t0, t1, stream_events, tids, host_events = 0.0, None, None, [], [], []
     for e in events:
         if e.get("ph") == "X" and e.get("pid") not in gpu:  # host threads: what the runtime did (thunks, launches)
             h = host[re.sub(r"\d+", "#", str(e.get("name", "?")))[:80]]
             h[0] += 1
             h[1] += float(e.get("dur", 0.0))
+            if keep_events and float(e.get("dur", 0.0)) >= HOST_EVENT_MIN_US:
+                host_events.append((str(e.get("name", "?"))[:120], e.get("tid"), float(e["ts"]), float(e["dur"])))
             continue
         if e.get("ph") != "X" or e.get("pid") not in gpu:
             continue
@@ -122,6 +129,8 @@ def parse_trace(path: str, chain: tuple[str, str] | None = None, calls: int = 1,
     if keep_events:
         out["events"] = sorted(([f, tid, round(ts - (t0 or 0.0), 3), round(d, 3)]
                                 for (f, ts, d), tid in zip(stream_events, tids)), key=lambda e: e[2])
+        out["host_events"] = sorted(([n, tid, round(ts - (t0 or 0.0), 3), round(d, 3)]
+                                     for n, tid, ts, d in host_events), key=lambda e: e[2])
     return out
 
 

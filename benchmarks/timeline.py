@@ -4,6 +4,7 @@ step (`profile_tools.path_shares` over the layer's window).
     python benchmarks/timeline.py results/full_scale/timeline_4096_1x1.json.gz [--marker MlaVerifyKernel] [--layer 20]
     python benchmarks/timeline.py TIMELINE --windows [--show GemvUpKernel,GemvDownKernel]   # every window, sorted
     python benchmarks/timeline.py TIMELINE --gaps [--min-gap 3]   # every stretch with no kernel running
+    python benchmarks/timeline.py TIMELINE --gaps --host HOST   # and what the host did in the longest ones
 
 The timeline files are written by `benchmarks/full_scale.py` for its profiled cells (every GPU kernel of three
 steps: [family, stream, start µs, duration µs]). A layer's window runs from the start of its marker kernel (one a
@@ -50,6 +51,13 @@ def idle_gaps(events: list, min_gap: float) -> list[dict]:
     return out
 
 
+def host_in_gap(host: list, gap: dict) -> list[tuple]:
+    """The host events [name, thread, start, duration] that overlap a gap, longest overlap first, with the overlap."""
+    a, b = gap["start"], gap["start"] + gap["us"]
+    rows = [(n, tid, ts, d, min(ts + d, b) - max(ts, a)) for n, tid, ts, d in host if ts < b and ts + d > a]
+    return sorted(rows, key=lambda r: -r[4])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("timeline", help="a timeline_*.json.gz written by benchmarks/full_scale.py")
@@ -60,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--show", default="GemvUpKernel,GemvDownKernel", help="kernel families for --windows")
     ap.add_argument("--gaps", action="store_true", help="every stretch with no kernel running (of --min-gap µs)")
     ap.add_argument("--min-gap", type=float, default=3.0)
+    ap.add_argument("--host", metavar="HOST", help="with --gaps: the host events file written beside the timeline "
+                    "(host_*.json.gz): for the --top-gaps longest gaps, the host events that overlap each")
+    ap.add_argument("--top-gaps", type=int, default=3)
+    ap.add_argument("--top-host", type=int, default=15)
     args = ap.parse_args(argv)
     with gzip.open(args.timeline, "rt") as f:
         events = json.load(f)
@@ -69,6 +81,14 @@ def main(argv: list[str] | None = None) -> int:
               "µs in all\n\n| from µs | µs | after | before |\n|---|---|---|---|")
         for g in gaps:
             print(f"| {g['start']:.1f} | {g['us']:.1f} | `{g['before']}` | `{g['after']}` |")
+        if args.host:
+            with gzip.open(args.host, "rt") as f:
+                host = json.load(f)
+            for g in sorted(gaps, key=lambda g: -g["us"])[:args.top_gaps]:
+                print(f"\nThe host during the gap at {g['start']:.1f} µs ({g['us']:.1f} µs), its longest events:\n\n"
+                      "| event | thread | start µs | µs | µs inside the gap |\n|---|---|---|---|---|")
+                for name, tid, ts, d, inside in host_in_gap(host, g)[:args.top_host]:
+                    print(f"| `{name[:90]}` | {tid} | {ts:.1f} | {d:.1f} | {inside:.1f} |")
         return 0
     count = sum(e[0] == args.marker for e in events)
     if args.windows:

@@ -59,8 +59,8 @@
 #                                                    # then gemv_ncu)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh timeline  # the full step, then one layer of each profiled cell kernel
 #                                                    # by kernel (benchmarks/timeline.py)
-#   OUT=/tmp/out bash scripts/gpu_small_m.sh loop  # the full step one call a step, as LOOP steps in one executable,
-#                                                    # and with XLA's command buffers off; each timeline's gaps
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh loop  # the full step one call a step and as LOOP steps in one
+#                                                    # executable, for each of LOOP_VARIANTS (XLA flags); gaps
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh gemv_ncu  # ncu of the GEMV kernels (the MoE's, fused_dot's) at M = 1
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fd_ncu  # fused_dot's calls alone with and without whole-line L2
 #                                                    # requests, then ncu of its kernel (sections, sampled stalls)
@@ -334,14 +334,22 @@ libs)  # this build's libraries against OLD_LIB's (a directory of an older build
   fi
   [ -n "${NCU:-}" ] && OUT=$OUT/ncu bash scripts/gpu_small_m.sh gemv_ncu
   ;;
-loop)  # where the per-call idle goes: the full step timed one call a step and as LOOP (default 16) steps in one
-  # executable (full_scale.py --loop), then one call a step with XLA's command buffers off; the idle stretches of
-  # each profiled timeline (benchmarks/timeline.py --gaps)
+loop)  # the full step timed one call a step and as LOOP (default 16) steps in one executable (full_scale.py --loop),
+  # once for each of LOOP_VARIANTS ("name=extra XLA flags|..."; the first is named base and is the others' base;
+  # default: as is, then XLA's command buffers off); then the idle stretches of each profiled timeline and what the
+  # host did in the longest (benchmarks/timeline.py --gaps --host). XLA profiles op by op unless
+  # --xla_enable_command_buffers_during_profiling=true is among a variant's flags.
   set_depth
-  LOOP=${LOOP:-16} run_full base "" "$OPS"
-  run_full nocb "-nocb" "$OPS" XLA_FLAGS="$FLAGS --xla_gpu_enable_command_buffer="
-  for t in "$OUT"/results/base/timeline_*.json.gz "$OUT"/results/nocb/timeline_*.json.gz; do
-    TAIL=30 step "gaps_$(basename "$(dirname "$t")")_$(basename "$t" .json.gz)" 60 python3 benchmarks/timeline.py "$t" --gaps
+  IFS='|' read -ra VARIANTS <<< "${LOOP_VARIANTS:-base=|nocb=--xla_gpu_enable_command_buffer=}"
+  for v in "${VARIANTS[@]}"; do
+    name=${v%%=*}
+    suffix="-$name"; [ "$name" = base ] && suffix=""
+    LOOP=${LOOP:-16} run_full "$name" "$suffix" "$OPS" XLA_FLAGS="$FLAGS ${v#*=}"
+  done
+  for t in "$OUT"/results/*/timeline_*.json.gz; do
+    h=$(dirname "$t")/host_$(basename "$t" | sed 's/^timeline_//')
+    TAIL=60 step "gaps_$(basename "$(dirname "$t")")_$(basename "$t" .json.gz)" 60 python3 benchmarks/timeline.py "$t" \
+      --gaps --min-gap 20 --host "$h"
   done
   ;;
 timeline)  # the full step as is (PF_CELLS, profiled at PF_PROFILE; on an H100 at LAYERS_SMALL layers), then one
