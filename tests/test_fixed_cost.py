@@ -81,3 +81,11 @@ def test_timeline_layer_rows_cut_one_layer_window(tmp_path, capsys):
     from timeline import idle_gaps
     assert idle_gaps(events, 3.0) == [dict(start=11.0, us=9.0, before="X", after="M"),
                                       dict(start=27.0, us=3.0, before="Z", after="M")]
+
+
+def test_timeline_host_events_in_a_gap():
+    """timeline.host_in_gap: the host events overlapping an idle stretch, the longest overlap first, with it."""
+    from timeline import host_in_gap
+    host = [["launch", 1, 0.0, 12.0], ["record", 1, 14.0, 40.0], ["sync", 2, 30.0, 5.0], ["late", 1, 60.0, 9.0]]
+    rows = host_in_gap(host, dict(start=10.0, us=40.0, before="A", after="B"))
+    assert [(r[0], r[4]) for r in rows] == [("record", 36.0), ("sync", 5.0), ("launch", 2.0)]
