@@ -336,16 +336,6 @@ def projection(rows: list[dict], extra: dict, layers: int, comm: dict) -> list[d
     return out
 
 
-def profiled_mode(xla_flags: str) -> str:
-    """How XLA ran the profiled steps: under jax's profiler XLA launches every operation by itself instead of
-    replaying the step's CUDA graphs (command buffers), unless --xla_enable_command_buffers_during_profiling=true."""
-    if "--xla_enable_command_buffers_during_profiling=true" in xla_flags:
-        return "Profiled as timed: XLA replayed its command buffers (CUDA graphs) under the profiler."
-    return ("Profiled op by op: under the profiler XLA launches each operation from the host instead of replaying "
-            "its command buffers (CUDA graphs) as in the timed steps, so idle stretches in a profile can be the host's "
-            "launches, not the timed step's (`--xla_enable_command_buffers_during_profiling=true` profiles as timed).")
-
-
 def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "full_scale.json"), "w") as f:
@@ -392,7 +382,6 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> Non
             lines += ["", "µs on the path: each instant of a step charged to the running kernel that ends first "
                           f"(`profile_tools.path_shares`); no kernel running: {path.get('(idle)', 0.0):.0f} µs "
                           f"(and {path.get('(between calls)', 0.0):.0f} µs between the profiled calls)."]
-        lines += ["", profiled_mode(meta.get("xla_flags", ""))]
     proj = extra.get("projection")
     if proj:
         quoted = " / ".join(f"{v}" for v in TAU_QUOTED.values())
