@@ -336,11 +336,13 @@ libs)  # this build's libraries against OLD_LIB's (a directory of an older build
   ;;
 loop)  # the full step timed one call a step and as LOOP (default 16) steps in one executable (full_scale.py --loop),
   # once for each of LOOP_VARIANTS ("name=extra XLA flags|..."; the first is named base and is the others' base;
-  # default: as is, then XLA's command buffers off); then the idle stretches of each profiled timeline and what the
-  # host did in the longest (benchmarks/timeline.py --gaps --host). XLA profiles op by op unless
-  # --xla_enable_command_buffers_during_profiling=true is among a variant's flags.
+  # default: as is; command buffers kept unchanged between calls (NEVER_UPDATE); the loop itself in a command buffer
+  # (WHILE), each profiled with command buffers on; "nocb=--xla_gpu_enable_command_buffer=": none); then the idle
+  # stretches of each profiled timeline and what the host did in the longest (benchmarks/timeline.py --gaps --host)
   set_depth
-  IFS='|' read -ra VARIANTS <<< "${LOOP_VARIANTS:-base=|nocb=--xla_gpu_enable_command_buffer=}"
+  prof=--xla_enable_command_buffers_during_profiling=true
+  types=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN
+  IFS='|' read -ra VARIANTS <<< "${LOOP_VARIANTS:-base=$prof|never=--xla_gpu_command_buffer_update_mode=NEVER_UPDATE $prof|while=--xla_gpu_enable_command_buffer=$types,WHILE,CONDITIONAL $prof}"
   for v in "${VARIANTS[@]}"; do
     name=${v%%=*}
     suffix="-$name"; [ "$name" = base ] && suffix=""
