@@ -201,6 +201,20 @@ def time_step(params, cfg, batch: int, t: int, context: int, rng, repeats: int, 
     return float(np.median(samples)), compile_s, prof
 
 
+def steps_in_one_call(cfg, steps: int):
+    """jit(params, cache, tokens, depths, tree_mask) -> (the sum of the steps' first 8 logits of node 0, fp32 [B, 8];
+    the cache): `steps` cached steps in one fori_loop, the cache carried (donated), each step's tokens the given ones
+    plus 0 or 1 from the logits so far (always 0 for finite logits), so that no step can be hoisted out of the loop."""
+    def steps_fn(p, c, tok, d, m):
+        def body(_, carry):
+            acc, c = carry
+            o = step(p, cfg, tok + (acc[:, :1] > 1e30).astype(jnp.int32), c, depths=d, tree_mask=m)
+            return acc + o.logits[:, 0, :8].astype(jnp.float32), o.cache
+        return jax.lax.fori_loop(0, steps, body, (jnp.zeros((tok.shape[0], 8), jnp.float32), c))
+
+    return jax.jit(steps_fn, donate_argnums=1)
+
+
 def time_loop(params, cfg, batch: int, t: int, context: int, rng, repeats: int, steps: int, profile: bool):
     """(seconds per step, profile or None) of `steps` steps inside one executable (a fori_loop carrying the cache,
     as the jitted decode loop runs them): what a step costs where no call's host-side work comes between steps. Each
@@ -210,14 +224,7 @@ def time_loop(params, cfg, batch: int, t: int, context: int, rng, repeats: int, 
     cache = init_cache(cfg, batch, context + t + 8)
     cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
 
-    def steps_fn(p, c, tok, d, m):
-        def body(_, carry):
-            acc, c = carry
-            o = step(p, cfg, tok + (acc[:, :1] > 1e30).astype(jnp.int32), c, depths=d, tree_mask=m)
-            return acc + o.logits[:, 0, :8].astype(jnp.float32), o.cache
-        return jax.lax.fori_loop(0, steps, body, (jnp.zeros((batch, 8), jnp.float32), c))
-
-    fn = jax.jit(steps_fn, donate_argnums=1)
+    fn = steps_in_one_call(cfg, steps)
     state = [params, cache, tokens, jnp.asarray(depths), jnp.asarray(vis)]
 
     def call(st):

@@ -80,3 +80,36 @@ def test_report_states_the_loop_rows(tmp_path):
     assert "| 4096 | 1 x 1 | 7.50 | 6.00 | 4.00 |" in text  # 6.0 ms / 1.5 ms floor
     assert text.count("| 4096 | 1 x 17 |") == 1 and text.count("| 4096 | 1 x 1 |") == 2  # no loop row for 1 x 17
     assert "## Kernel profile, context 4096, 1 x 1" in text
+
+
+def test_steps_in_one_call_are_the_steps_one_by_one():
+    """--loop's executable (`steps_in_one_call`) runs the same steps as calling `step` in turn: its logits sum and the
+    cache it carries equal those of three separate steps on the same tiny per-device model (CPU, XLA kernels), to
+    fp32 rounding (one compiled loop against operations run one by one)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from common import random_trees
+    from kdtree_jax.model import init_cache, step
+
+    cfg, params = full_scale.per_device_model(8, 2, True, "xla")
+    depths, vis = random_trees(1, 3, np.random.default_rng(1))
+    tokens = jnp.asarray([[5, 17, 99]], jnp.int32)
+
+    def fresh():
+        cache = init_cache(cfg, 1, 40)
+        return dataclasses.replace(cache, lengths=jnp.full((1,), 20, jnp.int32))
+
+    acc, cache = jnp.zeros((1, 8), jnp.float32), fresh()
+    for _ in range(3):
+        out = step(params, cfg, tokens, cache, depths=jnp.asarray(depths), tree_mask=jnp.asarray(vis))
+        acc, cache = acc + out.logits[:, 0, :8].astype(jnp.float32), out.cache
+    got, got_cache = full_scale.steps_in_one_call(cfg, 3)(params, fresh(), tokens, jnp.asarray(depths),
+                                                          jnp.asarray(vis))
+    assert np.all(np.isfinite(np.asarray(got)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(acc), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(cache)):  # one jit against op by op: ulps apart
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-6)
