@@ -23,6 +23,8 @@ same cells beside this one.
     python benchmarks/full_scale.py                                     # on one H200 (~80 GB of weights)
     python benchmarks/full_scale.py --layers 3 --small --out /tmp/x     # CPU smoke run
     python benchmarks/full_scale.py --replot results/full_scale/full_scale.json  # the report again, from its numbers
+    python benchmarks/full_scale.py --cells 4096:1x1 --loop 16   # also 16 steps in one executable (the decode loop's
+                                                                 # step, without a call's own host work)
 """
 
 from __future__ import annotations
