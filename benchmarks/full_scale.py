@@ -478,6 +478,7 @@ def main(argv=None) -> int:
                     "full_scale.json, from its numbers")
     ap.add_argument("--loop", type=int, default=0, metavar="K", help="also time each cell as K steps inside one "
                     "executable (a fori_loop, as the jitted decode loop runs): the step without per-call host work")
+    ap.add_argument("--skip-drafter", action="store_true", help="do not time the drafter (saves its compile)")
     ap.add_argument("--hlo", action="store_true", help="write the profiled cells' optimized HLO (.hlo.txt.gz) to --out")
     args = ap.parse_args(argv)
     if args.replot:
@@ -509,6 +510,8 @@ def main(argv=None) -> int:
     print(f"params {meta['params_gb']:.1f} GB made in {init_s:.1f} s; copy {ceil['copy_Bps'] / 1e12:.2f} TB/s",
           flush=True)
     try:
+        if args.skip_drafter:
+            raise RuntimeError("skipped (--skip-drafter)")
         extra["drafter"] = time_drafter(cfg, params, args.small, 4096 if not args.small else 256, 1, args.repeats)
         print(f"drafter {1e3 * extra['drafter']['step_s']:.2f} ms", flush=True)
     except Exception as e:  # noqa: BLE001
