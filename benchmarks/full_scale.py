@@ -511,11 +511,11 @@ def main(argv=None) -> int:
           flush=True)
     try:
         if args.skip_drafter:
-            raise RuntimeError("skipped (--skip-drafter)")
+            raise RuntimeError("not timed (--skip-drafter)")
         extra["drafter"] = time_drafter(cfg, params, args.small, 4096 if not args.small else 256, 1, args.repeats)
         print(f"drafter {1e3 * extra['drafter']['step_s']:.2f} ms", flush=True)
     except Exception as e:  # noqa: BLE001
-        print(f"drafter failed: {str(e).splitlines()[0][:200]}", flush=True)
+        print(f"drafter: {str(e).splitlines()[0][:200]}", flush=True)
     cells = args.cells or (SMALL_CELLS if args.small else CELLS)
     profiled = args.profile or ([SMALL_CELLS[0]] if args.small else PROFILED)
     for context, batch, t in cells:
