@@ -162,7 +162,8 @@ run_full() {  # run_full NAME SUFFIX OPS [ENV...]: one full_scale.py run at PF_C
   [ "$name" != base ] && base=(--base "$OUT/results/base/full_scale.json")
   step "$name" "${PF_LIMIT:-150}" "${BIG[@]}" XLA_FLAGS="$FLAGS" "$@" python3 "${SCRIPT:-benchmarks/full_scale.py}" \
     --out "$OUT/results/$name" --cells "$PF_CELLS" --profile "${PF_PROFILE:-4096:1x1}" --repeats 3 \
-    --commit "$KDTREE_COMMIT$suffix" --ffi-ops "$ops" "${base[@]}" "${DEPTH[@]}" ${LOOP:+--loop "$LOOP"}
+    --commit "$KDTREE_COMMIT$suffix" --ffi-ops "$ops" "${base[@]}" "${DEPTH[@]}" ${LOOP:+--loop "$LOOP"} \
+    ${SKIP_DRAFTER:+--skip-drafter}
 }
 run_older() {  # run_older NAME: the package of BASE_DIR (a git archive of an older commit's kdtree_jax and
   # benchmarks) with this commit's benchmark scripts copied into it (they put their own tree first on the path)
@@ -340,6 +341,7 @@ loop)  # the full step timed one call a step and as LOOP (default 16) steps in o
   # (WHILE), each profiled with command buffers on; "nocb=--xla_gpu_enable_command_buffer=": none); then the idle
   # stretches of each profiled timeline and what the host did in the longest (benchmarks/timeline.py --gaps --host)
   set_depth
+  [ -n "${LOOP_LAYERS:-}" ] && DEPTH=(--layers "$LOOP_LAYERS")  # a quick flag A/B: e.g. LOOP_LAYERS=20 SKIP_DRAFTER=1
   prof=--xla_enable_command_buffers_during_profiling=true
   types=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN
   IFS='|' read -ra VARIANTS <<< "${LOOP_VARIANTS:-base=$prof|never=--xla_gpu_command_buffer_update_mode=NEVER_UPDATE $prof|while=--xla_gpu_enable_command_buffer=$types,WHILE,CONDITIONAL $prof}"
