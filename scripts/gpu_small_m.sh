@@ -337,14 +337,16 @@ libs)  # this build's libraries against OLD_LIB's (a directory of an older build
   ;;
 loop)  # the full step timed one call a step and as LOOP (default 16) steps in one executable (full_scale.py --loop),
   # once for each of LOOP_VARIANTS ("name=extra XLA flags|..."; the first is named base and is the others' base;
-  # default: as is; command buffers kept unchanged between calls (NEVER_UPDATE); the loop itself in a command buffer
-  # (WHILE), each profiled with command buffers on; "nocb=--xla_gpu_enable_command_buffer=": none); then the idle
-  # stretches of each profiled timeline and what the host did in the longest (benchmarks/timeline.py --gaps --host)
+  # default: as is; as is, profiled with command buffers on (cbprof: do the profiles differ?); command buffers kept
+  # unchanged between calls (NEVER_UPDATE); the loop itself in a command buffer (WHILE); "nocb=
+  # --xla_gpu_enable_command_buffer=": none); then the idle stretches of each profiled timeline and what the host
+  # did in the longest (benchmarks/timeline.py --gaps --host)
   set_depth
   [ -n "${LOOP_LAYERS:-}" ] && DEPTH=(--layers "$LOOP_LAYERS")  # a quick flag A/B: e.g. LOOP_LAYERS=20 SKIP_DRAFTER=1
   prof=--xla_enable_command_buffers_during_profiling=true
   types=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN
-  IFS='|' read -ra VARIANTS <<< "${LOOP_VARIANTS:-base=$prof|never=--xla_gpu_command_buffer_update_mode=NEVER_UPDATE $prof|while=--xla_gpu_enable_command_buffer=$types,WHILE,CONDITIONAL $prof}"
+  # (each variant its own process: one whose flag this XLA does not know fails alone)
+  IFS='|' read -ra VARIANTS <<< "${LOOP_VARIANTS:-base=|cbprof=$prof|never=--xla_gpu_command_buffer_update_mode=NEVER_UPDATE|while=--xla_gpu_enable_command_buffer=$types,WHILE,CONDITIONAL}"
   for v in "${VARIANTS[@]}"; do
     name=${v%%=*}
     suffix="-$name"; [ "$name" = base ] && suffix=""
