@@ -245,6 +245,16 @@ def time_loop(params, cfg, batch: int, t: int, context: int, rng, repeats: int, 
     return float(np.median(samples)), prof
 
 
+def save_timeline(out_dir: str, stem: str, prof: dict) -> None:
+    """Move a profile's events into out_dir: timeline_<stem>.json.gz, every GPU kernel of the profiled steps as
+    [family, stream, start µs, µs] (benchmarks/timeline.py reads it), and host_<stem>.json.gz, the host's events of
+    at least profile_tools.HOST_EVENT_MIN_US as [name, thread, start µs, µs]."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name, key in (("timeline", "events"), ("host", "host_events")):
+        with gzip.open(os.path.join(out_dir, f"{name}_{stem}.json.gz"), "wt") as f:
+            json.dump(prof.pop(key), f)
+
+
 def time_drafter(cfg, params, small: bool, context: int, batch: int, repeats: int) -> dict:
     """The K2.5-DFlash-shaped drafter's step (draft logits for one block) and its bytes floor."""
     from kdtree_jax.drafter import draft, init_draft_cache
@@ -536,11 +546,7 @@ def main(argv=None) -> int:
         row = dict(context=context, batch=batch, tokens=t, step_s=step_s, compile_s=compile_s, bytes=fb,
                    floor_s=fb["total"] / ceil["copy_Bps"])
         if prof is not None and jax.default_backend() == "gpu":
-            os.makedirs(args.out, exist_ok=True)
-            with gzip.open(os.path.join(args.out, f"timeline_{context}_{batch}x{t}.json.gz"), "wt") as f:
-                json.dump(prof.pop("events"), f)  # every kernel of the three profiled steps: [family, stream, µs, µs]
-            with gzip.open(os.path.join(args.out, f"host_{context}_{batch}x{t}.json.gz"), "wt") as f:
-                json.dump(prof.pop("host_events"), f)  # the host's events of >= 5 µs: [name, thread, µs, µs]
+            save_timeline(args.out, f"{context}_{batch}x{t}", prof)
             extra["profiles"][f"context {context}, {batch} x {t}"] = dict(
                 busy_us=prof["busy_us"], launches=sum(c for c, _ in prof["kernels"].values()),
                 top=top_kernels(prof, 25), path_us=prof["path_us"],
@@ -554,11 +560,7 @@ def main(argv=None) -> int:
                 print(f"context {context:6d} {batch:2d}x{t:2d}: {1e3 * row['loop_step_s']:8.2f} ms a step in a loop "
                       f"of {args.loop}", flush=True)
                 if lprof is not None:
-                    os.makedirs(args.out, exist_ok=True)
-                    with gzip.open(os.path.join(args.out, f"timeline_loop_{context}_{batch}x{t}.json.gz"), "wt") as f:
-                        json.dump(lprof.pop("events"), f)
-                    with gzip.open(os.path.join(args.out, f"host_loop_{context}_{batch}x{t}.json.gz"), "wt") as f:
-                        json.dump(lprof.pop("host_events"), f)
+                    save_timeline(args.out, f"loop_{context}_{batch}x{t}", lprof)
             except Exception as e:  # noqa: BLE001
                 print(f"context {context} {batch}x{t}: the loop failed: {str(e).splitlines()[0][:200]}", flush=True)
         rows.append(row)

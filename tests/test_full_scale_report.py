@@ -113,3 +113,17 @@ def test_steps_in_one_call_are_the_steps_one_by_one():
     np.testing.assert_allclose(np.asarray(got), np.asarray(acc), rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(cache)):  # one jit against op by op: ulps apart
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-6)
+
+
+def test_save_timeline_moves_both_event_lists(tmp_path):
+    """save_timeline writes the kernels' and the host's events of a profile beside each other and takes them out of
+    the profile (what stays is what the JSON report keeps)."""
+    import gzip
+
+    prof = dict(events=[["MlaVerifyKernel", 7, 0.0, 10.5]], host_events=[["launch", 3, -2.0, 6.0]], busy_us=10.5)
+    full_scale.save_timeline(str(tmp_path / "out"), "loop_4096_1x1", prof)
+    with gzip.open(tmp_path / "out" / "timeline_loop_4096_1x1.json.gz", "rt") as f:
+        assert json.load(f) == [["MlaVerifyKernel", 7, 0.0, 10.5]]
+    with gzip.open(tmp_path / "out" / "host_loop_4096_1x1.json.gz", "rt") as f:
+        assert json.load(f) == [["launch", 3, -2.0, 6.0]]
+    assert prof == dict(busy_us=10.5)
