@@ -167,20 +167,29 @@ def floor_bytes(params, cfg, batch: int, t: int, context: int) -> dict:
     return dict(weights=other, experts=experts, cache=cache, total=other + experts + cache)
 
 
-def time_step(params, cfg, batch: int, t: int, context: int, rng, repeats: int, profile: bool, hlo: str | None = None):
-    """(seconds per step, compile s, profile or None) for T tree nodes per row after `context` cached tokens; with
-    `hlo` (a path), the compiled step's optimized HLO is written there (gzip)."""
+def step_state(params, cfg, batch: int, t: int, context: int, rng, fn):
+    """The arguments of a jitted step `fn(params, cache, tokens, depths, tree_mask)` (random tokens and trees of T
+    nodes a row, the cache at `context` tokens) as a list, and call(state) -> fn's first output, the donated cache fed
+    back into the state."""
     depths, vis = random_trees(batch, t, rng)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, t)), jnp.int32)
     cache = init_cache(cfg, batch, context + t + 8)
     cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
-    fn = jax.jit(lambda p, c, tok, d, m: (lambda o: (o.logits[:, 0, :8], o.cache))(
-        step(p, cfg, tok, c, depths=d, tree_mask=m)), donate_argnums=1)
     state = [params, cache, tokens, jnp.asarray(depths), jnp.asarray(vis)]
 
     def call(st):
         out, st[1] = fn(*st)
         return out
+
+    return state, call
+
+
+def time_step(params, cfg, batch: int, t: int, context: int, rng, repeats: int, profile: bool, hlo: str | None = None):
+    """(seconds per step, compile s, profile or None) for T tree nodes per row after `context` cached tokens; with
+    `hlo` (a path), the compiled step's optimized HLO is written there (gzip)."""
+    fn = jax.jit(lambda p, c, tok, d, m: (lambda o: (o.logits[:, 0, :8], o.cache))(
+        step(p, cfg, tok, c, depths=d, tree_mask=m)), donate_argnums=1)
+    state, call = step_state(params, cfg, batch, t, context, rng, fn)
 
     with trace_context(params, cfg):
         t0 = time.perf_counter()
@@ -221,17 +230,7 @@ def time_loop(params, cfg, batch: int, t: int, context: int, rng, repeats: int, 
     """(seconds per step, profile or None) of `steps` steps inside one executable (a fori_loop carrying the cache,
     as the jitted decode loop runs them): what a step costs where no call's host-side work comes between steps. Each
     step's tokens depend on the last step's logits, so that no part of a step is hoisted out of the loop."""
-    depths, vis = random_trees(batch, t, rng)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, t)), jnp.int32)
-    cache = init_cache(cfg, batch, context + t + 8)
-    cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
-
-    fn = steps_in_one_call(cfg, steps)
-    state = [params, cache, tokens, jnp.asarray(depths), jnp.asarray(vis)]
-
-    def call(st):
-        out, st[1] = fn(*st)
-        return out
+    state, call = step_state(params, cfg, batch, t, context, rng, steps_in_one_call(cfg, steps))
 
     with trace_context(params, cfg):
         jax.block_until_ready(call(state))
