@@ -48,6 +48,7 @@ from .distributed import check_same
 from .drafter import Drafter, DrafterConfig, drafter_info, shard_drafter
 from .model import Model, Params, abstract_params, param_info, param_shardings, shard_params
 from .tokenizer import load_tokenizer
+from .validate import shown
 
 FORMAT = "kdtree-jax-checkpoint"
 FORMAT_VERSION = 3  # 2: q_a and kv_a stored as one weight (attn.qkv_a), the MLPs' gate and up as one (gate_up),
@@ -382,6 +383,8 @@ def open_regular(path: str | os.PathLike, mode: str = "r"):
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
+    except OSError as e:  # a symlink loop, no permission
+        raise CheckpointError(f"{path} does not open: {e.strerror}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CheckpointError(f"{path} is not a regular file")
@@ -430,6 +433,21 @@ def read_manifest(path: str) -> dict:
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: unsupported checkpoint format {manifest.get('format')!r} version "
                               f"{manifest.get('format_version')!r} (this is {FORMAT} {FORMAT_VERSION})")
+    where = os.path.join(path, MANIFEST_FILE)
+    sums = manifest.get("checksums")
+    if sums is not None and not isinstance(sums, dict):
+        raise CheckpointError(f"{where}: \"checksums\" must map each item to {{array: CRC-32}}, got {shown(sums)}")
+    for item, arrays in (sums or {}).items():
+        if not isinstance(arrays, dict) or not all(isinstance(c, str) for c in arrays.values()):
+            raise CheckpointError(f"{where}: the checksums of {item!r} must map each array to its CRC-32 (hex text), "
+                                  f"got {shown(arrays)}")
+    files = manifest.get("tokenizer_files", [])
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise CheckpointError(f"{where}: \"tokenizer_files\" must be a list of file names, got "
+                              f"{shown(files)}")
+    outside = [f for f in files if not f or os.path.isabs(f) or os.pardir in f.replace("\\", "/").split("/")]
+    if outside:  # the converter copies tokenizer files into the checkpoint itself
+        raise CheckpointError(f"{where}: tokenizer file {outside[0]!r} is not inside the checkpoint")
     return manifest
 
 
@@ -524,6 +542,14 @@ def verify_checksums(path: str | os.PathLike) -> int:
     if not sums:
         raise CheckpointError(f"{path}: the manifest records no checksums (converted by an older kdtree-convert); "
                               "convert it again to verify it")
+    params = os.path.join(path, PARAMS_DIR)
+    stored = [i for i in (sorted(os.listdir(params)) if os.path.isdir(params) else [])
+              if i == TOP_ITEM or LAYER_ITEM_RE.fullmatch(i)]
+    if os.path.isdir(os.path.join(path, DRAFTER_DIR)):
+        stored.append(DRAFTER_DIR)
+    # an item the manifest records no checksums for is checked too: its arrays are "not in the manifest", as `load`
+    # finds (verify passed a checkpoint that load refused)
+    sums = {**sums, **{i: {} for i in stored if i not in sums}}
     for item, want in sums.items():
         if item == DRAFTER_DIR:
             got = checksums(flatten(load_drafter(os.path.join(path, DRAFTER_DIR)).params))
@@ -580,11 +606,11 @@ _ORBAX_MARKS = ("orbax", "tensorstore", "ocdbt")  # in the file, message or exce
 
 
 class _OrbaxRecords(logging.Filter):
-    """Drops orbax's ERROR records (absl's, and asyncio's about orbax's tasks and tensorstore's futures) while
-    `_orbax_noise()`."""
+    """Drops orbax's WARNING and ERROR records (absl's, and asyncio's about orbax's tasks and tensorstore's futures)
+    while `_orbax_noise()`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or not _orbax_noise():
+        if record.levelno < logging.WARNING or not _orbax_noise():  # ("Failed to get item metadata": a warning)
             return True
         text = f"{record.pathname} {record.getMessage()} {record.exc_info[1] if record.exc_info else ''}".lower()
         return not any(mark in text for mark in _ORBAX_MARKS)

@@ -88,7 +88,10 @@ class Sampler:
         tokens whose probability reaches top_p; every token tied with its least likely one kept). Greedy: as is."""
         if self.greedy:
             return logits
-        x = logits.astype(jnp.float32) / self.temperature
+        x = logits.astype(jnp.float32)
+        # the largest logit made 0 first: divided by a temperature near float32's smallest normal number, logits of a
+        # few units would overflow to inf, and the draw would take the first of them, not the most likely token
+        x = (x - jnp.max(x, axis=-1, keepdims=True)) / self.temperature
         if self.top_k is not None and self.top_k < x.shape[-1]:
             kth = jax.lax.top_k(x, self.top_k)[0][..., -1:]
             x = jnp.where(x >= kth, x, -jnp.inf)

@@ -53,6 +53,11 @@ def _unpack(params, cfg, prompts, drafter):
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"generate(params, cfg, prompts, ...) needs a ModelConfig as cfg, got {type(cfg).__name__}")
     check_params(params, cfg)
+    dtype = getattr(params.embed, "dtype", None)  # (the loop's cache and activations are in cfg.dtype: other params
+    if dtype is not None and jnp.dtype(dtype) != cfg.jnp_dtype:  # failed deep in JAX, naming no argument)
+        raise ValueError(f"params.embed has dtype {jnp.dtype(dtype)} but cfg.dtype is {cfg.dtype!r}: generate decodes "
+                         f"in cfg.dtype; cast the params to it, or give a cfg of their dtype "
+                         f"(dataclasses.replace(cfg, dtype=...))")
     return params, cfg, prompts, drafter
 
 

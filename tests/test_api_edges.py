@@ -281,3 +281,14 @@ def test_from_hf_names_a_value_of_the_wrong_type(raw, match):
     assert kj.ModelConfig.from_hf(base).vocab_size == 264
     with pytest.raises(kj.config.ConfigError, match=match):
         kj.ModelConfig.from_hf({**base, **raw})
+
+
+def test_params_in_another_dtype_than_cfg_are_named(tiny):
+    """Issue 46, fourth probe round: params cast to bfloat16 with a float32 cfg failed inside JAX
+    ("lax.dynamic_update_slice requires arguments to have the same dtypes"), naming no argument."""
+    cfg, params, _ = tiny
+    other = "float32" if cfg.dtype == "bfloat16" else "bfloat16"
+    with pytest.raises(ValueError, match=f"params.embed has dtype {cfg.dtype} but cfg.dtype is '{other}'"):
+        kj.generate(params, dataclasses.replace(cfg, dtype=other), [[1, 2]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="params.embed has dtype"):
+        next(stream(params, dataclasses.replace(cfg, dtype=other), [1, 2], max_new_tokens=2))

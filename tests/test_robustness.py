@@ -371,6 +371,43 @@ def test_verify_checks_everything_load_reads(source, tmp_path, capsys, damage, m
     assert len(err) == 1 and err[0].startswith("kdtree-convert: error: ") and re.search(message, err[0]), err
 
 
+def _edit_manifest(ckpt_dir: str, edit) -> None:
+    path = os.path.join(ckpt_dir, "manifest.json")
+    manifest = json.load(open(path))
+    edit(manifest)
+    json.dump(manifest, open(path, "w"))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: _edit_manifest(d, lambda m: m["checksums"].pop("layer_001")),
+     "layer_001: array '.*' is not in the manifest"),  # --verify passed it; load refused it
+    (lambda d: _edit_manifest(d, lambda m: m.update(checksums=[1, 2])),
+     r"manifest.json: \"checksums\" must map each item"),  # was AttributeError: 'list' object has no attribute 'get'
+    (lambda d: _edit_manifest(d, lambda m: m["checksums"].update(top=["x"])),
+     r"manifest.json: the checksums of 'top' must map each array"),
+    (lambda d: _edit_manifest(d, lambda m: m.update(tokenizer_files=["../../../../etc/hostname"])),
+     "tokenizer file '../../../../etc/hostname' is not inside the checkpoint"),  # --verify looked outside
+    (lambda d: _edit_manifest(d, lambda m: m.update(tokenizer_files=[1])),
+     r"\"tokenizer_files\" must be a list of file names, got \[1\]"),  # was a TypeError of os.path.join
+    (lambda d: (os.remove(os.path.join(d, "config.json")), os.symlink("config.json", os.path.join(d, "config.json"))),
+     "config.json does not open: Too many levels of symbolic links"),  # load: OSError; --verify: "is missing"
+    (lambda d: (os.remove(os.path.join(d, "config.json")), os.mkdir(os.path.join(d, "config.json"))),
+     "config.json is not a regular file"),  # --verify said "is missing"
+], ids=["item_without_checksums", "checksums_a_list", "item_checksums_a_list", "tokenizer_file_outside",
+        "tokenizer_file_not_a_name", "config_symlink_loop", "config_a_directory"])
+def test_a_hostile_manifest_or_config_is_one_error_for_load_and_verify(source, tmp_path, capsys, damage, message):
+    """Issue 46, fourth probe round: `kj.load` raises a CheckpointError and `--verify` prints one line, both naming
+    the problem."""
+    bad = str(tmp_path / "bad")
+    shutil.copytree(source[1], bad)
+    damage(bad)
+    with pytest.raises(CheckpointError, match=message):
+        kj.load(bad)
+    assert conv.main(["--verify", bad]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kdtree-convert: error: ") and re.search(message, err[0]), err
+
+
 # A real write failure inside orbax's threads: files past RLIMIT_FSIZE fail with EFBIG, as a full disk fails with
 # ENOSPC (SIGXFSZ ignored, so that the write fails instead of killing the process).
 FILE_SIZE_LIMIT = """
@@ -415,7 +452,7 @@ except CheckpointError as e:
 """
 
 
-@pytest.mark.parametrize("damage", ["missing_data_file", "truncated_data_file"])
+@pytest.mark.parametrize("damage", ["missing_data_file", "truncated_data_file", "zeroed_part"])
 def test_a_broken_data_file_is_one_line_in_real_processes(source, tmp_path, damage):
     """The CLI prints one line and exits 2; the API raises CheckpointError and writes nothing on stderr (orbax's
     threads and tasks, which fail after the first error, stay quiet to the end of the process)."""
@@ -425,8 +462,13 @@ def test_a_broken_data_file_is_one_line_in_real_processes(source, tmp_path, dama
     largest = max((os.path.join(d, f) for f in os.listdir(d)), key=os.path.getsize)
     if damage == "missing_data_file":
         os.remove(largest)
-    else:
+    elif damage == "truncated_data_file":
         os.truncate(largest, 100)
+    else:  # every file of the part zeroed: orbax warned "Failed to get item metadata" on stderr, a second line
+        for root, _, files in os.walk(os.path.join(bad, "params", "layer_001")):
+            for f in files:
+                with open(os.path.join(root, f), "r+b") as out:
+                    out.write(bytes(os.path.getsize(os.path.join(root, f))))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     cli = subprocess.run([sys.executable, "-m", "kdtree_jax.cli", "generate", "--model", bad, "--prompt", "x",
                           "--max-new-tokens", "2"], capture_output=True, text=True, timeout=300, env=env)

@@ -115,3 +115,18 @@ def test_row_sampler_draws_each_row_with_its_own_key():
     other = np.asarray(sampler.choose(logits, jax.random.key(10)))
     hot = RowSampler(jnp.full((12,), 5.0), jnp.zeros((12,), jnp.int32), jnp.ones((12,)), sampler.key)
     assert (other != got).any() and (np.asarray(hot.choose(logits, step)) != best).any()
+
+
+def test_a_temperature_near_float32s_smallest_normal_number_is_greedy():
+    """Issue 46, fourth probe round: temperature 1.2e-38 is accepted (float32's normal range), but logits divided by
+    it overflowed to inf and the draw took the first such token, not the most likely one (the embedded model wrote
+    ' Tab a cacc ' for ' the number '). The largest logit is made 0 before the division."""
+    logits = jnp.asarray(_logits(7) * 10)
+    best = np.argmax(np.asarray(logits), axis=-1)
+    tiny = float(np.finfo(np.float32).tiny)
+    for key in jax.random.split(jax.random.key(0), 3):
+        assert np.array_equal(Sampler(tiny).choose(logits, key), best)
+        assert np.array_equal(Sampler(tiny, top_k=5, top_p=0.9).choose(logits, key), best)
+    for filtered in (True, False):  # the engine's rows
+        rows = _row_sampler([(tiny, 0, 1.0)] * len(best), filtered)
+        assert np.array_equal(rows.choose(logits, jax.random.key(1)), best)

@@ -203,6 +203,8 @@ BAD = [
     (dict(model="builtin", prompt=[1, 2, 100000], echo=True, max_tokens=0), "prompt"),
     (dict(model="builtin", prompt="x" * (CONTEXT + 1), echo=True, max_tokens=0), "prompt"),
     (dict(model="builtin", prompt="x" * (CONTEXT + 8), max_tokens=4), "prompt"),  # the prompt alone: was max_tokens
+    (dict(model="builtin", prompt="x", stream=True, stream_options={"include_usage": "yes"}),
+     "stream_options.include_usage"),  # was "include_usage", a field the body does not have
 ]
 
 
@@ -214,12 +216,39 @@ def test_bad_requests_get_400(served):
             error = r.json()["error"]
             assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param, body
         assert http.post("/v1/completions", content=b"{not json").status_code == 400
+        for body in (b'{"model": "builtin", "prompt": "a\xffb"}', b"\x1f\x8b\x08\x00"):  # a stray byte, gzip
+            r = http.post("/v1/completions", content=body)  # were "the body holds a number too long to read"
+            assert r.status_code == 400 and "the body is not JSON text in UTF-8" in r.json()["error"]["message"]
         r = http.post("/v1/chat/completions", json=dict(model="builtin", messages=[{"role": "user"}]))
         assert (r.status_code, r.json()["error"]["param"]) == (400, "messages")
         assert "exceeds the server's context" in http.post("/v1/completions", json=BAD[1][0]).json()["error"]["message"]
         assert http.get("/health").json()["status"] == "ok"
     with pytest.raises(openai.BadRequestError, match="unknown model"):
         served["client"].completions.create(model="gpt-4", prompt="x", max_tokens=4)
+
+
+def test_a_prompt_past_the_context_is_refused_before_its_ids_are_read(served, model, monkeypatch):
+    """Issue 46, fourth probe round: a 15 MB prompt held the event loop (every client, every stream) for 2.3 s,
+    tokenized on it and then checked id by id before its length. Now text is tokenized on a worker thread and a
+    prompt longer than the context refused by its length alone."""
+    from kdtree_jax import validate
+
+    threads, rows = [], []
+    encode, token_row = type(model.tokenizer).encode, validate.token_row
+    monkeypatch.setattr(type(model.tokenizer), "encode",
+                        lambda self, text: threads.append(threading.current_thread().name) or encode(self, text))
+    monkeypatch.setattr(validate, "token_row", lambda ids, *a, **k: rows.append(len(ids)) or token_row(ids, *a, **k))
+    with httpx.Client(base_url=served["url"], timeout=60) as http:
+        for prompt in ("x" * 100_000, [120] * 100_000):
+            for extra in ({}, dict(max_tokens=4), dict(echo=True, max_tokens=0)):
+                r = http.post("/v1/completions", json=dict(model="builtin", prompt=prompt, **extra))
+                error = r.json()["error"]
+                assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
+                assert error["param"] == "prompt" and "100000 tokens exceeds the server's context" in error["message"]
+        r = http.post("/v1/chat/completions", json=dict(model="builtin", messages=[{"role": "user",
+                                                                                    "content": "x" * 100_000}]))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert rows == [] and threads and "kdtree-jax-http" not in threads, (rows, threads)
 
 
 def test_chat_conflicts_unknown_routes_and_fields_that_ask_for_nothing(served):

@@ -857,7 +857,7 @@ def verify(path: str) -> str:
     path = os.path.abspath(path)
     manifest = ckpt.read_json(os.path.join(path, ckpt.MANIFEST_FILE))
     config = os.path.join(path, ckpt.CONFIG_FILE)
-    if not os.path.isfile(config):
+    if not os.path.lexists(config):  # (a directory, a FIFO or a symlink loop: read_json names what it is)
         raise CheckpointError(f"{path}: {ckpt.CONFIG_FILE} is missing (kj.load reads the model's config from it)")
     try:
         cfg = ModelConfig.from_dict(ckpt.read_json(config))

@@ -251,7 +251,8 @@ class RowSampler:
         x = logits.astype(jnp.float32)
         t = self._rows(self.temperature, x)
         sampled = t > 0
-        x = x / jnp.where(sampled, t, 1.0)
+        # a sampled row's largest logit made 0 first, as `Sampler.logits` does (a tiny temperature overflows no logit)
+        x = jnp.where(sampled, (x - jnp.max(x, axis=-1, keepdims=True)) / jnp.where(sampled, t, 1.0), x)
         if not self.filtered:
             return x
         desc = jnp.flip(jnp.sort(x, axis=-1), axis=-1)  # [B, ..., V]

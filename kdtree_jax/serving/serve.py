@@ -308,7 +308,8 @@ class _Options:
         if stream_options is not None and not self.stream:
             raise BadRequest("stream_options is for streamed requests only: add \"stream\": true, or drop it",
                              param="stream_options")
-        self.stream_usage = _flag(stream_options or {}, "include_usage")
+        usage = (stream_options or {}).get("include_usage")
+        self.stream_usage = False if usage is None else _field(validate.flag, "stream_options.include_usage", usage)
 
     @staticmethod
     def _logprobs(body: dict, chat: bool) -> int | None:
@@ -563,10 +564,7 @@ class Server:
         text = self.tokenizer.decode(ids)
         if opts.logprobs is None:
             return text, None
-        if len(ids) > self.engine.max_context:  # (its forward would run past the memory the server was sized for)
-            raise BadRequest(f"prompt of {len(ids)} tokens exceeds the server's context of {self.engine.max_context} "
-                             "tokens", param="prompt", code="context_length_exceeded")
-        try:
+        try:  # (`completion` refused a prompt past the context: its forward would outgrow the server's memory)
             entries = await asyncio.to_thread(self.engine.prompt_logprobs, ids, opts.logprobs)
         except validate.ArgumentError as e:
             raise BadRequest(str(e), param=e.name) from None
@@ -583,7 +581,12 @@ class Server:
                              code="shutting_down")
         self.check_model(body)
         opts = _Options(body, chat, self.max_n)
-        ids = self.chat_ids(body.get("messages")) if chat else self.prompt_ids(body.get("prompt"))
+        # on a worker thread: a 16 MB prompt takes seconds to render and tokenize, which would stall every stream
+        ids = await asyncio.to_thread(self.chat_ids if chat else self.prompt_ids, body.get(opts.prompt_field))
+        if len(ids) > self.engine.max_context:  # before anything reads its ids one by one (seconds for millions)
+            raise BadRequest(f"{opts.prompt_field}: a prompt of {len(ids)} tokens exceeds the server's context of "
+                             f"{self.engine.max_context} tokens", param=opts.prompt_field,
+                             code="context_length_exceeded")
         echo = await self.echoed(ids, opts)
         subs = self.submit(ids, opts)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -823,6 +826,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
             raise BadRequest("the client closed the connection before sending the whole body", status=499) from None
         except json.JSONDecodeError:
             raise BadRequest("the body is not valid JSON") from None
+        except UnicodeDecodeError as e:  # bytes that are not text (a string with a stray byte, a compressed body)
+            raise BadRequest(f"the body is not JSON text in UTF-8, -16 or -32 ({e.reason}: byte "
+                             f"0x{e.object[e.start]:02x} at {e.start})") from None
         except ValueError as e:  # valid JSON with an integer past Python's digit limit for str -> int
             raise BadRequest(f"the body holds a number too long to read ({str(e).split(';')[0]})") from None
         except RecursionError:
