@@ -53,6 +53,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -70,17 +71,24 @@ sys.path.insert(0, os.path.dirname(__file__))
 import kdtree_jax as kj  # noqa: E402
 from common import ceilings  # noqa: E402
 from full_scale import COMM_PER_LAYER_S, FAST_ALLREDUCE_S, TAU_QUOTED, nbytes, per_device_model  # noqa: E402
+from trace_replay import Trace, Traced, record, traced  # noqa: E402
+from kdtree_jax.budget import calibrate  # noqa: E402
+from kdtree_jax.budget_policy import BudgetPolicy  # noqa: E402
+from kdtree_jax.builtin import load_builtin  # noqa: E402
 from kdtree_jax.ddtree import DraftTree, Path, Speculative, accept, speculative, verify  # noqa: E402
 from kdtree_jax.decoding import Committed, DecodeState, Sampler, advance, no_reliability, nonfinite_rows  # noqa: E402
 from kdtree_jax.drafter import draft, init_draft_cache  # noqa: E402
 from kdtree_jax.model import StepOutput, init_cache  # noqa: E402
 from kdtree_jax.sharding import trace_context  # noqa: E402
+from kdtree_jax.train import corpus_split, load_tokens, windows  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ACCEPTANCE = os.path.join(HERE, "results", "acceptance", "acceptance.json")
 BATCHES, BUDGETS = (1, 10), (8, 16, 32, 64)
 SMALL_BATCHES, SMALL_BUDGETS = (1, 2), (8, 16)
 STAGES = ("draft", "tree_build", "verify", "accept", "replay", "keep")
+AUTO = "auto"  # a budget cell of budget="auto" (largest tree AUTO_MAX, default tiers), calibrated at its C here
+AUTO_MAX = 64
 GREEDY = Sampler()
 # the drafter's shape: K2.5-DFlash (6 layers, 64 heads, 8 KV heads of 112, K2's dense MLP width); --small: a toy
 DRAFTER = dict(num_layers=6, num_heads=64, num_kv_heads=8, head_dim=112, intermediate_size=18432)
@@ -200,14 +208,23 @@ def loop_state(method, cfg, batch: int, context: int, cache_len: int, max_new: i
     committed: both caches `cache_len` slots (zeros, as `full_scale.time_step`'s; their lengths `context`), a random
     bonus token per row, room for max_new tokens."""
     cache = dataclasses.replace(init_cache(cfg, batch, cache_len), lengths=jnp.full((batch,), context, jnp.int32))
-    last = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, batch), jnp.int32)
-    return DecodeState(cache=cache, draft=method.inner.drafter.start(batch, cache_len),
+    if isinstance(method, Traced):  # the bonus at each row's first position
+        t = method.trace
+        last = t.bonus[jnp.arange(batch) % t.streams, t.offset]
+    else:
+        last = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, batch), jnp.int32)
+    return DecodeState(cache=cache, draft=inner(method).drafter.start(batch, cache_len),
                        out=jnp.full((batch, max_new), -1, jnp.int32).at[:, 0].set(last),
                        num_out=jnp.ones((batch,), jnp.int32), done=jnp.zeros((batch,), bool), last=last,
                        key=jax.random.key(0), eos_id=jnp.int32(-1), steps=jnp.zeros((), jnp.int32),
                        accepted=jnp.zeros((batch, method.tokens_per_step + 1), jnp.int32),
                        nonfinite=jnp.zeros((batch,), bool), nodes=jnp.zeros((batch, method.max_nodes + 1), jnp.int32),
                        reliability=no_reliability(batch))
+
+
+def inner(method) -> Speculative:
+    """The speculative method inside a replay: `Replayed`'s inner one, or a `Traced` (itself one)."""
+    return method.inner if isinstance(method, Replayed) else method
 
 
 def rewind(s: DecodeState, context: int) -> DecodeState:
@@ -239,13 +256,18 @@ def time_loop(method: Replayed, params, cfg, s: DecodeState, context: int, steps
     """The compiled loop from `s` (donated): compile, `warmup` steps, then `repeats` pairs of runs of `steps` and
     2 x `steps` steps, each from `context` (`rewind`). Returns the timings (marginal: the difference of the pair over
     `steps`, at least a tenth of the longer run's mean step), the replayed tau of the timed steps (the mean tokens
-    committed per row and step) and the last state."""
+    committed per row and step) and the last state. A `Traced` method starts each run further along its trace
+    (`Trace.at`: the most positions a run can pass), so that the runs replay different text."""
     until = lambda k: jnp.int32(k)
+    span = 2 * steps * method.tokens_per_step
+    runs = iter(range(1 << 30))
+    shifted = ((lambda: dataclasses.replace(method, trace=method.trace.at(next(runs) * span)))
+               if isinstance(method, Traced) else (lambda: method))
     with trace_context(params, cfg):
         t0 = time.perf_counter()
         compiled = advance.lower(method, params, cfg, s, until(warmup), sampler=GREEDY).compile()
         compile_s = time.perf_counter() - t0
-        s = compiled(method, params, s, until(warmup))
+        s = compiled(shifted(), params, s, until(warmup))
         jax.block_until_ready(s.out)
         before = np.asarray(s.accepted).sum(axis=0)
         whole, marginal = [], []
@@ -255,7 +277,7 @@ def time_loop(method: Replayed, params, cfg, s: DecodeState, context: int, steps
                 s = rewind(s, context)
                 jax.block_until_ready(s.cache.lengths)
                 t0 = time.perf_counter()
-                s = compiled(method, params, s, until(k))
+                s = compiled(shifted(), params, s, until(k))
                 jax.block_until_ready(s.out)
                 walls.append(time.perf_counter() - t0)
                 if int(s.steps) != k:
@@ -268,11 +290,13 @@ def time_loop(method: Replayed, params, cfg, s: DecodeState, context: int, steps
                 replayed_histogram=hist.tolist()), s
 
 
-def time_stages(method: Replayed, params, cfg, s: DecodeState, repeats: int) -> tuple[dict, float]:
+def time_stages(method: Replayed | Traced, params, cfg, s: DecodeState, repeats: int) -> tuple[dict, float]:
     """Each stage of a step jitted alone and timed (`time_calls`) on the inputs the one before made from `s`
     (consumed: verify and keep donate the caches, as the loop updates them in place). ({stage: seconds}, seconds of
-    the first calls: compiles)."""
-    m, key = method.inner, jax.random.key(7)
+    the first calls: compiles). "replay": `Replayed`'s draw of the path (after accept), or a `Traced`'s choices in
+    place of the target's (before accept; its draft stage includes the select of the trace's distributions)."""
+    m, key = inner(method), jax.random.key(7)
+    trace = isinstance(method, Traced)
     width = min(m.max_nodes + 1, m.tokens_per_step)
     f_draft = jax.jit(lambda m, p, s: m.propose(p, cfg, s, GREEDY))
     f_tree = jax.jit(lambda dl, bonus: m.build(cfg, dl, bonus))  # m closed over: build reads none of its arrays
@@ -283,7 +307,10 @@ def time_stages(method: Replayed, params, cfg, s: DecodeState, repeats: int) -> 
 
     f_verify = jax.jit(_verify, donate_argnums=2)
     f_accept = jax.jit(lambda tree, target: accept(cfg, tree, target, width))
-    f_replay = jax.jit(lambda tree, target, path, key: method.replay(tree, target, path, key))  # (its histogram)
+    if trace:
+        f_choices = jax.jit(lambda method, tree, target, s: method.choices(target, tree, s))
+    else:
+        f_replay = jax.jit(lambda tree, target, path, key: method.replay(tree, target, path, key))  # (its histogram)
     f_keep = jax.jit(lambda m, cache, hidden, d, starts, path: m.keep(
         cfg, StepOutput(logits=jnp.zeros(hidden.shape[1:3] + (1,)), hidden=hidden, cache=cache), d, starts, path),
         donate_argnums=(1, 3))
@@ -308,12 +335,17 @@ def time_stages(method: Replayed, params, cfg, s: DecodeState, repeats: int) -> 
         out["verify"], f = time_calls(call_verify, repeats)
         first += f
         target, _, hidden = call_verify()
+        if trace:
+            out["replay"], f = time_calls(lambda: f_choices(method, tree, target, s_draft), repeats)
+            first += f
+            target = f_choices(method, tree, target, s_draft)
         out["accept"], f = time_calls(lambda: f_accept(tree, target), repeats)
         first += f
         path = f_accept(tree, target)
-        out["replay"], f = time_calls(lambda: f_replay(tree, target, path, key), repeats)
-        first += f
-        path = f_replay(tree, target, path, key)
+        if not trace:
+            out["replay"], f = time_calls(lambda: f_replay(tree, target, path, key), repeats)
+            first += f
+            path = f_replay(tree, target, path, key)
         held["draft"] = s.draft
 
         def call_keep():
@@ -358,20 +390,44 @@ def time_draft(drafter, params, cfg, batch: int, context: int, repeats: int, cop
                 intermediate=d.intermediate_size)
 
 
-def run_cell(params, cfg, drafter, batch: int, budget: int, hist, context: int, args, rng) -> dict:
-    """One cell: the loop, then its stages, from a state at `context` tokens."""
-    method = replayed(speculative(cfg, "ddtree", drafter, budget), hist)
+def cell_method(params, cfg, drafter, batch: int, budget, replay) -> tuple[Replayed | Traced, dict]:
+    """The method of a cell and what was measured to make it: ddtree at `budget` (or budget="auto", its cost model
+    calibrated here on this model at this batch: `budget.calibrate`) replaying `replay` (a `Trace`, or a histogram
+    of committed lengths: fixed budgets only)."""
+    if budget != AUTO:
+        m = speculative(cfg, "ddtree", drafter, budget)
+        return (traced(m, replay) if isinstance(replay, Trace) else replayed(m, replay)), {}
+    if not isinstance(replay, Trace):
+        raise ValueError("budget='auto' replays a trace (--replay trace): it chooses its nodes every step")
+    t0 = time.perf_counter()
+    with trace_context(params, cfg):
+        cost, meta = calibrate(params, cfg, drafter, batch=batch, max_budget=AUTO_MAX, steps=2, repeats=1)
+    policy = BudgetPolicy.choosing(cost)
+    info = dict(calibrate_s=time.perf_counter() - t0, tiers=list(cost.tiers), replan=cost.replan,
+                cost_points=cost.points(), cost_meta=meta)
+    return traced(speculative(cfg, "ddtree", drafter, AUTO_MAX, policy=policy), replay), info
+
+
+def run_cell(params, cfg, drafter, batch: int, budget, replay, context: int, args, rng) -> dict:
+    """One cell: the loop, then its stages (a fixed budget's), from a state at `context` tokens."""
+    method, info = cell_method(params, cfg, drafter, batch, budget, replay)
     room = 2 * args.steps * method.tokens_per_step + 1
     cache_len = -(-(context + max(args.warmup, 2 * args.steps) * method.tokens_per_step + method.extra_slots + 8)
                   // 64) * 64
     s = loop_state(method, cfg, batch, context, cache_len, room + args.warmup * method.tokens_per_step, rng)
     loop, s = time_loop(method, params, cfg, s, context, args.steps, args.warmup, args.loop_repeats)
+    if budget == AUTO:  # its steps are of several programs: no stages to add up
+        nodes = np.asarray(s.nodes).sum(axis=0)
+        return dict(C=batch, budget=budget, context=context, nodes=AUTO_MAX + 1, **loop, stages=None, **info,
+                    nodes_histogram=nodes.tolist(), mean_nodes=hist_mean(nodes))
     stages, first = time_stages(method, params, cfg, rewind(s, context), args.repeats)
     del s
     total = sum(stages.values())
-    return dict(C=batch, budget=budget, context=context, nodes=budget + 1, **loop, stages=stages, stage_sum_s=total,
-                ratio=loop["loop_s"] / total, ratio_whole=loop["loop_whole_s"] / total, stages_first_s=first,
-                histogram=list(hist), tau_hist=hist_mean(hist))
+    row = dict(C=batch, budget=budget, context=context, nodes=budget + 1, **loop, stages=stages, stage_sum_s=total,
+               ratio=loop["loop_s"] / total, ratio_whole=loop["loop_whole_s"] / total, stages_first_s=first)
+    if not isinstance(replay, Trace):
+        row.update(histogram=list(replay), tau_hist=hist_mean(replay))
+    return row
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -379,12 +435,17 @@ def run_cell(params, cfg, drafter, batch: int, budget: int, hist, context: int, 
 # --------------------------------------------------------------------------------------------------------------
 
 
+def cell_order(r: dict) -> tuple[int, int]:
+    """Rows by C, then budget (auto after the fixed ones)."""
+    return r["C"], r["budget"] if isinstance(r["budget"], int) else 1 << 30
+
+
 def projection(rows: list[dict], layers: int) -> list[dict]:
     """Tokens/s on 8 GPUs per measured cell: C x tau / (loop step + layers x one layer's all-reduces), tau the
     replayed mean, the all-reduces measured at the cell's nodes per row or else at 65 (a bound, `comm_bound`), as
     `full_scale.projection` picks them; beside it the what-if all-reduce time and the quoted taus."""
     out = []
-    for r in sorted(rows, key=lambda r: (r["C"], r["budget"])):
+    for r in sorted(rows, key=cell_order):
         c, t = r["C"], r["nodes"]
         key = (c, t) if (c, t) in COMM_PER_LAYER_S else (c, 65) if (c, 65) in COMM_PER_LAYER_S else None
         if key is None:
@@ -410,10 +471,26 @@ def ms(x: float) -> str:
     return f"{1e3 * x:.2f}"
 
 
+def replay_note(meta: dict) -> str:
+    """The report's first paragraph: where the acceptance comes from."""
+    if meta.get("replay", "histogram") == "histogram":
+        return ("**Acceptance is replayed, not produced by this drafter**: every stage runs for real each step, but "
+                "each row commits a length drawn from the embedded model's measured histogram for the budget "
+                f"({meta['acceptance']}); random weights would accept next to nothing.")
+    return ("**Acceptance is replayed from the embedded model, not produced by these weights**: every stage runs for "
+            "real each step (draft, tree build, verify, accept, keep), but the tree is built from the embedded "
+            "drafter's distributions and accept walks the embedded target's greedy choices, both recorded at each "
+            f"row's text position (`benchmarks/trace_replay.py`: {meta.get('trace_texts')} held-out texts of "
+            f"{meta.get('trace_positions')} positions, joined into C streams, each timed run further along them); so "
+            "each step's tree, auto's choice of nodes and the accepted "
+            "length are the embedded pair's (byte tokens), and the tau column is the accept kernel's own. Random "
+            "weights would accept next to nothing.")
+
+
 def write_report(out_dir: str, meta: dict, rows: list[dict], drafters: list[dict]) -> dict:
     """ddtree_full_scale.{json,md,png} in out_dir from the measured rows (the projection recomputed from them)."""
     os.makedirs(out_dir, exist_ok=True)
-    rows = sorted(rows, key=lambda r: (r["C"], r["budget"]))
+    rows = sorted(rows, key=cell_order)
     proj = projection(rows, meta["layers"])
     data = dict(meta=meta, rows=rows, drafters=drafters, projection=proj)
     with open(os.path.join(out_dir, "ddtree_full_scale.json"), "w") as f:
@@ -422,9 +499,7 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], drafters: list[dict
     lines = [f"# The DDTree loop at full scale: K2.6's per-device program of an ep={meta['n']} mesh on one GPU "
              f"({meta['date']}, {meta['device']}, commit {meta['commit']}, kernels={meta['kernels']})"
              + (" - the tiny config, a smoke run" if meta.get("small") else ""), "",
-             "**Acceptance is replayed, not produced by this drafter**: every stage runs for real each step, but each "
-             "row commits a length drawn from the embedded model's measured histogram for the budget "
-             f"({meta['acceptance']}); random weights would accept next to nothing.", "",
+             replay_note(meta), "",
              f"{meta['layers']} layers, {meta['params_gb']:.1f} GB of weights on the device, context "
              f"{meta['context']}; the drafter: {meta['drafter']}, its tree built from this device's vocabulary "
              f"shard ({meta['vocab']} tokens). Loop: `decoding.advance` compiled once, runs of {meta['steps']} and "
@@ -439,20 +514,32 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], drafters: list[dict
                  + (f" ({r['commit']}, {r['date']})" if len(runs) > 1 else "") for r in runs) + ".", "",
              "## The loop against its stages (ms per step)", "",
              "| C | budget | loop (marginal) | loop (whole) | draft | tree build | verify | accept | replay | keep | "
-             "sum of stages | loop / sum | whole / sum | tau replayed (histogram mean) | loop compile s |",
+             "sum of stages | loop / sum | whole / sum | tau replayed (the embedded model's) | loop compile s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    embedded = meta.get("embedded_tau", {})
     for r in rows:
         st = r["stages"]
-        lines.append(f"| {r['C']} | {r['budget']} | {ms(r['loop_s'])} | {ms(r['loop_whole_s'])} | "
-                     + " | ".join(ms(st[k]) for k in STAGES)
-                     + f" | {ms(r['stage_sum_s'])} | {r['ratio']:.2f} | {r['ratio_whole']:.2f} | "
-                     f"{r['tau_replayed']:.2f} ({r['tau_hist']:.2f}) | {r['loop_compile_s']:.0f} |")
-    if rows:
-        worst = max(rows, key=lambda r: r["ratio"])
-        lines += ["", f"Goal loop <= 1.1 x the sum of stages: {sum(r['ratio'] <= 1.1 for r in rows)} of {len(rows)} "
-                      f"cells meet it (marginal); the worst is C = {worst['C']}, budget {worst['budget']}: "
+        ref = r.get("tau_hist", embedded.get(str(r["budget"])))
+        cols = (" | ".join(ms(st[k]) for k in STAGES) + f" | {ms(r['stage_sum_s'])} | {r['ratio']:.2f} | "
+                f"{r['ratio_whole']:.2f}") if st else " | ".join(["-"] * (len(STAGES) + 3))
+        lines.append(f"| {r['C']} | {r['budget']} | {ms(r['loop_s'])} | {ms(r['loop_whole_s'])} | {cols} | "
+                     f"{r['tau_replayed']:.2f} ({'-' if ref is None else f'{ref:.2f}'}) | "
+                     f"{r['loop_compile_s']:.0f} |")
+    staged = [r for r in rows if r["stages"]]
+    for r in rows:
+        if not r["stages"]:
+            lines += ["", f"budget=\"auto\" at C = {r['C']}: tiers {r['tiers']} (largest {r['nodes'] - 1} nodes), its "
+                          f"cost model calibrated on this model in {r['calibrate_s']:.0f} s (`budget.calibrate`, "
+                          f"plan every {r['replan']} step{'s' * (r['replan'] > 1)}); nodes verified per row and "
+                          f"step: {r['mean_nodes']:.1f} on average (every step run, the warm-up's too). Its steps "
+                          "run several programs, so no stages are summed."]
+    if staged:
+        worst = max(staged, key=lambda r: r["ratio"])
+        lines += ["", f"Goal loop <= 1.1 x the sum of stages: {sum(r['ratio'] <= 1.1 for r in staged)} of "
+                      f"{len(staged)} cells meet it (marginal); the worst is C = {worst['C']}, budget "
+                      f"{worst['budget']}: "
                       f"{worst['ratio']:.2f}x, {ms(worst['loop_s'] - worst['stage_sum_s'])} ms a step of overhead. "
-                      "The replay's draw is not part of the real method (it is in the sum, so it does not count as "
+                      "The replay is not part of the real method (it is in the sum, so it does not count as "
                       "overhead)."]
     if drafters:
         lines += ["", "## The drafter alone (one block's logits, context "
@@ -491,13 +578,16 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], drafters: list[dict
         lines += ["", "tokens/s = C x tau / (loop step + all-reduces): the loop step is the marginal one measured here "
                       "(draft, tree build, verify, accept, keep, the loop's books); all-reduces: those of one MoE "
                       "layer on an ep=2 mesh, results/sharding/sharding.md (2 H200s), times the layers (`<=`: the "
-                      "65-node cell's messages, larger than this cell's); tau: the mean of the lengths replayed in the "
-                      "timed steps, drawn from the embedded model's histogram (byte tokens); quoted tau: K2.5-DFlash "
+                      "65-node cell's messages, larger than this cell's); tau: the mean of the lengths committed in "
+                      "the timed steps, " + ("drawn from the embedded model's histogram" if meta.get("replay",
+                      "histogram") == "histogram" else "the embedded pair's, replayed from its trace") + " (byte "
+                      "tokens); quoted tau: K2.5-DFlash "
                       "as a chain at block 8 from its model card (not measured here). Not included: the drafter's "
                       "all-reduces, the gather of the vocabulary shards' candidates for the tree."]
-    lines += ["", "budget=\"auto\" is not run: with random weights the drafter's path probabilities are ~1/vocabulary, "
-                  "so auto's cost model verifies next to no nodes and its loop would be another program than a "
-                  "trained drafter makes it run; there is no measured auto histogram to replay either."]
+    if not any(r["budget"] == AUTO for r in rows):
+        lines += ["", "budget=\"auto\" is not in this run" + (" (a histogram replay cannot drive it: it chooses its "
+                      "nodes from the drafter's probabilities, which random weights make ~1/vocabulary; --replay trace "
+                      "can)." if meta.get("replay", "histogram") == "histogram" else "; `--budgets ...,auto` runs it.")]
     with open(os.path.join(out_dir, "ddtree_full_scale.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     plot(out_dir, meta, rows)
@@ -511,6 +601,7 @@ def plot(out_dir: str, meta: dict, rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r["stages"]]  # (auto's loop has no stages to stack)
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 2), 4.5))
     x = np.arange(len(rows))
     bottom = np.zeros(len(rows))
@@ -544,15 +635,26 @@ def replot(path: str) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def parse_cells(text: str) -> list[tuple[int, int | None]]:
-    """"1,10x64" -> [(1, None), (10, 64)]: a batch size (every budget) or BATCHxBUDGET."""
+def budget_value(text: str) -> int | str:
+    """A budget: a positive integer, or "auto"."""
+    text = text.strip()
+    if text == AUTO:
+        return AUTO
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def parse_cells(text: str) -> list[tuple[int, int | str | None]]:
+    """"1,10x64,1xauto" -> [(1, None), (10, 64), (1, "auto")]: a batch size (every budget) or BATCHxBUDGET."""
     cells = []
     for part in text.split(","):
         c, _, b = part.strip().partition("x")
         try:
-            cells.append((int(c), int(b) if b else None))
+            cells.append((int(c), budget_value(b) if b else None))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"cell {part!r} is not C or CxBUDGET (e.g. 10 or 10x64)") from None
+            raise argparse.ArgumentTypeError(f"cell {part!r} is not C or CxBUDGET (e.g. 10, 10x64 or 1xauto)") from None
     return cells
 
 
@@ -561,6 +663,23 @@ def ints(text: str) -> list[int]:
         return [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def budget_list(text: str) -> list[int | str]:
+    try:
+        return [budget_value(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of budgets (integers >= 1 or "
+                                         "auto)") from None
+
+
+def embedded_trace(texts: int, positions: int) -> Trace:
+    """The embedded model's trace (`trace_replay.record`) of the first `texts` of the held-out prompts
+    `benchmarks/acceptance.py` measures (64 of 128 tokens), `positions` positions each (a cell of C rows joins them
+    into C streams, `Trace.chain`)."""
+    _, held = corpus_split()
+    prompts = windows(load_tokens(held), np.random.default_rng(0), max(64, texts), 128).tolist()[:texts]
+    return record(load_builtin(), prompts, positions)
 
 
 def git_commit() -> str:
@@ -584,7 +703,8 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="a tiny config (CPU smoke run)")
     ap.add_argument("--cells", type=parse_cells, help="C or CxBUDGET, comma-separated (default: C = 1, 10 with every "
                     "budget of --budgets; --small: 1, 2); run budget by budget, each at every C given alone")
-    ap.add_argument("--budgets", type=ints, help="the tree budgets (default 8,16,32,64; --small: 8,16)")
+    ap.add_argument("--budgets", type=budget_list, help="the tree budgets, integers or auto (default 8,16,32,64; "
+                    "--small: 8,16); auto's cost model is measured at each C first (`budget.calibrate`)")
     ap.add_argument("--drafters", type=ints, help="batch sizes of the drafter-alone timing (default: 1,10; "
                     "--small: 1,2; 0: none)")
     ap.add_argument("--draft-attention", choices=("xla", "cudnn"), default="xla",
@@ -595,7 +715,15 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="loop steps of the first (compiling) call")
     ap.add_argument("--loop-repeats", type=int, default=2, help="pairs of timed loop runs (median)")
     ap.add_argument("--repeats", type=int, default=5, help="samples of each stage's timing (median)")
-    ap.add_argument("--acceptance", default=ACCEPTANCE, help="the acceptance.json whose histograms are replayed")
+    ap.add_argument("--replay", choices=("trace", "histogram"), default="trace",
+                    help="acceptance from the embedded model's trace (trees and accepted paths: trace_replay.py; "
+                    "default) or lengths drawn from its histograms (--acceptance)")
+    ap.add_argument("--trace-texts", type=int, default=20, help="held-out prompts traced (rounded up to a multiple "
+                    "of every C: a cell joins them into C streams; default 20)")
+    ap.add_argument("--trace-positions", type=int, default=128, help="positions traced after each prompt (a row "
+                    "past its stream's last starts it again; default 128)")
+    ap.add_argument("--acceptance", default=ACCEPTANCE, help="--replay histogram: the acceptance.json whose histograms "
+                    "are replayed (its ddtree taus are also reported beside a trace's)")
     ap.add_argument("--time-limit", type=float, default=1e9, help="start no new cell after this many seconds")
     ap.add_argument("--append", action="store_true", help="keep the cells and drafter rows of the JSON already in "
                     "--out that this run does not measure again (one measurement in several calls)")
@@ -612,8 +740,10 @@ def main(argv=None) -> int:
     cells = [(c, b) for b in budgets for c, x in given if x is None] + [(c, b) for c, b in given if b is not None]
     context = args.context or (256 if args.small else 4096)
     hists = histograms(args.acceptance)
-    missing = sorted({b for _, b in cells} - set(hists))
-    if missing:
+    missing = sorted({b for _, b in cells if b != AUTO} - set(hists))
+    if args.replay == "histogram" and any(b == AUTO for _, b in cells):
+        raise SystemExit("budget auto chooses its nodes every step: it replays a trace (--replay trace)")
+    if args.replay == "histogram" and missing:
         raise SystemExit(f"{args.acceptance} has no ddtree histogram for budget(s) {missing} (it has {sorted(hists)})")
     rows, drafters, earlier = [], [], []
     path = os.path.join(args.out, "ddtree_full_scale.json")
@@ -641,6 +771,7 @@ def main(argv=None) -> int:
                 xla_flags=os.environ.get("XLA_FLAGS", ""), context=context,
                 steps=args.steps, warmup=args.warmup, loop_repeats=args.loop_repeats, repeats=args.repeats,
                 vocab=cfg.vocab_size, acceptance=os.path.relpath(os.path.abspath(args.acceptance), HERE),
+                replay=args.replay, embedded_tau={str(b): hist_mean(h) for b, h in hists.items()},
                 drafter=f"{d.num_layers} layer{'s' * (d.num_layers != 1)}, {d.num_heads} heads, {d.num_kv_heads} "
                         f"KV heads of {d.head_dim}, MLP {d.intermediate_size}, block {d.block_size}", earlier=earlier)
     print(f"params {meta['params_gb']:.1f} GB made in {init_s:.1f} s; copy {copy_Bps / 1e12:.2f} TB/s", flush=True)
@@ -664,6 +795,14 @@ def main(argv=None) -> int:
                 write_report(args.out, meta, rows, drafters)
         del replicated
 
+    trace = None
+    if args.replay == "trace" and cells:
+        t0 = time.perf_counter()
+        lcm = math.lcm(*{c for c, _ in cells})
+        trace = embedded_trace(lcm * -(-args.trace_texts // lcm), args.trace_positions)
+        meta.update(trace_texts=trace.streams, trace_positions=trace.positions, trace_s=time.perf_counter() - t0)
+        print(f"trace of the embedded model: {trace.streams} texts x {trace.positions} positions in "
+              f"{meta['trace_s']:.1f} s", flush=True)
     rng = np.random.default_rng(0)
     for c, b in cells:
         if time.perf_counter() - t_start > args.time_limit:
@@ -671,17 +810,18 @@ def main(argv=None) -> int:
             break
         t0 = time.perf_counter()
         try:
-            row = run_cell(params, cfg, sharded, c, b, hists[b], context, args, rng)
+            row = run_cell(params, cfg, sharded, c, b, trace.chain(c) if trace else hists[b], context, args, rng)
         except Exception as e:  # noqa: BLE001 (out of memory at the largest cells is a result to record)
             print(f"C={c} budget {b}: failed: {str(e).splitlines()[0][:300]}", flush=True)
             continue
         row["cell_s"] = time.perf_counter() - t0
         rows = [r for r in rows if (r["C"], r["budget"]) != (c, b)] + [row]
         st = row["stages"]
-        print(f"C={c:2d} budget {b:3d}: loop {ms(row['loop_s'])} ms (whole {ms(row['loop_whole_s'])}), stages "
-              + " + ".join(f"{k} {ms(st[k])}" for k in STAGES) + f" = {ms(row['stage_sum_s'])} ms "
-              f"({row['ratio']:.2f}x); tau {row['tau_replayed']:.2f}; compile {row['loop_compile_s']:.0f} s, "
-              f"cell {row['cell_s']:.0f} s", flush=True)
+        parts = ("stages " + " + ".join(f"{k} {ms(st[k])}" for k in STAGES) + f" = {ms(row['stage_sum_s'])} ms "
+                 f"({row['ratio']:.2f}x)") if st else f"{row['mean_nodes']:.1f} nodes a row on average"
+        print(f"C={c:2d} budget {b!s:>4}: loop {ms(row['loop_s'])} ms (whole {ms(row['loop_whole_s'])}), {parts}; "
+              f"tau {row['tau_replayed']:.2f}; compile {row['loop_compile_s']:.0f} s, cell {row['cell_s']:.0f} s",
+              flush=True)
         write_report(args.out, meta, rows, drafters)
     write_report(args.out, meta, rows, drafters)
     print(open(os.path.join(args.out, "ddtree_full_scale.md")).read(), flush=True)

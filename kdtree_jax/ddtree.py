@@ -170,6 +170,12 @@ class Speculative:
         planned tier's fixed program (`fixed_plan`)."""
         return 1 if self.policy is None else self.policy.replan
 
+    def choices(self, target: jax.Array, tree: DraftTree, s: DecodeState) -> jax.Array:
+        """The target's token at every node [B, N] that accept walks: the sampler's choice `target` from the verify
+        logits, as it is. A subclass may put other choices in its place (benchmarks/trace_replay.py replays
+        recorded ones, so that random weights at full scale accept what a trained pair would)."""
+        return target
+
     def fixed_plan(self, params, cfg: ModelConfig, s: DecodeState, sampler: Sampler, tier: int) -> DraftTree:
         """budget="auto", a step between plans: draft -> the tree at tier `tier`'s size, which the step verifies
         whole, unmasked: the fixed budget of that size (no scores, no choice, no mask). A tier of 0 nodes drafts
@@ -224,6 +230,7 @@ class Speculative:
         padded to the drafter's block and the nodes counted, as `_step_auto` returns them."""
         with jax.named_scope("verify"):
             target, res = verify(params, cfg, tree, s.cache, key, sampler)  # [B, N]
+            target = self.choices(target, tree, s)
         width = self.tokens_per_step
         with jax.named_scope("accept"):
             path = accept(cfg, tree, target, min(tree.tokens.shape[1], width))
@@ -246,7 +253,7 @@ class Speculative:
         tree, active = subtree(plan.tree, n), plan.active[:, :n]
         with jax.named_scope("verify"):
             res = step(params, cfg, tree.tokens, s.cache, depths=tree.depths, tree_mask=tree.visibility, active=active)
-            target = sampler.choose(res.logits, key)  # [B, N]
+            target = self.choices(sampler.choose(res.logits, key), tree, s)  # [B, N]
         root = jnp.arange(n)[None, :] == 0
         with jax.named_scope("accept"):
             path = accept(cfg, tree._replace(tokens=jnp.where(active | root, tree.tokens, -1)), target, min(n, width))

@@ -1,6 +1,7 @@
 """benchmarks/ddtree_full_scale.py: the replayed-acceptance wrapper commits exactly the drawn lengths through the real
-decoding loop, and the CPU smoke run (--small) writes a consistent report (loop and stage times, replayed tau
-inside the histogram's range, the projection's arithmetic from the JSON's own terms, --replot)."""
+decoding loop, and the CPU smoke runs (--small; histogram and trace replay) write a consistent report (loop and stage
+times, replayed tau inside the histogram's range, the projection's arithmetic from the JSON's own terms, --replot);
+an auto row's report from made-up numbers. The trace replay itself: tests/test_trace_replay.py."""
 
 import json
 import os
@@ -67,7 +68,7 @@ def test_replayed_path_is_valid():
 def test_smoke_run_report(tmp_path):
     out = tmp_path / "r"
     args = ["--small", "--layers", "2", "--steps", "4", "--warmup", "1", "--loop-repeats", "1", "--repeats", "2",
-            "--out", str(out)]
+            "--out", str(out), "--replay", "histogram"]
     assert dfs.main(args + ["--cells", "1x8", "--drafters", "1"]) == 0
     assert dfs.main(args + ["--cells", "2x8", "--drafters", "0", "--append"]) == 0  # one measurement, two calls
     for ext in ("md", "json", "png"):
@@ -106,7 +107,46 @@ def test_smoke_run_report(tmp_path):
     assert (out / "ddtree_full_scale.md").read_text() == before and (out / "ddtree_full_scale.png").exists()
 
 
+def test_smoke_run_trace(tmp_path):
+    """--replay trace (the default): the embedded model's trace, the tau the accept kernel's own along it."""
+    out = tmp_path / "t"
+    assert dfs.main(["--small", "--layers", "2", "--steps", "3", "--warmup", "1", "--loop-repeats", "1",
+                     "--repeats", "1", "--out", str(out), "--cells", "2x8", "--drafters", "0", "--trace-texts", "2",
+                     "--trace-positions", "24"]) == 0
+    data = json.loads((out / "ddtree_full_scale.json").read_text())
+    meta, (r,) = data["meta"], data["rows"]
+    assert meta["replay"] == "trace" and meta["trace_texts"] == 2 and meta["trace_positions"] == 24
+    assert 1 <= r["tau_replayed"] <= 8 and sum(r["replayed_histogram"]) == r["timed_steps"] * 2
+    assert set(r["stages"]) == set(dfs.STAGES) and "tau_hist" not in r
+    text = (out / "ddtree_full_scale.md").read_text()
+    assert "replayed from the embedded model" in text and "--cells 2x8" in text
+
+
+def test_report_with_an_auto_row(tmp_path):
+    """An auto cell has a loop and no stages: its row, its paragraph and its projection (made-up numbers)."""
+    meta = dict(n=8, layers=61, date="d", device="dev", commit="c", kernels="ffi", params_gb=1.0, context=4096,
+                drafter="x", vocab=20480, steps=16, warmup=2, loop_repeats=2, repeats=5, command="cmd",
+                acceptance="a.json", replay="trace", trace_texts=20, trace_positions=128, embedded_tau={"8": 3.5})
+    fixed = dict(C=1, budget=8, nodes=9, loop_s=0.01, loop_whole_s=0.011, stages={k: 0.002 for k in dfs.STAGES},
+                 stage_sum_s=0.012, ratio=0.01 / 0.012, ratio_whole=0.011 / 0.012, tau_replayed=3.4,
+                 loop_compile_s=20.0)
+    auto = dict(C=1, budget="auto", nodes=65, loop_s=0.012, loop_whole_s=0.013, stages=None, tau_replayed=3.9,
+                loop_compile_s=60.0, tiers=[4, 8, 16, 32, 64], replan=1, calibrate_s=100.0, mean_nodes=11.5)
+    data = dfs.write_report(str(tmp_path), meta, [auto, fixed], [])
+    assert [r["budget"] for r in data["rows"]] == [8, "auto"]
+    assert [p["method"] for p in data["projection"]] == ["ddtree@8", "ddtree@auto"]
+    p = data["projection"][1]
+    assert p["tok_s"] == pytest.approx(3.9 / (0.012 + 61 * COMM_PER_LAYER_S[(1, 65)]))
+    text = (tmp_path / "ddtree_full_scale.md").read_text()
+    assert "| 1 | auto | 12.00 | 13.00 | - |" in text and "3.90 (-)" in text and "3.40 (3.50)" in text
+    assert 'budget="auto" at C = 1: tiers [4, 8, 16, 32, 64]' in text and "11.5" in text
+    assert "1 of 1 cells meet it" in text
+
+
 def test_cells_argument():
-    assert dfs.parse_cells("1, 10x64") == [(1, None), (10, 64)]
+    assert dfs.parse_cells("1, 10x64, 2xauto") == [(1, None), (10, 64), (2, "auto")]
+    assert dfs.budget_list("8,auto") == [8, "auto"]
     with pytest.raises(Exception, match="C or CxBUDGET"):
         dfs.parse_cells("1:64")
+    with pytest.raises(Exception, match="budgets"):
+        dfs.budget_list("8,0")
