@@ -9,14 +9,18 @@ mesh the full distribution needs a gather of the shards' top candidates, a colle
 target's and the drafter's all-reduces). The drafter's context fusion (`fc`, 6 x 7,168 rows) is whole on this
 device (a mesh splits its rows 8 ways): the keep stage reads ~0.5 GB more than a device of the mesh would.
 
-ACCEPTANCE IS REPLAYED, NOT PRODUCED BY THIS DRAFTER. Random weights accept next to nothing, so the method runs
-wrapped (`Replayed`): every stage runs for real each step (draft, tree build, verify, the accept kernel, keep), but
-the tokens each row commits are drawn from the embedded model's measured histogram for that budget
-(results/acceptance/acceptance.json, ddtree at budget b: index i = steps that committed i tokens). The committed
-path is the accept kernel's path, continued down the tree's first children (any valid node where the tree ends):
-keep and the drafter's add_context run on the real shapes, and the cache grows by the drawn length, so a step
-commits as many tokens as the embedded model's would. The loop starts from a state whose two caches hold `context`
-tokens of zeros (no prefill; `full_scale.time_step` times its steps on such a cache too).
+ACCEPTANCE IS REPLAYED, NOT PRODUCED BY THESE WEIGHTS. Random weights accept next to nothing, so every stage runs
+for real each step (draft, tree build, verify, the accept kernel, keep) while what is accepted comes from the
+embedded model. By default (`--replay trace`, `trace_replay.py`) the tree is built from the embedded drafter's
+recorded distributions at each row's text position and accept walks the embedded target's greedy choices there, so
+the accepted length is the accept kernel's own and budget="auto" runs too (`--budgets ...,auto`: its cost model is
+first measured on this model at the cell's C, `budget.calibrate`). With `--replay histogram` the method runs wrapped
+(`Replayed`): each row commits a length drawn from the embedded model's measured histogram for that budget
+(results/acceptance/acceptance.json, ddtree at budget b: index i = steps that committed i tokens); the committed
+path is the accept kernel's path, continued down the tree's first children (any valid node where the tree ends).
+Either way keep and the drafter's add_context run on the real shapes, and the cache grows by the committed length.
+The loop starts from a state whose two caches hold `context` tokens of zeros (no prefill; `full_scale.time_step`
+times its steps on such a cache too).
 
 Measured for each cell (C rows, budget b, context 4,096):
   * the loop: `decoding.advance` compiled once (state donated), after a warm-up of a few steps, runs of S and 2S
@@ -25,7 +29,8 @@ Measured for each cell (C rows, budget b, context 4,096):
   * its stages, each jitted and timed alone on the same shapes (median of repeats of 5 queued calls, as
     `full_scale.time_step`): draft (`Speculative.propose`), tree build (`ddtree_tree`), verify (`model.step` with the
     tree, the target's choice at every node, the non-finite check; its hidden states returned, as keep reads them),
-    accept (`ddtree.accept`), keep (`Speculative.keep`), and the replay's own draw (not part of the real method);
+    accept (`ddtree.accept`), keep (`Speculative.keep`), and the replay's own work (the histogram's draw, or the
+    trace's choices put in place of the target's; not part of the real method); budget="auto" has no stages;
   * loop / sum of stages: the issue's goal is <= 1.1 at C=1 and C=10; the excess is loop overhead.
 The drafter alone (the sharded one and the replicated one, 64 heads, 8 KV heads, MLP 18,432) at batch 1 and 10
 against its bytes floor (its layers, final norm and the lm_head shard read once, the context keys and values up to
@@ -36,11 +41,9 @@ Projection to 8 GPUs per cell: tokens/s = C x tau / (loop step + 61 x the all-re
 of the replayed lengths in the timed steps, the all-reduces `full_scale.COMM_PER_LAYER_S` (2 H200s, sharding.md) of
 the cell's nodes or, failing that, of the 65-node cell (a bound); beside it a what-if at 2 x
 `full_scale.FAST_ALLREDUCE_S` a layer and the quoted K2.5-DFlash acceptance (`full_scale.TAU_QUOTED`).
-budget="auto" is not run: with random weights the drafter's path probabilities are ~1/vocabulary, so auto's cost
-model verifies next to no nodes and the loop would time another program than a trained drafter makes it run; its
-acceptance has no measured histogram to replay either.
 
     python benchmarks/ddtree_full_scale.py                             # one H200: C = 1 and 10, budgets 8-64
+    python benchmarks/ddtree_full_scale.py --cells 1 --budgets 8,16,auto --drafters 0   # with budget="auto"
     python benchmarks/ddtree_full_scale.py --cells 1                   # the same in two calls of ~5 min (each
     python benchmarks/ddtree_full_scale.py --cells 10 --drafters 0 --append   # cell compiles the loop and stages)
     python benchmarks/ddtree_full_scale.py --small --layers 2 --out /tmp/x   # CPU smoke run
