@@ -53,12 +53,19 @@ def _unpack(params, cfg, prompts, drafter):
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"generate(params, cfg, prompts, ...) needs a ModelConfig as cfg, got {type(cfg).__name__}")
     check_params(params, cfg)
-    dtype = getattr(params.embed, "dtype", None)  # (the loop's cache and activations are in cfg.dtype: other params
-    if dtype is not None and jnp.dtype(dtype) != cfg.jnp_dtype:  # failed deep in JAX, naming no argument)
-        raise ValueError(f"params.embed has dtype {jnp.dtype(dtype)} but cfg.dtype is {cfg.dtype!r}: generate decodes "
+    check_dtype(params, cfg)
+    return params, cfg, prompts, drafter
+
+
+def check_dtype(params, cfg: ModelConfig) -> None:
+    """Raise a ValueError when the params (params.embed) are not in cfg.dtype: decoding keeps its cache and
+    activations in cfg.dtype, and params of another dtype failed deep in JAX, naming no argument. Checked by
+    `generate`, `stream` and the serving Engine."""
+    dtype = getattr(params.embed, "dtype", None)
+    if dtype is not None and jnp.dtype(dtype) != cfg.jnp_dtype:
+        raise ValueError(f"params.embed has dtype {jnp.dtype(dtype)} but cfg.dtype is {cfg.dtype!r}: decoding runs "
                          f"in cfg.dtype; cast the params to it, or give a cfg of their dtype "
                          f"(dataclasses.replace(cfg, dtype=...))")
-    return params, cfg, prompts, drafter
 
 
 def _leaves(tree) -> dict[str, Any]:

@@ -529,6 +529,17 @@ def test_engine_contexts_that_hold_no_request_are_refused(model, kwargs, match):
                **{"budget": 8, **kwargs})
 
 
+def test_engine_refuses_params_in_another_dtype_than_cfg(model):
+    """Issue 46, fifth probe round: generate and stream named params of another dtype than cfg.dtype, the Engine
+    took them (and failed inside JAX at its first request). Now it refuses them at construction, in the same words."""
+    import dataclasses
+
+    other = dataclasses.replace(model.cfg, dtype="bfloat16" if model.cfg.dtype == "float32" else "float32")
+    with pytest.raises(ValueError, match=f"params.embed has dtype {model.cfg.dtype} but cfg.dtype is "
+                                         f"'{other.dtype}': decoding runs in cfg.dtype"):
+        Engine(model.params, other, method="ar", max_batch=1, max_context=64).close()
+
+
 def test_readme_openai_example_runs(served, capsys):
     blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
     example = next(b for b in blocks if "from openai import OpenAI" in b)

@@ -61,7 +61,7 @@ from ..config import ModelConfig
 from ..ddtree import Speculative
 from .. import validate
 from ..decoding import DecodeState, Method, Sampler, commit, no_reliability, nonfinite_rows, prepare, run_steps
-from ..generate import auto_method, check_auto, check_params, make_method
+from ..generate import auto_method, check_auto, check_dtype, check_params, make_method
 from ..model import forward, init_cache, step
 from ..sharding import mesh_of, trace_context
 
@@ -586,6 +586,7 @@ class Engine:
                 raise ValueError(f"warmup must be prompt lengths or 'all', got {warmup!r}")
             warmup = all_prompt_lengths(context)
         check_params(params, cfg)
+        check_dtype(params, cfg)
         eos_id = validate.token_id("eos_id", eos_id, cfg.vocab_size, optional=True)
         seed = validate.seed(seed)
         auto = check_auto(method, budget, max_budget, tiers, cost_model)
