@@ -340,9 +340,18 @@ def save_drafter(directory: str, dcfg, params) -> None:
 
 def load_drafter(directory: str, mesh: jax.sharding.Mesh | None = None):
     """The Drafter saved by save_drafter (split over the mesh like the target when one is given: `drafter_shardings`),
-    every shape checked. A CheckpointError names the drafter's directory when it or one of its two files is missing."""
+    every shape checked. A CheckpointError names the drafter's directory when it is missing or not a directory (a file,
+    a symlink loop), or one of its two files is missing."""
     if not os.path.isdir(directory):
-        raise CheckpointError(f"the checkpoint's drafter {directory} is missing or not a directory")
+        try:
+            os.stat(directory)
+            why = (f"is not a directory (a drafter is a directory of {DRAFTER_CONFIG_FILE} and "
+                   f"{DRAFTER_PARAMS_FILE})")
+        except FileNotFoundError:
+            why = "is missing"
+        except OSError as e:  # a symlink loop, no permission
+            why = f"does not open: {e.strerror}"
+        raise CheckpointError(f"the checkpoint's drafter {directory} {why}")
     config, weights = (os.path.join(directory, name) for name in (DRAFTER_CONFIG_FILE, DRAFTER_PARAMS_FILE))
     _drafter_file(directory, config)
     raw = read_json(config)
@@ -525,7 +534,7 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
             check()
     params = Params(layers=layers, **top)
     drafter_dir = os.path.join(path, DRAFTER_DIR)
-    drafter = load_drafter(drafter_dir) if os.path.isdir(drafter_dir) else None
+    drafter = load_drafter(drafter_dir) if os.path.lexists(drafter_dir) else None  # (a file or a loop: named)
     if drafter is not None and sums:  # checked where it was read, before it is split over the mesh
         check_sums(DRAFTER_DIR, item_sums(DRAFTER_DIR), checksums(flatten(drafter.params)))
     if drafter is not None and mesh is not None:
@@ -545,7 +554,7 @@ def verify_checksums(path: str | os.PathLike) -> int:
     params = os.path.join(path, PARAMS_DIR)
     stored = [i for i in (sorted(os.listdir(params)) if os.path.isdir(params) else [])
               if i == TOP_ITEM or LAYER_ITEM_RE.fullmatch(i)]
-    if os.path.isdir(os.path.join(path, DRAFTER_DIR)):
+    if os.path.lexists(os.path.join(path, DRAFTER_DIR)):  # (a file or a loop: load_drafter names it)
         stored.append(DRAFTER_DIR)
     # an item the manifest records no checksums for is checked too: its arrays are "not in the manifest", as `load`
     # finds (verify passed a checkpoint that load refused)

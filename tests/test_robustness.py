@@ -713,6 +713,29 @@ def test_an_incomplete_drafter_directory_is_named(source, tmp_path, contents):
         assert one_error_line(limited(cmd), prog, status) == f"{prog}: error: {want}"
 
 
+@pytest.mark.parametrize("kind, why", [
+    ("file", "is not a directory (a drafter is a directory of drafter_config.json and params.npz)"),
+    ("symlink_loop", "does not open: Too many levels of symbolic links")], ids=["file", "symlink_loop"])
+def test_a_drafter_that_is_not_a_directory_is_named(source, tmp_path, kind, why):
+    """Issue 46, fifth probe round: a drafter entry that was a file or a symlink loop was ignored (the model loaded
+    without a drafter, and ddtree said later that it needs one). kj.load, kdtree-convert --verify and kdtree-jax
+    generate now name it."""
+    bad = tmp_path / "bad"
+    shutil.copytree(source[1], bad)
+    drafter = bad / "drafter"
+    if kind == "file":
+        drafter.write_text("{}")
+    else:
+        os.symlink("drafter", drafter)
+    want = f"the checkpoint's drafter {drafter} {why}"
+    with pytest.raises(CheckpointError) as e:
+        kj.load(str(bad))
+    assert str(e.value) == want
+    for cmd, prog, status in (([*CONVERT, "--verify", str(bad)], "kdtree-convert", 1),
+                              ([*GENERATE, str(bad)], "kdtree-jax", 2)):
+        assert one_error_line(limited(cmd), prog, status) == f"{prog}: error: {want}"
+
+
 @pytest.mark.parametrize("entry", ["../outside/model.safetensors", "absolute", "outside/../../outside/x", ".."])
 def test_index_entries_outside_the_source_are_refused(source, tmp_path, entry):
     """model.safetensors.index.json's weight_map names shard files of the source directory: a path that leaves it
