@@ -277,6 +277,18 @@ def _probe_folder(folder: str, what: str) -> None:
         raise ValueError(f"{what}: cannot write in {folder} ({e.strerror or e})") from None
 
 
+def _not_a_file(path: str) -> str:
+    """Why `path`, which os.path.isfile refuses, is no file to read, as kj.load words it for a checkpoint's files:
+    missing, a directory, not a regular file (a FIFO, which would block), or a symlink loop."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as e:  # a symlink loop, no permission
+        return f"does not open: {e.strerror}"
+    return "is a directory" if stat.S_ISDIR(mode) else "is not a regular file"
+
+
 def _check_output_file(path: str, flag: str) -> None:
     """Fail before the work, not after it, where `path` (a file to write) cannot be written: its folder must exist
     and be writable, and the path must not be a folder."""
@@ -403,8 +415,9 @@ def _check_decoding(args, sampling: bool) -> None:
             raise ValueError(f"--tiers {','.join(map(str, args.tiers))}: the largest tier must equal --max-budget "
                              f"({args.max_budget})")
         if args.cost_model is not None and not os.path.isfile(args.cost_model):
-            raise ValueError(f"--cost-model {args.cost_model}: no such file (a cost model saved by `kdtree-jax bench "
-                             "--calibrate`; leave it out to use, or measure, the one kept for this setup)")
+            raise ValueError(f"--cost-model {args.cost_model}: {_not_a_file(args.cost_model)} (a cost model saved by "
+                             "`kdtree-jax bench --calibrate`; leave it out to use, or measure, the one kept for this "
+                             "setup)")
     if not sampling:
         return
     validate.integer("max_new_tokens", args.max_new_tokens, 1, validate.INT32_LIMIT)
@@ -419,6 +432,8 @@ def _check_decoding(args, sampling: bool) -> None:
 
 def _check_serving(args) -> None:
     """serve's flags, checked before the model is loaded (the engine checks them again, after it)."""
+    from kdtree_jax.serving.engine import DEFAULT_MAX_CONTEXT
+
     _check_decoding(args, sampling=False)
     for name in ("max_batch", "max_queue", "chunk_steps", "max_n"):
         if not 1 <= getattr(args, name) <= INT32_MAX:  # the engine keeps them in int32 columns and loop bounds
@@ -434,6 +449,9 @@ def _check_serving(args) -> None:
     if args.warmup and args.warmup != "all" and args.max_context is not None and max(args.warmup) >= args.max_context:
         raise ValueError(f"--warmup {max(args.warmup)}: a prompt must be shorter than --max-context "
                          f"{args.max_context}")
+    if args.warmup and args.warmup != "all" and args.max_context is None and max(args.warmup) >= DEFAULT_MAX_CONTEXT:
+        raise ValueError(f"--warmup {max(args.warmup)}: a prompt must be shorter than the context, at most "
+                         f"{DEFAULT_MAX_CONTEXT} tokens without --max-context")
 
 
 def _check_hosts_flags(args) -> None:
@@ -795,7 +813,7 @@ def serve_command(args) -> int:
         from kdtree_jax.serving import serve
     except ImportError as e:
         raise ValueError(f"kdtree-jax serve needs the serve extra: pip install 'kdtree-jax[serve]' ({e})") from None
-    from kdtree_jax.serving.engine import Engine
+    from kdtree_jax.serving.engine import DEFAULT_MAX_CONTEXT, Engine
 
     _check_serving(args)
     _check_listen(args.host, args.port)
@@ -805,6 +823,11 @@ def serve_command(args) -> int:
     if args.max_context is not None and args.max_context > cfg.max_position_embeddings:
         raise ValueError(f"--max-context {args.max_context} exceeds the model's context of "
                          f"{cfg.max_position_embeddings} positions")
+    context = args.max_context or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)  # (the Engine's)
+    if args.warmup and args.warmup != "all" and max(args.warmup) >= context:  # (with --max-context: refused above)
+        raise ValueError(f"--warmup {max(args.warmup)}: a prompt must be shorter than the context, {context} tokens "
+                         f"(the model's {cfg.max_position_embeddings} positions, at most {DEFAULT_MAX_CONTEXT} without "
+                         "--max-context)")
     if args.cache_sharding is not None:
         import dataclasses
 

@@ -273,6 +273,43 @@ def test_serve_bench_and_plan_refuse_bad_flags_in_one_line_before_loading(argv, 
     assert message in _one_line_error(capsys)
 
 
+def test_a_cost_model_that_is_not_a_file_says_what_it_is(tmp_path, monkeypatch, capsys):
+    """Issue 46, fifth probe round: --cost-model naming a directory, a FIFO or a symlink loop said "no such file"."""
+    import os
+
+    _no_load(monkeypatch)
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink("loop", tmp_path / "loop")
+    for path, what in ((tmp_path, "is a directory"), (tmp_path / "fifo", "is not a regular file"),
+                       (tmp_path / "loop", "does not open: Too many levels of symbolic links")):
+        assert main(["generate", "--prompt", "x", "--method", "ddtree", "--budget", "auto", "--cost-model",
+                     str(path)]) == 2
+        assert f"--cost-model {path}: {what} (a cost model saved by" in _one_line_error(capsys)
+
+
+def test_serve_refuses_a_warmup_past_the_context_before_loading(monkeypatch, capsys):
+    """Issue 46, fifth probe round: `serve --warmup 99999999` was refused by the engine, after the model had loaded
+    and 'compiling the prefills ... for prompts of 99999999 tokens' was printed. Without --max-context the context is
+    at most 8192 tokens: longer is refused before loading."""
+    _no_load(monkeypatch)
+    assert main(["serve", "--warmup", "8,99999999"]) == 2
+    assert ("--warmup 99999999: a prompt must be shorter than the context, at most 8192 tokens without --max-context"
+            in _one_line_error(capsys))
+
+
+def test_serve_refuses_a_warmup_past_the_models_context_before_compiling(monkeypatch, capsys):
+    """Below 8192 tokens but past the model's context (the embedded model's 2048 positions): refused once the model is
+    loaded, before any 'compiling' line and before the engine is built."""
+    from kdtree_jax.serving import engine
+
+    monkeypatch.setattr(engine, "Engine", lambda *a, **k: pytest.fail("the engine was built"))
+    assert main(["serve", "--model", "builtin", "--warmup", "8,4096"]) == 2
+    err = capsys.readouterr().err
+    assert "compiling" not in err and err.strip().splitlines()[-1] == (
+        "kdtree-jax: error: --warmup 4096: a prompt must be shorter than the context, 2048 tokens (the model's 2048 "
+        "positions, at most 8192 without --max-context)")
+
+
 def test_outputs_that_cannot_be_written_are_refused_before_the_work(tmp_path, monkeypatch, capsys):
     _no_load(monkeypatch)
     missing = tmp_path / "no-such-folder" / "rows.json"
