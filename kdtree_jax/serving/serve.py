@@ -966,7 +966,8 @@ class BackgroundServer:
         try:
             self._main = self._loop.create_task(self._server.serve(sockets=[self._sock]), name="uvicorn")
             self._loop.run_until_complete(self._main)
-        finally:
+        finally:  # the worker threads of `asyncio.to_thread` (prompts are tokenized there) joined, not left exiting
+            self._loop.run_until_complete(self._loop.shutdown_default_executor())
             self._loop.close()
 
     def other_tasks(self, timeout: float = 10.0) -> list[str]:
