@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import kdtree_jax as kj  # noqa: E402
 from common import ceilings, random_trees  # noqa: E402
+from kdtree_jax import plan  # noqa: E402
 from kdtree_jax.sharding import trace_context  # noqa: E402
 from kdtree_jax.model import MLP, MoE, init_cache, step  # noqa: E402
 from profile_tools import profile_calls, top_kernels  # noqa: E402
@@ -99,6 +100,7 @@ def per_device_model(n: int, layers: int, small: bool, kernels: str, key=None):
     layer (random INT4), the router of all E (the other devices' experts are ids >= E/n: no expert), and the shared
     expert's 1/n width."""
     cfg = per_device_cfg(n, layers, small, kernels)
+    check_fits(local_experts_cfg(cfg, n))
     key = jax.random.key(0) if key is None else key
     params = kj.init_params(local_experts_cfg(cfg, n), key)
 
@@ -115,6 +117,21 @@ def per_device_model(n: int, layers: int, small: bool, kernels: str, key=None):
     if not small:
         params = narrow_shared(params, cfg.moe_intermediate_size * cfg.n_shared_experts // n)
     return cfg, jax.block_until_ready(params)
+
+
+def check_fits(cfg: kj.ModelConfig, device=None, share: float = 0.95) -> None:
+    """Exit with one line when the weights of `cfg` (on one device, `plan.model_weight_bytes`) exceed `share` of a
+    GPU's memory: XLA's allocator would otherwise retry for minutes before it fails (the 61-layer program on an
+    H100, 2026-12-07: a whole 540 s device call). Says how many layers would fit. A CPU is not checked."""
+    device = jax.devices()[0] if device is None else device
+    stats = device.memory_stats() if device.platform == "gpu" else None
+    if not stats or not stats.get("bytes_limit"):
+        return
+    need, limit = plan.model_weight_bytes(cfg, plan.check_mesh(cfg, {})), stats["bytes_limit"]
+    if need > share * limit:
+        fit = int(0.8 * limit / (need / cfg.num_hidden_layers))
+        raise SystemExit(f"{cfg.num_hidden_layers} layers: {need / 1e9:.1f} GB of weights do not fit this "
+                         f"{device.device_kind}'s {limit / 1e9:.1f} GB; run fewer (--layers {fit}) or on a larger GPU")
 
 
 def local_experts_cfg(cfg: kj.ModelConfig, n: int) -> kj.ModelConfig:

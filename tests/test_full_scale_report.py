@@ -127,3 +127,27 @@ def test_save_timeline_moves_both_event_lists(tmp_path):
     with gzip.open(tmp_path / "out" / "host_loop_4096_1x1.json.gz", "rt") as f:
         assert json.load(f) == [["launch", 3, -2.0, 6.0]]
     assert prof == dict(busy_us=10.5)
+
+
+class _Device:
+    """A stand-in for a jax device: its platform, kind and memory statistics."""
+
+    def __init__(self, platform: str, limit: float | None, kind: str = "NVIDIA H100 80GB HBM3"):
+        self.platform, self.device_kind, self._limit = platform, kind, limit
+
+    def memory_stats(self):
+        return None if self._limit is None else {"bytes_limit": int(self._limit)}
+
+
+def test_check_fits_refuses_a_program_larger_than_the_gpu():
+    """The 61-layer per-device program (~80 GB while it is made) on an H100's ~79 GB: one line naming the layers that
+    fit, before any weight is allocated. On an H200 (139 GB), at 40 layers on the H100, and on a CPU: nothing."""
+    cfg = full_scale.local_experts_cfg(full_scale.per_device_cfg(8, 61, False, "ffi"), 8)
+    with pytest.raises(SystemExit, match=r"61 layers: 80\.\d GB of weights do not fit this NVIDIA H100 80GB HBM3's "
+                                         r"79\.0 GB; run fewer \(--layers 4\d\)"):
+        full_scale.check_fits(cfg, _Device("gpu", 79e9))
+    full_scale.check_fits(cfg, _Device("gpu", 139e9, "NVIDIA H200"))
+    full_scale.check_fits(cfg, _Device("cpu", 79e9))
+    full_scale.check_fits(cfg, _Device("gpu", None))
+    fewer = full_scale.local_experts_cfg(full_scale.per_device_cfg(8, 40, False, "ffi"), 8)
+    full_scale.check_fits(fewer, _Device("gpu", 79e9))
