@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import kdtree_jax as kj
 from kdtree_jax.ddtree import DraftTree, Speculative, speculative
 from kdtree_jax.decoding import DecodeState, Sampler
 from kdtree_jax.drafter import draft
@@ -69,8 +70,6 @@ class Trace:
 def record(model, prompts: list[list[int]], positions: int) -> Trace:
     """The embedded model's trace on `prompts` (one stream each, all of one length): `positions` + depth + 1
     greedy tokens after each prompt, and the drafter's log-probabilities at the first `positions` of them."""
-    import kdtree_jax as kj
-
     cfg, params, drafter = model.cfg, model.params, model.drafter
     depth = drafter.depth
     lp = {len(p) for p in prompts}

@@ -48,7 +48,7 @@ from .distributed import check_same
 from .drafter import Drafter, DrafterConfig, drafter_info, shard_drafter
 from .model import Model, Params, abstract_params, param_info, param_shardings, shard_params
 from .tokenizer import load_tokenizer
-from .validate import shown
+from .validate import path_problem, shown
 
 FORMAT = "kdtree-jax-checkpoint"
 FORMAT_VERSION = 3  # 2: q_a and kv_a stored as one weight (attn.qkv_a), the MLPs' gate and up as one (gate_up),
@@ -342,15 +342,10 @@ def load_drafter(directory: str, mesh: jax.sharding.Mesh | None = None):
     """The Drafter saved by save_drafter (split over the mesh like the target when one is given: `drafter_shardings`),
     every shape checked. A CheckpointError names the drafter's directory when it is missing or not a directory (a file,
     a symlink loop), or one of its two files is missing."""
-    if not os.path.isdir(directory):
-        try:
-            os.stat(directory)
-            why = (f"is not a directory (a drafter is a directory of {DRAFTER_CONFIG_FILE} and "
-                   f"{DRAFTER_PARAMS_FILE})")
-        except FileNotFoundError:
-            why = "is missing"
-        except OSError as e:  # a symlink loop, no permission
-            why = f"does not open: {e.strerror}"
+    why = path_problem(directory, want_dir=True)
+    if why is not None:
+        if why == "is not a directory":
+            why += f" (a drafter is a directory of {DRAFTER_CONFIG_FILE} and {DRAFTER_PARAMS_FILE})"
         raise CheckpointError(f"the checkpoint's drafter {directory} {why}")
     config, weights = (os.path.join(directory, name) for name in (DRAFTER_CONFIG_FILE, DRAFTER_PARAMS_FILE))
     _drafter_file(directory, config)

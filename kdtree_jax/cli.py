@@ -277,18 +277,6 @@ def _probe_folder(folder: str, what: str) -> None:
         raise ValueError(f"{what}: cannot write in {folder} ({e.strerror or e})") from None
 
 
-def _not_a_file(path: str) -> str:
-    """Why `path`, which os.path.isfile refuses, is no file to read, as kj.load words it for a checkpoint's files:
-    missing, a directory, not a regular file (a FIFO, which would block), or a symlink loop."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return "no such file"
-    except OSError as e:  # a symlink loop, no permission
-        return f"does not open: {e.strerror}"
-    return "is a directory" if stat.S_ISDIR(mode) else "is not a regular file"
-
-
 def _check_output_file(path: str, flag: str) -> None:
     """Fail before the work, not after it, where `path` (a file to write) cannot be written: its folder must exist
     and be writable, and the path must not be a folder."""
@@ -414,8 +402,10 @@ def _check_decoding(args, sampling: bool) -> None:
         if args.tiers is not None and max(args.tiers) != args.max_budget:  # (_tiers checked the rest)
             raise ValueError(f"--tiers {','.join(map(str, args.tiers))}: the largest tier must equal --max-budget "
                              f"({args.max_budget})")
-        if args.cost_model is not None and not os.path.isfile(args.cost_model):
-            raise ValueError(f"--cost-model {args.cost_model}: {_not_a_file(args.cost_model)} (a cost model saved by "
+        why = None if args.cost_model is None else validate.path_problem(args.cost_model)
+        if why is not None:
+            why = "no such file" if why == "is missing" else why
+            raise ValueError(f"--cost-model {args.cost_model}: {why} (a cost model saved by "
                              "`kdtree-jax bench --calibrate`; leave it out to use, or measure, the one kept for this "
                              "setup)")
     if not sampling:

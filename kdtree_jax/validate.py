@@ -11,6 +11,8 @@ stored in on the device: token ids and top_k in int32, temperature and top_p in 
 from __future__ import annotations
 
 import math
+import os
+import stat
 from typing import Sequence
 
 import numpy as np
@@ -192,3 +194,20 @@ def token_rows(rows, vocab_size: int, name: str = "prompts", row: str = "prompt"
     if all(is_integer(r) for r in rows):
         raise ArgumentError(name, f"{name} must be a list of {row}s (token-id lists); wrap a single {row} in []")
     return [_ids(f"{name}: {row} {i}", name, r, vocab_size) for i, r in enumerate(rows)]
+
+
+def path_problem(path, want_dir: bool = False) -> str | None:
+    """Why `path` is not the regular file (or, want_dir, the directory) a reader wants, in the words the checkpoint
+    reader and the command line share: "is missing", "does not open: <why>" (a symlink loop, no permission), "is a
+    directory", "is not a regular file" / "is not a directory"; None when it is what is wanted."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as e:
+        return f"does not open: {e.strerror}"
+    if want_dir:
+        return None if stat.S_ISDIR(mode) else "is not a directory"
+    if stat.S_ISREG(mode):
+        return None
+    return "is a directory" if stat.S_ISDIR(mode) else "is not a regular file"
