@@ -19,6 +19,7 @@ def default_tiers(max_budget: int) -> tuple[int, ...]:
     return tuple(tiers)
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the cost model's arrays are float32
 REPLAN_MOST = 16  # the longest run of steps between plans
 REPLAN_SHARE = 0.01  # the plan's cost, spread over the steps between plans, kept within this share of a step
 
@@ -140,18 +141,26 @@ class CostModel:
         for i, pts in enumerate(points):
             pts = sorted((float(m), float(s)) for m, s in pts)
             arr = np.array(pts + [pts[-1]] * (k - len(pts)), np.float64)
-            if not np.all(np.isfinite(arr)) or np.any(arr[:, 1] <= 0) or np.any(arr[:, 0] < 0):
-                raise ValueError(f"cost model: tier {tiers[i]} has a non-finite, negative or zero point: {pts}")
+            # finite in float32, where the loop keeps them (1e300 would be inf there)
+            if (not np.all(np.isfinite(arr)) or np.any(np.abs(arr) > FLOAT32_MAX) or np.any(arr[:, 1] <= 0)
+                    or np.any(arr[:, 0] < 0)):
+                raise ValueError(f"cost model: tier {tiers[i]} has a non-finite, negative or zero point (finite: in "
+                                 f"float32, up to {FLOAT32_MAX:.3g}): {pts}")
             tok[i], sec[i] = arr[:, 0], _non_decreasing(arr[:, 1])
-        if not all(np.isfinite(x) and x >= 0 for x in (per_context, context, switch)):
+        if not all(np.isfinite(x) and 0 <= x <= FLOAT32_MAX for x in (per_context, context, switch)):
             raise ValueError(f"cost model: per_context {per_context}, context {context} and switch {switch} must be "
-                             "finite and >= 0")
-        if isinstance(replan, bool) or not isinstance(replan, (int, np.integer)) or replan < 1:
-            raise ValueError(f"cost model: replan must be an integer >= 1, got {replan!r}")
+                             "finite (in float32) and >= 0")
+        # at most what `choose_replan` gives: the serving engine's chunks are whole windows of replan steps (a file
+        # saying 10**9 made every chunk a request's whole answer, and 2**31 overflowed the loop's int32 counter)
+        if isinstance(replan, bool) or not isinstance(replan, (int, np.integer)) or not 1 <= replan <= REPLAN_MOST:
+            raise ValueError(f"cost model: replan must be an integer in [1, {REPLAN_MOST}], got {replan!r}")
+        if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+            raise ValueError(f"cost model: batch must be an integer >= 1, got {batch!r}")
         if fixed is None:  # each tier with every node of every row, on its curve
             fixed = np.array([np.interp(batch * (1.0 + t), tok[i], sec[i]) for i, t in enumerate(tiers)])
         fixed = np.asarray(fixed, np.float64)
-        if fixed.shape != (len(tiers),) or not np.all(np.isfinite(fixed)) or np.any(fixed <= 0):
+        if (fixed.shape != (len(tiers),) or not np.all(np.isfinite(fixed)) or np.any(fixed > FLOAT32_MAX)
+                or np.any(fixed <= 0)):
             raise ValueError(f"cost model: fixed must hold {len(tiers)} finite seconds > 0 (one per tier), got "
                              f"{fixed.tolist()}")
         return CostModel(tokens=jnp.asarray(tok), seconds=jnp.asarray(sec), per_context=jnp.float32(per_context),

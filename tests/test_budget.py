@@ -479,6 +479,20 @@ def test_bad_cost_points_are_clear_errors():
     with pytest.raises(ValueError, match="need as many"):
         CostModel.from_points((4, 8), 1, [[(1, 1.0)]])
     dips = CostModel.from_points((4,), 1, [[(1, 2.0), (5, 1.0), (9, 3.0)]])  # noise: never cheaper with more
+    # a hand-edited file: values that became inf in float32, a replan past what calibration gives (the server's
+    # chunks are whole windows of it: 10**9 steps a chunk; 2**31 overflowed int32), a batch that is not a count
+    with pytest.raises(ValueError, match=r"non-finite, negative or zero point \(finite: in float32"):
+        CostModel.from_points((4,), 1, [[(1, 1e300)]])
+    with pytest.raises(ValueError, match="finite"):
+        CostModel.from_points((4,), 1, [[(1, 1.0)]], switch=1e300)
+    with pytest.raises(ValueError, match="fixed must hold 1"):
+        CostModel.from_points((4,), 1, [[(1, 1.0)]], fixed=[1e300])
+    for replan in (17, 10**9, 2**31):
+        with pytest.raises(ValueError, match=r"replan must be an integer in \[1, 16\]"):
+            CostModel.from_points((4,), 1, [[(1, 1.0)]], replan=replan)
+    for batch in ("1", 1.5, True, 0):
+        with pytest.raises(ValueError, match="batch must be an integer >= 1"):
+            CostModel.from_points((4,), batch, [[(1, 1.0)]])
     np.testing.assert_allclose(np.asarray(dips.seconds)[0], [1.5, 1.5, 3.0])  # the closest non-decreasing curve
 
 
