@@ -439,7 +439,8 @@ def stream_tokens(state: DecodeState, resume: Callable[[DecodeState, jax.Array],
             shown = n
         if bool(to_host(state.done)[0]):
             return state
-        state = resume(state, state.steps + every)
+        # the steps to run to, at most int32's largest (steps + every would wrap to a negative bound: no step run)
+        state = resume(state, jnp.minimum(state.steps, validate.INT32_LIMIT - 1 - every) + every)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -258,7 +258,8 @@ def stream(params: Params | Any, cfg: ModelConfig | None = None, prompt=None, *,
     m, req = _request(params, cfg, [prompt], drafter, max_new_tokens=max_new_tokens, method=method, budget=budget,
                       temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, prefill_chunk=prefill_chunk,
                       seed=seed, max_budget=max_budget, tiers=tiers, cost_model=cost_model)
-    every = max(1, 16 // m.tokens_per_step) if every is None else validate.integer("every", every, 1)
+    every = (max(1, 16 // m.tokens_per_step) if every is None  # a step count: int32 on the device
+             else validate.integer("every", every, 1, validate.INT32_LIMIT))
     args, static = _start_args(m, params, cfg, req, seed)
     with trace_context(params, cfg):
         state = start(*args, **static)

@@ -118,10 +118,15 @@ def test_zero_d_arrays_and_numpy_scalars_are_the_numbers_they_hold(tiny):
 
 
 def test_stream_checks_every(tiny):
+    """`every` is a step count, int32 on the device: past it (2**40) was JAX's OverflowError naming no argument; at
+    its largest the bound of steps to run to stays in int32 (steps + every used to wrap to a negative bound, and the
+    stream would have asked for no step again and again)."""
     cfg, params, _ = tiny
-    for every in (0, 2.0, True):
-        with pytest.raises(ValueError, match="every must be an integer >= 1"):
+    for every in (0, 2.0, True, 2**31, 2**40):
+        with pytest.raises(ValueError, match=r"every must be an integer in \[1, 2\*\*31\)"):
             next(stream(params, cfg, [1, 2, 3], max_new_tokens=4, every=every))
+    want = kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=4).tokens[0]
+    assert sum(stream(params, cfg, [1, 2, 3], max_new_tokens=4, every=2**31 - 1), []) == want
 
 
 def test_every_seed_below_2_63_has_its_own_key(tiny):
