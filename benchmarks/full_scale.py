@@ -122,10 +122,11 @@ def per_device_model(n: int, layers: int, small: bool, kernels: str, key=None):
 def check_fits(cfg: kj.ModelConfig, device=None, share: float = 0.95) -> None:
     """Exit with one line when the weights of `cfg` (on one device, `plan.model_weight_bytes`) exceed `share` of a
     GPU's memory: XLA's allocator would otherwise retry for minutes before it fails (the 61-layer program on an
-    H100, 2026-12-07: a whole 540 s device call). Says how many layers would fit. A CPU is not checked."""
+    H100, 2026-12-07: a whole 540 s device call). Says how many layers would fit. A CPU is not checked, nor is a
+    package older than `plan.model_weight_bytes` (an A/B's base runs this script on an older commit's package)."""
     device = jax.devices()[0] if device is None else device
     stats = device.memory_stats() if device.platform == "gpu" else None
-    if not stats or not stats.get("bytes_limit"):
+    if not stats or not stats.get("bytes_limit") or not hasattr(plan, "model_weight_bytes"):
         return
     need, limit = plan.model_weight_bytes(cfg, plan.check_mesh(cfg, {})), stats["bytes_limit"]
     if need > share * limit:

@@ -517,10 +517,8 @@ for splits in (16, 64):
 "
   ;;
 ab)
-  MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)  # (2026-12-06: an H100 spent
-  # its 260 s running out of memory)
-  [ "${MEM:-0}" -lt 120000 ] && { echo "GPU of ${MEM} MiB: the full step does not fit (an H200 is needed)" |
-    tee -a "$LOG"; exit 1; }
+  set_depth  # an H100 runs both sides at LAYERS_SMALL layers (61 do not fit: 2026-12-06, it spent its 260 s out of
+  # memory)
   # BASE_DIR: the older commit's kdtree_jax, kdtree_converters and ffi/ (git archive <commit> into a folder the call
   # carries), with its libraries in BASE_DIR/lib (else built here); it runs this commit's benchmark script
   BASE_DIR=${BASE_DIR:?BASE_DIR=<folder of the older commit> is required}
@@ -535,10 +533,10 @@ ab)
   step base 260 "${BIG[@]}" ${AB_FLAGS:+XLA_FLAGS="$FLAGS"} KDTREE_JAX_FFI_DIR="$BASE_DIR/lib" \
     PYTHONPATH="$BASE_DIR" python3 \
     "$BASE_DIR/benchmarks/full_scale.py" --out "$OUT/results/base" --cells "$CELLS" --profile "$PROFILE" \
-    --repeats 3 --commit "${BASE_COMMIT:-base}"
+    --repeats 3 --commit "${BASE_COMMIT:-base}" "${DEPTH[@]}"
   step new 260 "${BIG[@]}" ${AB_FLAGS:+XLA_FLAGS="$FLAGS"} python3 benchmarks/full_scale.py --out "$OUT/results/new" \
     --cells "$CELLS" --profile "$PROFILE" --repeats 3 --commit "$KDTREE_COMMIT" \
-    --base "$OUT/results/base/full_scale.json"
+    --base "$OUT/results/base/full_scale.json" "${DEPTH[@]}"
   if [ -n "${BENCH:-}" ]; then  # greedy ar / chain / ddtree on the embedded model, tokens compared with ar's
     step bench 150 ${AB_FLAGS:+env XLA_FLAGS="$FLAGS"} python3 -m kdtree_jax.cli bench --kernels ffi \
       --budgets 16,64 --batch 2 --prompt-len 64 --max-new-tokens 48 --repeats 2
