@@ -168,6 +168,22 @@ def test_overwrite_through_a_symlink_replaces_its_target(source, tmp_path, capsy
     assert sorted(os.listdir(tmp_path)) == ["link", "target"]
 
 
+def test_a_source_inside_the_checkpoint_it_would_replace_is_refused(source, tmp_path, capsys):
+    """--overwrite replaces OUT_DIR whole: with SRC_DIR (or --drafter) inside it, the conversion succeeded and then
+    deleted its own source. Now one line naming both, and nothing touched."""
+    src, old = source
+    out = tmp_path / "ckpt"
+    shutil.copytree(old, out)
+    inner = str(shutil.copytree(src, out / "hf"))
+    before = sorted(os.listdir(out))
+    assert conv.main([inner, str(out), "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"SRC_DIR {inner} is inside OUT_DIR {out}" in err, err
+    with pytest.raises(CheckpointError, match="--drafter .* is inside OUT_DIR"):
+        quiet_convert(src, str(out), overwrite=True, drafter=str(out / "hf"))
+    assert sorted(os.listdir(out)) == before and os.path.isfile(out / "hf" / "config.json") and not leftovers(str(out))
+
+
 def test_full_disk_is_one_line_and_the_rerun_resumes(source, tmp_path, monkeypatch, capsys):
     src, _ = source
     out = str(tmp_path / "out")

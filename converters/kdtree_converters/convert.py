@@ -494,6 +494,15 @@ def _check_out(out: str, overwrite: bool) -> None:
     raise CheckpointError(f"refusing to overwrite {out}: it is not an empty directory or a kdtree-jax checkpoint")
 
 
+def _check_apart(out: str, src_dir, drafter) -> None:
+    """Refuse a source (or drafter) directory that is out_dir or lies inside it: --overwrite replaces out_dir whole,
+    so the conversion would delete its own source once it had read it."""
+    for name, path in (("SRC_DIR", src_dir), ("--drafter", drafter)):
+        if path is not None and os.path.lexists(out) and os.path.commonpath([os.path.realpath(path), out]) == out:
+            raise CheckpointError(f"{name} {os.fspath(path)} is inside OUT_DIR {out}: replacing OUT_DIR would delete "
+                                  "it (give an OUT_DIR outside the source)")
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
@@ -561,6 +570,7 @@ def convert(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, experts: 
     """
     out = os.path.realpath(out_dir)
     _check_out(out, overwrite)
+    _check_apart(out, src_dir, drafter)
     src = Source(src_dir)
     if experts is None:
         experts = "int4" if src.has_int4_experts else "bf16"
