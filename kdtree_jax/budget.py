@@ -295,9 +295,14 @@ def resolve(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: int, t
             save(cost, path, meta)
     else:
         raise TypeError(f"cost_model must be a CostModel, a path or None, got {type(cost_model).__name__}")
-    if cost.tiers != tiers or cost.batch != batch:
+    check_matches(cost, batch, tiers, max_budget)
+    return cost
+
+
+def check_matches(cost: CostModel, batch: int, tiers: tuple[int, ...], max_budget: int) -> None:
+    """A ValueError unless the cost model was measured for `batch` rows and these tiers."""
+    if cost.tiers != tuple(tiers) or cost.batch != batch:
         raise ValueError(f"the cost model was measured for batch {cost.batch} and tiers {cost.tiers}; this run has "
-                         f"batch {batch} and tiers {tiers} (max_budget {max_budget}); use the same batch (the "
+                         f"batch {batch} and tiers {tuple(tiers)} (max_budget {max_budget}); use the same batch (the "
                          f"server: --max-batch) and max_budget, or measure one for this setup (`kdtree-jax bench "
                          f"--calibrate --batch {batch} --max-budget {max_budget}`)")
-    return cost

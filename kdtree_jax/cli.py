@@ -381,6 +381,30 @@ def _check_auto_flags(args, auto: bool) -> None:
         args.max_budget = 64
 
 
+def _check_auto_values(args, batch: int, read: bool = True) -> None:
+    """--max-budget, --tiers and (with `read`) the --cost-model to read, by budget auto's rules, before the model is
+    loaded: the file must be a cost model (`budget.load`), of `batch` rows and of this run's tiers (`budget.resolve`
+    checks the same once the model is loaded, minutes later for a large one)."""
+    from . import budget, validate
+
+    if args.max_budget < 1:
+        raise ValueError(f"--max-budget must be at least 1, got {args.max_budget}")
+    if args.tiers is not None and max(args.tiers) != args.max_budget:  # (_tiers checked the rest)
+        raise ValueError(f"--tiers {','.join(map(str, args.tiers))}: the largest tier must equal --max-budget "
+                         f"({args.max_budget})")
+    if not read or args.cost_model is None:
+        return
+    why = validate.path_problem(args.cost_model)
+    if why is not None:
+        why = "no such file" if why == "is missing" else why
+        raise ValueError(f"--cost-model {args.cost_model}: {why} (a cost model saved by "
+                         "`kdtree-jax bench --calibrate`; leave it out to use, or measure, the one kept for this "
+                         "setup)")
+    cost, _ = budget.load(args.cost_model)  # a ValueError naming the file
+    budget.check_matches(cost, batch, budget.default_tiers(args.max_budget) if args.tiers is None
+                         else budget.check_tiers(args.tiers, args.max_budget), args.max_budget)
+
+
 def _check_decoding(args, sampling: bool) -> None:
     """generate's and serve's decoding flags, checked before the model is loaded (minutes for a large one) by the
     rules that generate and the serving engine apply (`kdtree_jax.validate`, with their messages), and the flags
@@ -396,18 +420,8 @@ def _check_decoding(args, sampling: bool) -> None:
     elif args.budget != "auto" and args.budget < 1:
         raise ValueError(f"--budget must be at least 1 (or 'auto'), got {args.budget}")
     _check_auto_flags(args, args.budget == "auto")
-    if args.budget == "auto":
-        if args.max_budget < 1:
-            raise ValueError(f"--max-budget must be at least 1, got {args.max_budget}")
-        if args.tiers is not None and max(args.tiers) != args.max_budget:  # (_tiers checked the rest)
-            raise ValueError(f"--tiers {','.join(map(str, args.tiers))}: the largest tier must equal --max-budget "
-                             f"({args.max_budget})")
-        why = None if args.cost_model is None else validate.path_problem(args.cost_model)
-        if why is not None:
-            why = "no such file" if why == "is missing" else why
-            raise ValueError(f"--cost-model {args.cost_model}: {why} (a cost model saved by "
-                             "`kdtree-jax bench --calibrate`; leave it out to use, or measure, the one kept for this "
-                             "setup)")
+    if args.budget == "auto":  # generate decodes one prompt; serve's cost model is the one for --max-batch rows
+        _check_auto_values(args, getattr(args, "max_batch", 1))
     if not sampling:
         return
     validate.integer("max_new_tokens", args.max_new_tokens, 1, validate.INT32_LIMIT)
@@ -675,6 +689,9 @@ def _bench_prompts(tok, batch: int, length: int, seed: int) -> list[list[int]]:
             break
     if len(ids) <= length:
         raise ValueError(f"--prompt-len {length}: the held-out text has only {len(ids)} tokens")
+    if batch * length > len(ids):  # (windows of it, which a batch past it would not fit in memory either)
+        raise ValueError(f"--batch {batch} x --prompt-len {length}: {batch * length} prompt tokens, more than the "
+                         f"{len(ids)} of the held-out text they are drawn from")
     return windows(np.asarray(ids, np.int32), np.random.default_rng(seed), batch, length).tolist()
 
 
@@ -685,6 +702,7 @@ def bench_command(args) -> int:
     import jax
 
     import kdtree_jax as kj
+    from kdtree_jax.generate import make_method
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in ("ar", "chain", "ddtree")]
@@ -706,6 +724,8 @@ def bench_command(args) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     _check_auto_flags(args, "auto" in budgets or args.calibrate)
+    if "auto" in budgets or args.calibrate:  # (--calibrate writes --cost-model: checked below)
+        _check_auto_values(args, args.batch, read=not args.calibrate)
     if args.json:
         _check_output_file(args.json, "--json")
     if args.calibrate and args.cost_model:  # its folder is created if missing (budget.save)
@@ -715,6 +735,8 @@ def bench_command(args) -> int:
     params, cfg, tok, drafter = _load(args, need_drafter=methods != ["ar"])
     if methods != ["ar"] and drafter is None:
         raise ValueError("chain and ddtree need a drafter; this model has none (convert one with --drafter)")
+    for b in budgets:  # a tree the drafter cannot fill: refused before ar and chain are timed, not after
+        make_method(cfg, "ddtree", drafter, args.max_budget if b == "auto" else b)
     prompts = _bench_prompts(tok, args.batch, args.prompt_len, args.seed)
     if args.calibrate:
         _calibrate(params, cfg, drafter, args)

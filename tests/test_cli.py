@@ -265,6 +265,14 @@ def test_generate_refuses_bad_decoding_flags_in_one_line_before_loading(argv, me
     (["serve", "--served-model-name", ""], "--served-model-name must not be empty"),
     (["bench", "--methods", "ar", "--budgets", "abc"], "--budgets: for ddtree only (--methods ar drafts no tree"),
     (["plan", "--model", "tiny", "--context", "8", "--hosts", "0"], "--hosts must be a positive integer, got 0"),
+    # sixth probe round: bench checked budget auto's flags once the model was loaded (and, for --tiers and
+    # --cost-model, after ar and chain had been timed)
+    (["bench", "--budgets", "auto", "--max-budget", "0"], "--max-budget must be at least 1, got 0"),
+    (["bench", "--budgets", "auto", "--max-budget", "16", "--tiers", "4,8"],
+     "--tiers 4,8: the largest tier must equal --max-budget (16)"),
+    (["bench", "--budgets", "auto", "--cost-model", "/no/such/cost.json"],
+     "--cost-model /no/such/cost.json: no such file"),
+    (["bench", "--calibrate", "--max-budget", "-4"], "--max-budget must be at least 1, got -4"),
 ])
 def test_serve_bench_and_plan_refuse_bad_flags_in_one_line_before_loading(argv, message, monkeypatch, capsys):
     _no_load(monkeypatch)
@@ -285,6 +293,46 @@ def test_a_cost_model_that_is_not_a_file_says_what_it_is(tmp_path, monkeypatch, 
         assert main(["generate", "--prompt", "x", "--method", "ddtree", "--budget", "auto", "--cost-model",
                      str(path)]) == 2
         assert f"--cost-model {path}: {what} (a cost model saved by" in _one_line_error(capsys)
+
+
+def test_a_cost_model_that_does_not_fit_is_refused_before_loading(tmp_path, monkeypatch, capsys):
+    """Sixth probe round: a --cost-model file that is not a cost model, or is one for another batch or other tiers,
+    was refused only once the model was loaded (bench: after ar and chain had been timed)."""
+    import json
+
+    from kdtree_jax import budget
+    from kdtree_jax.budget_policy import CostModel
+
+    _no_load(monkeypatch)
+    (tmp_path / "list.json").write_text("[]")
+    budget.save(CostModel.from_points((4, 8, 16), 2, [[(1, 1.0)]] * 3), str(tmp_path / "b2.json"))
+    auto = ["--budget", "auto", "--max-budget", "16", "--cost-model"]
+    for argv in (["generate", "--prompt", "x", "--method", "ddtree"], ["serve", "--max-batch", "4"],
+                 ["bench", "--batch", "3", "--budgets", "auto", "--max-budget", "16", "--cost-model"]):
+        argv = argv + auto if argv[0] != "bench" else argv
+        assert main(argv + [str(tmp_path / "list.json")]) == 2
+        assert f"cost model file {tmp_path / 'list.json'} is unreadable" in _one_line_error(capsys)
+        assert main(argv + [str(tmp_path / "b2.json")]) == 2
+        batch = {"generate": 1, "serve": 4, "bench": 3}[argv[0]]
+        assert f"measured for batch 2 and tiers (4, 8, 16); this run has batch {batch}" in _one_line_error(capsys)
+    assert json.loads((tmp_path / "b2.json").read_text())["batch"] == 2
+
+
+def test_bench_refuses_what_it_cannot_run_before_timing(monkeypatch, capsys):
+    """Sixth probe round: `bench --batch 99999999999` was a MemoryError (745 GiB of prompt windows), and a ddtree
+    budget past the drafter's (depth, token) choices was refused after ar and chain had been timed."""
+    from kdtree_jax.tokenizer import ByteTokenizer
+
+    import kdtree_jax as kj
+
+    with pytest.raises(ValueError, match=r"--batch 99999999999 x --prompt-len 128: 12799999999872 prompt tokens, "
+                                         r"more than the \d+ of the held-out text"):
+        cli._bench_prompts(ByteTokenizer(), 99999999999, 128, 0)
+    monkeypatch.setattr(kj, "generate", lambda *a, **k: pytest.fail("a method was timed"))
+    assert main(["bench", "--budgets", "16,99999999999", "--max-new-tokens", "4"]) == 2
+    out = capsys.readouterr()
+    assert "tokens/s" not in out.out and out.err.strip().splitlines()[-1] == (
+        "kdtree-jax: error: budget 99999999999 exceeds the 7 x 264 distinct (depth, token) choices")
 
 
 def test_serve_refuses_a_warmup_past_the_context_before_loading(monkeypatch, capsys):
