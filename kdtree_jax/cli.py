@@ -450,6 +450,10 @@ def _check_serving(args) -> None:
         raise ValueError("--cache-sharding lays the cache out over --mesh: give a mesh too")
     if args.max_request_mb * 1e6 < 1:
         raise ValueError(f"--max-request-mb must allow at least one byte, got {args.max_request_mb:g}")
+    for flag, value, unit in (("--prefix-cache-gb", args.prefix_cache_gb, 1e9),
+                              ("--max-request-mb", args.max_request_mb, 1e6)):
+        if value * unit >= 2**63:  # counted in bytes (1e300 GB was inf bytes: an OverflowError once the model loaded)
+            raise ValueError(f"{flag} must be below {2**63 / unit:.3g} (2**63 bytes), got {value:g}")
     if args.warmup and args.warmup != "all" and args.max_context is not None and max(args.warmup) >= args.max_context:
         raise ValueError(f"--warmup {max(args.warmup)}: a prompt must be shorter than --max-context "
                          f"{args.max_context}")

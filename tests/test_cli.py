@@ -273,6 +273,8 @@ def test_generate_refuses_bad_decoding_flags_in_one_line_before_loading(argv, me
     (["bench", "--budgets", "auto", "--cost-model", "/no/such/cost.json"],
      "--cost-model /no/such/cost.json: no such file"),
     (["bench", "--calibrate", "--max-budget", "-4"], "--max-budget must be at least 1, got -4"),
+    (["serve", "--prefix-cache-gb", "1e300"], "--prefix-cache-gb must be below 9.22e+09 (2**63 bytes), got 1e+300"),
+    (["serve", "--max-request-mb", "1e308"], "--max-request-mb must be below 9.22e+12 (2**63 bytes), got 1e+308"),
 ])
 def test_serve_bench_and_plan_refuse_bad_flags_in_one_line_before_loading(argv, message, monkeypatch, capsys):
     _no_load(monkeypatch)
