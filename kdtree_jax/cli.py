@@ -706,6 +706,7 @@ def bench_command(args) -> int:
     import jax
 
     import kdtree_jax as kj
+    from kdtree_jax import validate
     from kdtree_jax.generate import make_method
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -727,6 +728,7 @@ def bench_command(args) -> int:
     for name in ("batch", "prompt_len", "max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    validate.integer("max_new_tokens", args.max_new_tokens, 1, validate.INT32_LIMIT)  # generate's rule, as generate's
     _check_auto_flags(args, "auto" in budgets or args.calibrate)
     if "auto" in budgets or args.calibrate:  # (--calibrate writes --cost-model: checked below)
         _check_auto_values(args, args.batch, read=not args.calibrate)

@@ -273,6 +273,7 @@ def test_generate_refuses_bad_decoding_flags_in_one_line_before_loading(argv, me
     (["bench", "--budgets", "auto", "--cost-model", "/no/such/cost.json"],
      "--cost-model /no/such/cost.json: no such file"),
     (["bench", "--calibrate", "--max-budget", "-4"], "--max-budget must be at least 1, got -4"),
+    (["bench", "--max-new-tokens", str(2**40)], r"max_new_tokens must be an integer in [1, 2**31)"),
     (["serve", "--prefix-cache-gb", "1e300"], "--prefix-cache-gb must be below 9.22e+09 (2**63 bytes), got 1e+300"),
     (["serve", "--max-request-mb", "1e308"], "--max-request-mb must be below 9.22e+12 (2**63 bytes), got 1e+308"),
 ])
