@@ -540,6 +540,24 @@ def test_engine_refuses_params_in_another_dtype_than_cfg(model):
         Engine(model.params, other, method="ar", max_batch=1, max_context=64).close()
 
 
+def test_engine_and_app_sizes_are_checked_at_construction(model):
+    """Issue 46, sixth probe round: Engine(chunk_steps=2**31) was built and then failed every request (an
+    OverflowError from its int32 loop); create_app took max_n 0 (every request giving n refused), -1, 1.5 and an
+    empty model name. Each is now refused when made, naming the argument."""
+    for name in ("max_batch", "max_queue", "chunk_steps"):
+        with pytest.raises(ValueError, match=rf"{name} must be an integer in \[1, 2\*\*31\), got 2147483648"):
+            Engine(model.params, model.cfg, method="ar", max_context=64, **{name: 2**31})
+    engine = Engine(model.params, model.cfg, method="ar", max_batch=1, max_context=64)
+    try:
+        for max_n in (0, -1, 1.5, True, 2**31):
+            with pytest.raises(ValueError, match="max_n must be an integer in"):
+                create_app(engine, model.tokenizer, "builtin", max_n=max_n)
+        with pytest.raises(ValueError, match="model_name must be a non-empty string"):
+            create_app(engine, model.tokenizer, " ")
+    finally:
+        engine.close()
+
+
 def test_readme_openai_example_runs(served, capsys):
     blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
     example = next(b for b in blocks if "from openai import OpenAI" in b)

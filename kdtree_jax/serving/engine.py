@@ -571,7 +571,8 @@ class Engine:
                  max_budget: int = 64, tiers=None, cost_model=None, max_batch: int = 8, max_context: int | None = None,
                  max_queue: int = 64, chunk_steps: int = 4, eos_id: int | None = None, seed: int = 0,
                  warmup: tuple[int, ...] | str = (), prefix_cache_bytes: int = 0):
-        max_batch, max_queue, chunk_steps = (validate.integer(name, value, 1) for name, value in (
+        # int32 on the device, as `serve` checks them (chunk_steps 2**31 passed here and failed every request)
+        max_batch, max_queue, chunk_steps = (validate.integer(name, value, 1, validate.INT32_LIMIT) for name, value in (
             ("max_batch", max_batch), ("max_queue", max_queue), ("chunk_steps", chunk_steps)))
         prefix_cache_bytes = validate.integer("prefix_cache_bytes", prefix_cache_bytes, 0)
         context = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT) if max_context is None else max_context

@@ -791,7 +791,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
     ask for; max_body_bytes: the largest request body read (a larger one gets a 413 before it is read whole);
     body_timeout: the seconds a request's body may take to arrive (then a 408)."""
     max_body_bytes = validate.integer("max_body_bytes", max_body_bytes, 1)
+    max_n = validate.integer("max_n", max_n, 1, validate.INT32_LIMIT)  # (0 refused every request that gave n)
     validate.seconds("body_timeout", body_timeout)
+    if not isinstance(model_name, str) or not model_name.strip():
+        raise ValueError(f"model_name must be a non-empty string (requests name the model they ask for), got "
+                         f"{validate.shown(model_name)}")
     server = Server(engine, tokenizer, model_name, chat_template, max_n)
     # only the routes below (no /docs, /redoc, /openapi.json; "/v1/completions/" is an unknown path, not a redirect)
     app = FastAPI(title="kdtree-jax", description="OpenAI-compatible completions with continuous batching",
