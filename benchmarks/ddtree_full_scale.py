@@ -702,7 +702,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", choices=("ffi", "xla"), help="default: ffi (xla with --small)")
     ap.add_argument("--ffi-ops", default=None, metavar="OPS",
                     help="with ffi kernels, these custom calls (comma-separated; default: the config's, which leave "
-                         "out small_dot), e.g. " + ",".join(kj.config.FFI_OPS))
+                         "out fused_dot), e.g. " + ",".join(kj.config.FFI_OPS))
     ap.add_argument("--small", action="store_true", help="a tiny config (CPU smoke run)")
     ap.add_argument("--cells", type=parse_cells, help="C or CxBUDGET, comma-separated (default: C = 1, 10 with every "
                     "budget of --budgets; --small: 1, 2); run budget by budget, each at every C given alone")

@@ -493,7 +493,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="ffi", choices=("ffi", "xla"))
     ap.add_argument("--ffi-ops", default=None, metavar="OPS",
                     help="with --kernels ffi, these custom calls (comma-separated; default: the config's, which "
-                         "leave out small_dot), e.g. all of them: " + ",".join(kj.config.FFI_OPS))
+                         "leave out fused_dot), e.g. all of them: " + ",".join(kj.config.FFI_OPS))
     ap.add_argument("--small", action="store_true", help="a tiny config (CPU smoke run)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget", type=float, default=1e9, help="stop starting new cells after this many seconds")

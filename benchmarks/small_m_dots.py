@@ -9,9 +9,8 @@ the last one scaled by one column of the product (a dependence, fused into the n
   over W's last axis, contiguous per output row: the model's q_b and v_b since checkpoint format 3); "auto": W logically [K, N] in the device layout XLA picks for the program
   (jit with Format(Layout.AUTO), the weights put in the compiled program's input formats); backend "default"
   (XLA's choice: reduction fusions at M = 1, Triton GEMMs or cuBLAS above) or "cublas" (compiler option
-  xla_gpu_enable_triton_gemm=false); layout "ffi": the project's custom call `kernels.small_dot` on W [K, N] (M <=
-  64), launched as a programmatic dependent of the kernel before it with W's first stages loaded before the wait (as
-  the model's dots, whose weights are parameters), and "ffi_plain", the same launched plainly.
+  xla_gpu_enable_triton_gemm=false). (The committed results also have the layouts "ffi" and "ffi_plain", a custom
+  call of the project's for these dots, never faster than XLA's and removed on 2026-12-07.)
 Per dot: the wall time of the chain / L (queued calls, median), the bytes floor (weight + x + y at the copy
 bandwidth measured in the same run) and the ratio.
 
@@ -43,15 +42,11 @@ MS = (1, 10, 17, 65, 170)
 L2_BYTES = 50 * 2**20
 
 
-LAYOUTS = ("kn", "nk", "auto", "ffi", "ffi_plain")
+LAYOUTS = ("kn", "nk", "auto")
 
 
 def chain(layout: str):
-    from kdtree_jax.kernels.small_dot import FLAG_PLAIN, FLAG_WEIGHT_PARAM, small_dot
-
     def dot(x, w):
-        if layout in ("ffi", "ffi_plain"):
-            return small_dot(x, w, flags=FLAG_PLAIN if layout == "ffi_plain" else FLAG_WEIGHT_PARAM)
         return x @ w if layout == "kn" else jnp.einsum("mk,nk->mn", x, w)
 
     def f(x, ws):
@@ -171,9 +166,7 @@ def main(argv=None) -> int:
         k, n = SHAPES[name]
         for m in ms:
             for layout in layouts:
-                if layout.startswith("ffi") and m > 64:  # the custom call's rows
-                    continue
-                for be in backends if not layout.startswith("ffi") else ("default",):
+                for be in backends:
                     r = measure(name, k, n, m, layout, be, bw, args.quick)
                     rows.append(r)
                     print(f"{name:15s} M={m:4d} {layout}/{be:7s} {r['us']:8.2f} us  {r['x_floor']:5.2f}x floor  "

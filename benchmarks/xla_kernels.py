@@ -67,7 +67,7 @@ device_description_str: "NVIDIA H200"
 # stream path align + gate/up + down + combine; mla_verify's kernel + its split combine.
 KERNELS_PER_CALL = {"kdtree_marlin_moe": 4, "kdtree_marlin_moe_fused": 2, "kdtree_mla_verify": 2, "kdtree_mla_pre": 1,
                     "kdtree_fused_dot": 1,
-                    "kdtree_moe_route": 1, "kdtree_small_dot": 1, "kdtree_tree_build": 1, "kdtree_tree_accept": 1}
+                    "kdtree_moe_route": 1, "kdtree_tree_build": 1, "kdtree_tree_accept": 1}
 NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "bitcast", "tuple", "after-all", "partition-id",
                "replica-id", "opt-barrier"}
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,

@@ -1,4 +1,4 @@
-// Device helpers shared by the CUDA handlers that stream weights (marlin_moe.cu, small_dot.cu, fused_dot.cu):
+// Device helpers shared by the CUDA handlers that stream weights (marlin_moe.cu, fused_dot.cu):
 // shared-memory addresses, cp.async copies, streaming loads into registers, ldmatrix, one m16n8k16 mma, programmatic
 // dependent launch. Inline PTX, sm_80+ (griddepcontrol: sm_90).
 #pragma once

@@ -1,4 +1,4 @@
-// Shared by the C++ (CPU) and CUDA handlers of mla_verify, marlin_moe, moe_route and small_dot: the operand-shape
+// Shared by the C++ (CPU) and CUDA handlers of mla_verify, marlin_moe, moe_route and fused_dot: the operand-shape
 // checks (one rule per op for both platforms, with the same error text) and, in CUDA builds, CUDA status ->
 // ffi::Error.
 #pragma once
@@ -128,23 +128,6 @@ inline xffi::Error CheckRouteShape(Dims ld, Dims bd, Dims id, Dims wd, int64_t n
                                         std::to_string(topk_group) + " do not describe a routing");
   }
   *shape = d;
-  return xffi::Error::Success();
-}
-
-// small_dot: x [M, K], w [K, N] -> y [M, N] of dtype bf16 or f32.
-struct SmallDotShape {
-  int64_t m, k, n;
-};
-
-inline xffi::Error CheckSmallDotShape(Dims xd, Dims wd, Dims yd, xffi::DataType y_type, SmallDotShape* shape) {
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0] || yd[0] != xd[0] || yd[1] != wd[1]) {
-    return xffi::Error::InvalidArgument("small_dot: expected x [M, K], w [K, N] and y [M, N], got x " +
-                                        ShapeString(xd) + ", w " + ShapeString(wd) + ", y " + ShapeString(yd));
-  }
-  if (y_type != xffi::DataType::BF16 && y_type != xffi::DataType::F32) {
-    return xffi::Error::InvalidArgument("small_dot: y must be bfloat16 or float32");
-  }
-  *shape = SmallDotShape{xd[0], xd[1], wd[1]};
   return xffi::Error::Success();
 }
 

@@ -103,7 +103,7 @@ constexpr int64_t kFlagFusedOne = 1024;  // fused path: one block per SM (not th
 constexpr int64_t kFlagGemv = 2048;      // the GEMV decode path (CUDA cores, a warp a row; few slots)
 
 // ------------------------------------------------------------------------------------------------------------------
-// Small helpers (the ones small_dot.cu uses too are in cuda_common.cuh)
+// Small helpers (the ones fused_dot.cu uses too are in cuda_common.cuh)
 // ------------------------------------------------------------------------------------------------------------------
 
 // 16 bytes global -> shared through L1; zero-filled (src not read) when !valid.

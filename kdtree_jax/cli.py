@@ -494,14 +494,12 @@ def _common(g: argparse.ArgumentParser, hosts: bool = True) -> None:
                    help="custom calls (ffi) or their pure-JAX references (xla). Default: the model's setting")
     g.add_argument("--ffi-ops", default=None, metavar="OPS",
                    help="with custom calls, only these (comma-separated, from tree_build, tree_accept, mla_verify, "
-                        "marlin_moe, moe_route, small_dot, move_rows, mla_pre, fused_dot, l2_prefetch; the rest in "
+                        "marlin_moe, moe_route, move_rows, mla_pre, fused_dot; the rest in "
                         "pure JAX), "
                         "e.g. 'tree_build,tree_accept' for "
                         "a small fp32 model whose attention and experts are off the CUDA fast paths. Default: all "
-                        "but small_dot (the dense matmuls at few rows: slower than XLA's dots on the H200 so far), "
-                        "fused_dot (a layer's dense weights with their norms and residual adds in four "
-                        "launches: no faster in the step so far) and l2_prefetch (a layer's next weights asked "
-                        "into L2 before its attention: slower so far). Implies --kernels ffi")
+                        "but fused_dot (a layer's dense weights with their norms and residual adds in four "
+                        "launches: no faster in the step so far). Implies --kernels ffi")
     if not hosts:
         return
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",

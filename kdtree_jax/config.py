@@ -20,18 +20,16 @@ from .validate import shown
 DTYPES = ("float32", "bfloat16")
 EXPERT_FORMATS = ("bf16", "int4")
 KERNELS = ("xla", "ffi", "dense")
-FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "small_dot", "move_rows", "mla_pre",
-           "fused_dot", "l2_prefetch")
-# The custom calls kernels="ffi" runs unless ffi_ops names others: small_dot (the dense matmuls of a decode or verify
-# step) is opt-in: on the H200 it was slower than XLA's dots (docs/full_scale.md, 2026-12-05). move_rows (the accepted
+FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "move_rows", "mla_pre", "fused_dot")
+# The custom calls kernels="ffi" runs unless ffi_ops names others. move_rows (the accepted
 # rows of every layer's caches moved in one launch) is on: its GPU tests pass and, on an H100 (2026-12-06), XLA's move
 # took 118-170 µs a step at 61 layers where the custom call's was below the wall-clock method's resolution. mla_pre
 # (the projections between qkv_a and the attention in one launch, 7 kernels a layer fewer) is on: its GPU tests pass
 # and on an H100 (2026-12-06, 40 layers, three A/Bs) the step at 1 x 1 was 2-5% faster, at 1 x 17 within +-1.5%.
 # fused_dot (a decode step's dense weights with their norms, SwiGLU and residual adds: 4 launches for ~14) is
 # opt-in: on an H100 (2026-12-06) the 40-layer step at 1 x 1 was 1.02x at best, and with it greedy ddtree left ar on
-# the GPU once (docs/full_scale.md). l2_prefetch (a layer's o, router and shared-expert weights asked into L2 just
-# before its attention kernel) is opt-in: on an H100 (2026-12-06, 40 layers) the 1 x 1 step was 5-7% slower with it.
+# the GPU once (docs/full_scale.md). Two custom calls measured slower than XLA's operations were removed (2026-12-07):
+# small_dot (the dense matmuls of a decode or verify step) and l2_prefetch (a layer's next weights asked into L2).
 DEFAULT_FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "move_rows", "mla_pre")
 CACHE_SHARDINGS = ("replicated", "sequence")
 

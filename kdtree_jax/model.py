@@ -33,8 +33,6 @@ from .kernels.mla_verify import combine_lse, mask_softmax, mla_prefix, mla_verif
 from .kernels.moe_route import moe_route
 from .kernels.move_rows import move_rows, write_rows
 from .kernels.fused_dot import FLAG_WEIGHT_PARAM as FUSED_WEIGHT_PARAM, MAX_ROWS as FUSED_MAX_ROWS, fused_dot
-from .kernels.l2_prefetch import L2_BYTES, MODEL_BULK_BYTES, l2_prefetch, prefetch_plan
-from .kernels.small_dot import FLAG_WEIGHT_PARAM, small_dot
 from .sharding import (ShardingError, checked_sharding, current_mesh, logical_to_spec, mla_head_parallel,
                        mla_sequence_parallel, moe_expert_parallel, replicated_call, sequence_sharded,
                        take_rows_sequence, trace_context, vocab_parallel_lookup, write_rows_sequence)
@@ -505,18 +503,8 @@ def chunk_attention(p: Attention, q_nope, q_pe, c_kv, k_pe, latent, pe, starts, 
     return combine_lse(prefix, own)[0]
 
 
-def dense_impl(cfg: ModelConfig) -> str:
-    """How the dense matmuls of the layers run: "ffi" (`kernels.small_dot`, where the config picks it and no mesh
-    splits the model: the custom call is not partitioned) or "xla" (XLA's dot)."""
-    return "ffi" if cfg.impl("small_dot") == "ffi" and current_mesh() is None else "xla"
-
-
-def _dot(x: jax.Array, w: jax.Array, impl: str, out_dtype=None) -> jax.Array:
-    """x [..., K] . w [K, ...] -> [..., *w.shape[1:]]: XLA's dot (impl "xla"; fp32 accumulation when out_dtype is
-    float32) or `kernels.small_dot` (impl "ffi", which takes the rows of a decode or verify step and runs XLA's
-    reference dot for the others)."""
-    if impl == "ffi":  # the layers' weights are the program's inputs (a reshape of one is a bitcast)
-        return small_dot(x, w, out_dtype=out_dtype, impl="ffi", flags=FLAG_WEIGHT_PARAM)
+def _dot(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """x [..., K] . w [K, ...] -> [..., *w.shape[1:]], XLA's dot (fp32 accumulation when out_dtype is float32)."""
     return jnp.tensordot(x, w, axes=1, preferred_element_type=out_dtype)
 
 
@@ -530,12 +518,11 @@ def pre_impl(cfg: ModelConfig, mode: str, rows: int) -> str:
 
 
 def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None, lengths=None, tree_mask=None,
-        qkv=None, project: bool = True, prefetch: tuple = ()):
+        qkv=None, project: bool = True):
     """Multi-head latent attention of x [B, T, D]. Returns (out [B, T, D], (latent, k_pe) for the cache).
 
     qkv: qkv_a's output [B, T, Rq + R + dr] when the caller computed it (`_layer_fused`; x is then unused);
-    project=False returns the heads' values [B, T, H, dv] instead of their o projection. prefetch: weights asked
-    into the GPU's L2 just before the attention kernel (`prefetch_weights`; the mla_pre path only).
+    project=False returns the heads' values [B, T, H, dv] instead of their o projection.
 
     mode "prefill": the naive form over the T tokens alone, causal (the cache, if any, starts empty).
     mode "chunk": a piece of a long prompt, written at lengths[b] (the same for every row): the naive form over the
@@ -546,27 +533,24 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
     dt, f32 = (x if qkv is None else qkv).dtype, jnp.float32
     dn, scale = cfg.qk_nope_head_dim, softmax_scale(cfg)
     rq = cfg.q_lora_rank or 0
-    impl = dense_impl(cfg)
     if qkv is None:
         with jax.named_scope("qkv_a"):
-            a = _dot(x, p.qkv_a, impl)  # [B, T, Rq + R + dr]
+            a = _dot(x, p.qkv_a)  # [B, T, Rq + R + dr]
     else:
         a = qkv
-    out = partial(_o_projection, p, dt=dt, impl=impl) if project else (lambda o: o)
+    out = partial(_o_projection, p, dt=dt) if project else (lambda o: o)
     if pre_impl(cfg, mode, a.shape[0] * a.shape[1]) == "ffi":  # norms, q_b, rope, cache writes, k_b: one launch
         with jax.named_scope("mla_pre"):
             q_lat, q_pe, latent, pe = mla_pre(a, p.q_a_norm, p.kv_a_norm, p.q_b, p.k_b, cos, sin, cache_layer[0],
                                               cache_layer[1], lengths.astype(jnp.int32), eps=cfg.rms_norm_eps,
                                               flags=MLA_PRE_WEIGHT_PARAM)
         with jax.named_scope("absorbed_attention"):
-            if prefetch:  # the next projections' weights fetched while the attention (few bytes) runs
-                q_lat = l2_prefetch(q_lat, *prefetch, impl="ffi", bulk_bytes=MODEL_BULK_BYTES)
             o_lat = mla_verify(q_lat, q_pe, latent, pe, lengths, tree_mask, scale, impl=cfg.impl("mla_verify"))
             o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(dt), p.v_b)  # [B, T, H, dv]
         return out(o), (latent, pe)
     with jax.named_scope("q"):
         cq = rms_norm(a[..., :rq], p.q_a_norm, cfg.rms_norm_eps) if rq else x  # [B, T, Rq]
-        q = jnp.einsum("btr,hkr->bthk", cq, p.q_b)  # [B, T, H, dn + dr] (XLA's dot: small_dot takes [K, N])
+        q = jnp.einsum("btr,hkr->bthk", cq, p.q_b)  # [B, T, H, dn + dr]
         q_nope, q_pe = q[..., :dn], apply_rope(q[..., dn:], cos, sin)
     with jax.named_scope("kv"):
         c_kv = rms_norm(a[..., rq:rq + cfg.kv_lora_rank], p.kv_a_norm, cfg.rms_norm_eps)  # [B, T, R]
@@ -609,19 +593,16 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
     return out(o), new_cache
 
 
-def _o_projection(p: Attention, o: jax.Array, dt, impl: str) -> jax.Array:
+def _o_projection(p: Attention, o: jax.Array, dt) -> jax.Array:
     """The heads' values o [B, T, H, dv] -> [B, T, D]."""
     with jax.named_scope("o"):
-        if impl == "ffi":  # heads and their values as one K
-            hv = p.o.shape[0] * p.o.shape[1]
-            return _dot(o.astype(dt).reshape(*o.shape[:-2], hv), p.o.reshape(hv, -1), impl)
         return jnp.einsum("bthv,hvd->btd", o.astype(dt), p.o)
 
 
-def swiglu(p: MLP, x: jax.Array, impl: str = "xla") -> jax.Array:
-    """The gated MLP of x [..., D]; impl: how its two matmuls run (`dense_impl`)."""
-    gu = _dot(x, p.gate_up, impl)  # [..., 2, F]
-    return _dot(jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], p.down, impl)
+def swiglu(p: MLP, x: jax.Array) -> jax.Array:
+    """The gated MLP of x [..., D]."""
+    gu = _dot(x, p.gate_up)  # [..., 2, F]
+    return _dot(jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], p.down)
 
 
 def route(p: MoE, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -632,7 +613,7 @@ def route(p: MoE, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]
     routed_scaling_factor; with n_group > 1, only the topk_group groups with the largest sum of their two best biased
     scores compete.
     """
-    return choose_experts(p, _dot(x, p.router, dense_impl(cfg), out_dtype=jnp.float32), cfg)  # logits [M, E]
+    return choose_experts(p, _dot(x, p.router, out_dtype=jnp.float32), cfg)  # logits [M, E]
 
 
 def choose_experts(p: MoE, logits: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -661,7 +642,7 @@ def moe(p: MoE, x: jax.Array, cfg: ModelConfig, active: jax.Array | None = None)
                                        lambda gud, v: swiglu(MLP(*gud), v)).reshape(b, t, d)
         y = experts(flat, ids, w, p.we_gate, p.we_up, p.we_down)
     with jax.named_scope("shared_expert"):
-        y = y + swiglu(p.shared, flat, dense_impl(cfg))
+        y = y + swiglu(p.shared, flat)
     return y.reshape(b, t, d)
 
 
@@ -671,24 +652,6 @@ def _mask_inactive(ids, w, active, cfg: ModelConfig):
         return ids, w
     on = active.reshape(-1, 1)
     return jnp.where(on, ids, cfg.n_routed_experts), jnp.where(on, w, 0.0)
-
-
-PREFETCH_MAX_ROWS = 64  # l2_prefetch at decode and verify steps of at most this many tokens
-
-
-def prefetch_weights(lp: Layer, cfg: ModelConfig, mode: str, rows: int, cache_layer) -> tuple:
-    """The weights a layer asks into L2 before its attention kernel (`kernels.l2_prefetch`): the o projection's, then
-    the MLP's (a MoE layer: the router's and the shared expert's; the routed experts are not chosen yet), in that
-    order while they fit PREFETCH_BUDGET. () unless the config picks l2_prefetch, no mesh splits the model, the step
-    is a decode or verify (absorbed mode) of at most PREFETCH_MAX_ROWS tokens and the layer's cache is smaller than
-    L2 (a longer one streams through L2 during the attention and would evict them)."""
-    if (cfg.impl("l2_prefetch") != "ffi" or current_mesh() is not None or mode != "absorbed"
-            or rows > PREFETCH_MAX_ROWS or cache_layer is None
-            or sum(c.size * c.dtype.itemsize for c in cache_layer) > L2_BYTES):
-        return ()
-    mlp = lp.mlp
-    after = (mlp.router, mlp.shared.gate_up, mlp.shared.down) if isinstance(mlp, MoE) else (mlp.gate_up, mlp.down)
-    return prefetch_plan((lp.attn.o, *after))
 
 
 def fused_impl(cfg: ModelConfig, mode: str, rows: int) -> str:
@@ -712,8 +675,7 @@ def _layer_fused(h, lp: Layer, cos, sin, cfg: ModelConfig, mode: str, cache_laye
     with jax.named_scope("attention"):
         with jax.named_scope("qkv_a"):
             a = fd(h, lp.attn.qkv_a, norm=lp.attn_norm)[0]
-        o, new_cache = mla(lp.attn, None, cos, sin, cfg, mode, cache_layer, lengths, tree_mask, qkv=a, project=False,
-                           prefetch=prefetch_weights(lp, cfg, mode, b * t, cache_layer))
+        o, new_cache = mla(lp.attn, None, cos, sin, cfg, mode, cache_layer, lengths, tree_mask, qkv=a, project=False)
         with jax.named_scope("o"):
             hv = o.shape[-2] * o.shape[-1]
             h = fd(o.astype(h.dtype).reshape(b, t, hv), lp.attn.o.reshape(hv, d), adds=(h,))[0]
@@ -739,12 +701,11 @@ def _layer(h, lp: Layer, cos, sin, cfg: ModelConfig, mode: str, cache_layer, len
         return _layer_fused(h, lp, cos, sin, cfg, mode, cache_layer, lengths, tree_mask, active)
     with jax.named_scope("attention"):
         a, new_cache = mla(lp.attn, rms_norm(h, lp.attn_norm, cfg.rms_norm_eps), cos, sin, cfg, mode,
-                           cache_layer, lengths, tree_mask,
-                           prefetch=prefetch_weights(lp, cfg, mode, h.shape[0] * h.shape[1], cache_layer))
+                           cache_layer, lengths, tree_mask)
         h = h + a
     with jax.named_scope("ffn"):
         x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
-        h = h + (moe(lp.mlp, x, cfg, active) if isinstance(lp.mlp, MoE) else swiglu(lp.mlp, x, dense_impl(cfg)))
+        h = h + (moe(lp.mlp, x, cfg, active) if isinstance(lp.mlp, MoE) else swiglu(lp.mlp, x))
     return h, new_cache
 
 

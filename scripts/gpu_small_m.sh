@@ -15,21 +15,8 @@
 #                                                    # mode's steps: benchmarks/fixed_cost.py)
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh tests   # the GPU tests of every custom call (the issue's "done when"):
 #                                                    # mla_pre, move_rows, tree kernels, moe_route, mla_verify,
-#                                                    # small_dot, marlin_moe, cuDNN attention (MOVE_BENCH=1: first
+#                                                    # fused_dot, marlin_moe, cuDNN attention (MOVE_BENCH=1: first
 #                                                    # benchmarks/move_rows.py; ALL_TESTS=1: every test of the files)
-#   OUT=/tmp/out bash scripts/gpu_small_m.sh moe_m1  # why one expert at M = 1 takes ~30 µs for a ~5 µs floor:
-#                                                    # benchmarks/fixed_cost.py (the MoE's span, with and without
-#                                                    # PDL), then ncu of each kernel of marlin_moe at M = 1 (one
-#                                                    # local expert; ncu runs them one at a time, so no PDL overlap)
-#                                                    # and of small_dot at M = 1 (qkv_a, gate_up shapes), and
-#                                                    # their sampled stalls per SASS instruction; before the ncu
-#                                                    # part, the stream path's GPU tests at K2 shapes and the
-#                                                    # defaults against FLAG_X_L1 (XL1_MS: the M values)
-#   OUT=/tmp/out bash scripts/gpu_small_m.sh small_dot  # small_dot's GPU tests; one device's dense dots alone,
-#                                                    # XLA's against the custom call (with and without PDL); then
-#                                                    # the full step of this build without and with small_dot
-#                                                    # (SD_CELLS; none: skipped), side by side, the XLA flags on
-#                                                    # both
 #   OUT=/tmp/out SKIP_TESTS=1 bash scripts/gpu_small_m.sh drafter  # the drafter alone (ddtree_full_scale.py's
 #                                                    # drafter rows, 1/8 and replicated, batch 1 and 10): XLA's
 #                                                    # attention with the XLA flags without and with the dot-merger
@@ -49,9 +36,6 @@
 #                                                    # side by side; each of its calls alone against XLA's operations
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh gemv  # the MoE's GEMV decode path: its tests, the MoE alone, the full
 #                                                    # step as is, with it, and with it and fused_dot
-#   OUT=/tmp/out [BASE_DIR=<dir>] bash scripts/gpu_small_m.sh prefetch  # l2_prefetch, the GEMV path, mla_verify's
-#                                                    # splits: tests, the MoE alone, the full step as is, with the
-#                                                    # package of BASE_DIR, with l2_prefetch, with the stream path
 #   OUT=/tmp/out BASE_DIR=<dir> bash scripts/gpu_small_m.sh defaults  # this build against BASE_DIR's package,
 #                                                    # alternated twice
 #   OUT=/tmp/out OLD_LIB=<dir> bash scripts/gpu_small_m.sh libs  # GPU tests (LIB_TESTS); the full step with this
@@ -138,14 +122,12 @@ if [ "$MODE" = tests ]; then  # MOVE_BENCH=1: first benchmarks/move_rows.py (XLA
   [ -n "${ALL_TESTS:-}" ] && SEL=()
   step all_tests 480 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider "${SEL[@]}" \
     tests/test_mla_pre.py tests/test_move_rows.py tests/test_tree_kernels.py tests/test_moe_route.py \
-    tests/test_mla_verify.py tests/test_small_dot.py tests/test_marlin_moe.py
+    tests/test_mla_verify.py tests/test_fused_dot.py tests/test_marlin_moe.py
   step attention_tests 120 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider \
     tests/test_model.py tests/test_long_context.py -k gpu
   exit 0
 fi
-if [ -z "${SKIP_TESTS:-}" ] && [ "$MODE" = small_dot ]; then
-  step tests 120 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_small_dot.py
-elif [ -z "${SKIP_TESTS:-}" ]; then
+if [ -z "${SKIP_TESTS:-}" ]; then
   step tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_moe_route.py \
     tests/test_mla_verify.py
 fi
@@ -184,18 +166,6 @@ drafter)  # the K2.5-DFlash-shaped drafter alone (sharded 1/8 and replicated, ba
     --time-limit 0 --draft-attention cudnn --out "$OUT/results/drafter_cudnn" --commit "$KDTREE_COMMIT"
   step drafter_tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_model.py \
     tests/test_long_context.py -k gpu
-  ;;
-small_dot)
-  SD_CELLS=${SD_CELLS:-4096:1x1,4096:1x9,4096:1x17,4096:10x1}
-  step dots 150 env XLA_FLAGS="$FLAGS" python3 benchmarks/small_m_dots.py --out "$OUT/results/small_m_dots" \
-    --commit "$KDTREE_COMMIT" --layouts kn,nk,ffi,ffi_plain --ms 1,9,17,64 \
-    --shapes qkv_a,q_b,o,shared_gate_up,shared_down,router,dense_down
-  [ "$SD_CELLS" = none ] && exit 0  # (a GPU of ~80 GB: the full step does not fit)
-  step base 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/base" \
-    --cells "$SD_CELLS" --profile 4096:1x1,4096:1x9 --repeats 3 --commit "$KDTREE_COMMIT"
-  step new 200 "${BIG[@]}" XLA_FLAGS="$FLAGS" python3 benchmarks/full_scale.py --out "$OUT/results/new" \
-    --cells "$SD_CELLS" --profile 4096:1x1,4096:1x9 --repeats 3 --commit "$KDTREE_COMMIT+small_dot" \
-    --ffi-ops tree_build,tree_accept,mla_verify,marlin_moe,moe_route,small_dot --base "$OUT/results/base/full_scale.json"
   ;;
 fused)
   step fused_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_marlin_moe.py \
@@ -287,27 +257,6 @@ gemv)  # the MoE's GEMV decode path (FLAG_GEMV: a warp a weight row, no align) a
     benchmarks/full_scale.py --out "$OUT/results/gemv_fdot" --cells "$GEMV_CELLS" --profile "${GEMV_PROFILE:-4096:1x1}" \
     --repeats 3 --commit "$KDTREE_COMMIT+moe_gemv+fused_dot" --ffi-ops "$OPS,fused_dot" \
     --base "$OUT/results/base/full_scale.json" "${DEPTH[@]}"
-  ;;
-prefetch)  # l2_prefetch (a layer's o, router and shared-expert weights asked into L2 before its attention kernel),
-  # the MoE's GEMV path rebuilt (a warp both rows of f, one wave; the combine in gemv2) and mla_verify's key splits
-  # (plan_splits' cost model): their GPU tests; benchmarks/fixed_cost.py (the MoE alone on both paths); then the full
-  # step (PF_CELLS; on an H100 at LAYERS_SMALL layers) of this build as is, with an older package (BASE_DIR, run
-  # with this build's libraries) alternated with it, with l2_prefetch, with the stream path for the MoE (the GEMV
-  # path off), side by side, the XLA flags on all
-  step pf_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_l2_prefetch.py \
-    tests/test_marlin_moe.py -k "gemv or prefetch"
-  step mla_tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
-    tests/test_mla_verify.py
-  step fixed 150 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
-  set_depth
-  run_full base "" "$OPS"
-  if [ -n "${BASE_DIR:-}" ]; then
-    run_older older
-    run_full base2 "" "$OPS"
-    run_older older2
-  fi
-  run_full prefetch +l2_prefetch "$OPS,l2_prefetch"
-  run_full stream -stream_moe "$OPS" KDTREE_JAX_MOE_GEMV=0
   ;;
 defaults)  # this build's defaults against an older package's (BASE_DIR, with this build's libraries; BASE_SUFFIX
   # names it), alternated twice (ONCE=1: once) (PF_CELLS; on an H100 at LAYERS_SMALL layers), the XLA flags on all
@@ -451,48 +400,6 @@ for _ in range(3):  # 7 matching launches an iteration: ncu skips the first iter
     jax.block_until_ready([f(inputs, jax.numpy.float32(0.0)) for f, inputs in fns])
 PY
   ncu_both stalls "regex:MlaVerifyKernel|RouteKernel|AlignKernel|CombineKernel" 7 7 "$OUT/results/stalls.py" 12
-  ;;
-moe_m1)  # SKIP_FIXED=1: without fixed_cost.py; SKIP_SECTIONS=1: without ncu's sections (the stall profile alone)
-  [ -z "${SKIP_FIXED:-}" ] && step fixed 200 python3 benchmarks/fixed_cost.py --out "$OUT/results/fixed_cost" --commit "$KDTREE_COMMIT"
-  # the stream path at K2's shapes on the GPU against the reference (FLAG_X_L1's cases among them), then the
-  # shipped defaults against FLAG_X_L1 at one device's small M, side by side
-  step moe_tests 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA -p no:cacheprovider tests/test_marlin_moe.py \
-    -k "gpu_fast_path_k2_shapes"
-  step moe_xl1 150 python3 benchmarks/marlin_moe.py --shapes device --ms "${XL1_MS:-1,4,9,17,65}" \
-    --variants after,after+xl1 --out "$OUT/results/marlin_moe_xl1" --commit "$KDTREE_COMMIT"
-  cat > "$OUT/results/m1.py" <<'PY'
-import jax, jax.numpy as jnp
-from kdtree_jax.kernels.marlin_moe import FLAG_PERSIST, FLAG_SERIAL, FLAG_X_L1, marlin_moe
-from kdtree_jax.kernels.small_dot import small_dot
-from kdtree_jax.quant import Int4Array
-key = iter(jax.random.split(jax.random.key(0), 16))
-local, d, f, bf = 48, 7168, 2048, jnp.bfloat16
-def int4(rows, cols):
-    packed = jax.lax.bitcast_convert_type(jax.random.bits(next(key), (local, rows, cols // 8), jnp.uint32), jnp.int32)
-    return Int4Array(packed, (0.01 * jnp.ones((local, rows, cols // 32))).astype(bf))
-x = jax.random.normal(next(key), (1, d), bf)
-ids, wts = jnp.asarray([[3] + [local] * 7], jnp.int32), jnp.asarray([[0.3] + [0.0] * 7], jnp.float32)
-ex = (int4(f, d), int4(f, d), int4(d, f))
-moe = jax.jit(lambda x: marlin_moe(x, ids, wts, *ex, experts_total=384))
-serial = jax.jit(lambda x: marlin_moe(x, ids, wts, *ex, experts_total=384, flags=FLAG_SERIAL))
-xl1 = jax.jit(lambda x: marlin_moe(x, ids, wts, *ex, experts_total=384, flags=FLAG_X_L1 | FLAG_PERSIST))
-wq, wg = (jax.random.normal(next(key), s, bf) for s in ((d, 2112), (d, 2 * 2048)))
-dots = jax.jit(lambda x: (small_dot(x, wq), small_dot(x, wg)))
-for _ in range(3):  # 14 matching launches an iteration: ncu skips the first, profiles the next two
-    jax.block_until_ready((moe(x), serial(x), xl1(x), dots(x)))
-PY
-  [ -z "${SKIP_SECTIONS:-}" ] && step ncu_m1 200 ncu --clock-control none --kernel-name "regex:AlignKernel|GemmKernel|CombineKernel|SmallDot" \
-    --launch-skip 14 --launch-count 28 --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
-    --section Occupancy --section WarpStateStats --section SchedulerStats python3 "$OUT/results/m1.py"
-  [ -z "${SKIP_SECTIONS:-}" ] && grep -E \
-    "^  [A-Za-z].*(Kernel|SmallDot)|Duration|DRAM Throughput|Achieved Occupancy|No Eligible|Registers Per|Grid Size|Block Size" \
-    "$OUT/results/ncu_m1.log" | tee -a "$LOG" | head -200
-  # where the warps wait, per SASS instruction (sampled): the second iteration's gemm1, gemm2 (PDL and plain launches,
-  # and FLAG_X_L1) and both small_dot shapes; summed by benchmarks/ncu_source_top.py
-  step ncu_src 200 ncu --clock-control none --kernel-name "regex:GemmKernel|SmallDot" --launch-skip 8 \
-    --launch-count 8 --section WarpStateStats --section SourceCounters -f -o /tmp/ncu_src python3 "$OUT/results/m1.py"
-  ncu --import /tmp/ncu_src.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/results/src_m1.csv.gz"
-  TAIL=150 step src_top 60 python3 benchmarks/ncu_source_top.py "$OUT/results/src_m1.csv.gz" --top 20
   ;;
 probe)
   step new 230 "${BIG[@]}" python3 benchmarks/full_scale.py --out "$OUT/results/new" --cells "$CELLS" \

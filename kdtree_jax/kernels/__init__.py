@@ -6,17 +6,15 @@ The FFI libraries are built from `ffi/` by the package's CMake build and registe
 """
 
 from .fused_dot import fused_dot, fused_dot_ref
-from .l2_prefetch import l2_prefetch
 from .marlin_moe import marlin_moe, marlin_moe_ref
 from .mla_pre import mla_pre, mla_pre_ref
 from .mla_verify import mla_verify, mla_verify_ref
 from .moe_route import moe_route, moe_route_ref
 from .move_rows import move_rows, move_rows_ref
-from .small_dot import small_dot, small_dot_ref
 from .tree_accept import Accepted, tree_accept, tree_accept_ref
 from .tree_build import Tree, tree_build, tree_build_ref
 
 __all__ = ["Accepted", "Tree", "mla_verify", "mla_verify_ref", "tree_accept", "tree_accept_ref", "tree_build",
            "tree_build_ref"]
-__all__ += ["marlin_moe", "marlin_moe_ref", "moe_route", "moe_route_ref", "small_dot", "small_dot_ref"]
-__all__ += ["move_rows", "move_rows_ref", "mla_pre", "mla_pre_ref", "fused_dot", "fused_dot_ref", "l2_prefetch"]
+__all__ += ["marlin_moe", "marlin_moe_ref", "moe_route", "moe_route_ref"]
+__all__ += ["move_rows", "move_rows_ref", "mla_pre", "mla_pre_ref", "fused_dot", "fused_dot_ref"]

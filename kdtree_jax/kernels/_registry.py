@@ -29,11 +29,9 @@ CPU_TARGETS = {
     "kdtree_mla_verify": "KdMlaVerifyCpu",
     "kdtree_marlin_moe": "KdMarlinMoeCpu",
     "kdtree_moe_route": "KdMoeRouteCpu",
-    "kdtree_small_dot": "KdSmallDotCpu",
     "kdtree_move_rows": "KdMoveRowsCpu",
     "kdtree_mla_pre": "KdMlaPreCpu",
     "kdtree_fused_dot": "KdFusedDotCpu",
-    "kdtree_l2_prefetch": "KdL2PrefetchCpu",
 }
 CUDA_TARGETS = {
     "kdtree_tree_build": "KdTreeBuildCuda",
@@ -42,11 +40,9 @@ CUDA_TARGETS = {
     "kdtree_marlin_moe": "KdMarlinMoeCuda",
     "kdtree_marlin_moe_fused": "KdMarlinMoeFusedCuda",
     "kdtree_moe_route": "KdMoeRouteCuda",
-    "kdtree_small_dot": "KdSmallDotCuda",
     "kdtree_move_rows": "KdMoveRowsCuda",
     "kdtree_mla_pre": "KdMlaPreCuda",
     "kdtree_fused_dot": "KdFusedDotCuda",
-    "kdtree_l2_prefetch": "KdL2PrefetchCuda",
 }
 
 _cuda_error: str | None = None
