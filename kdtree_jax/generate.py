@@ -205,7 +205,10 @@ def _request(params, cfg, prompts, drafter, *, max_new_tokens, method, budget, t
     """The method and the checked, padded inputs (every argument checked before a cost model is measured)."""
     validate.seed(seed)
     auto = check_auto(method, budget, max_budget, tiers, cost_model)
-    m = make_method(cfg, method, drafter, max_budget if auto else budget)
+    try:
+        m = make_method(cfg, method, drafter, max_budget if auto else budget)
+    except ValueError as e:  # budget="auto": the tree that does not fit is max_budget's
+        raise (ValueError(f"max_budget (budget='auto'): {e}") if auto else e) from None
     req = prepare(cfg, prompts, max_new_tokens, Sampler(temperature, top_k, top_p), eos_id,
                   extra_slots=m.extra_slots, prefill_chunk=prefill_chunk)
     if auto:

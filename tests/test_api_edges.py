@@ -80,6 +80,8 @@ BAD_ARGUMENTS = [
     (dict(prefill_chunk=16.0), "prefill_chunk must be"),
     (dict(method="ddtree", budget=4.5), "budget must be an integer"),
     (dict(method="ddtree", budget="auto", max_budget=8.0), "max_budget must be an integer"),
+    # (sixth probe round: the tree that does not fit is max_budget's, and the message said "budget")
+    (dict(method="ddtree", budget="auto", max_budget=10**6), r"max_budget \(budget='auto'\): budget 1000000 exceeds"),
     # arguments the method does not use are still checked, not silently ignored
     (dict(method="ar", budget="x"), "budget must be an integer >= 1, got 'x'"),
     (dict(method="ar", budget=-5), "budget must be an integer >= 1, got -5"),
