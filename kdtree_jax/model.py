@@ -579,7 +579,7 @@ def mla(p: Attention, x, cos, sin, cfg: ModelConfig, mode: str, cache_layer=None
         with jax.named_scope("absorbed_attention"):
             latent, pe = _write_rows(cache_layer[0], c_kv, lengths, cfg), _write_rows(cache_layer[1], k_pe, lengths, cfg)
             q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, p.k_b)  # [B, T, H, R]
-            attn_impl = cfg.impl("mla_verify")  # not `impl`: that one is the dense matmuls' (the o projection below)
+            attn_impl = cfg.impl("mla_verify")
             attend = partial(mla_verify, impl=attn_impl)
             if current_mesh() is not None and cfg.cache_sharding == "sequence":
                 o_lat = mla_sequence_parallel(partial(mla_prefix, impl=attn_impl), tree_attention_lse, combine_lse,
