@@ -203,6 +203,8 @@ def auto_method(params, cfg: ModelConfig, drafter, *, batch: int, max_budget: in
 def _request(params, cfg, prompts, drafter, *, max_new_tokens, method, budget, temperature, top_k, top_p, eos_id,
              prefill_chunk, seed, max_budget=64, tiers=None, cost_model=None) -> tuple[Method, Request]:
     """The method and the checked, padded inputs (every argument checked before a cost model is measured)."""
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params)):
+        raise TypeError(f"params hold traced values: {validate.TRACED_HINT}")
     validate.seed(seed)
     auto = check_auto(method, budget, max_budget, tiers, cost_model)
     try:

@@ -15,6 +15,7 @@ import os
 import stat
 from typing import Sequence
 
+import jax
 import numpy as np
 
 INT32_LIMIT = 2**31  # top_k, max_tokens and token ids are int32 on the device
@@ -36,11 +37,27 @@ def _bound(n: int) -> str:
     return f"2**{n.bit_length() - 1}" if n >= 2**16 and n & (n - 1) == 0 else str(n)
 
 
-def scalar(value):
+TRACED_HINT = ("generate and stream run their own compiled loop on the host and take concrete values: call them "
+               "outside jax.jit, vmap and grad (forward may be traced)")
+
+
+def not_traced(name: str, value) -> None:
+    """A TypeError naming the argument when `value` is a traced value (inside jax.jit, vmap or grad), which has no
+    number or ids to check or read (JAX's own error named neither the argument nor the call)."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name} is a traced value ({value.aval.str_short()}): {TRACED_HINT}")
+
+
+def scalar(value, name: str = "value"):
     """A numpy scalar or a 0-d array (numpy's or jax's) as the Python number or bool it holds; anything else as it
-    is. So `temperature=jnp.float32(0.5)` is 0.5, and a float16 compares without a cast warning."""
+    is. So `temperature=jnp.float32(0.5)` is 0.5, and a float16 compares without a cast warning. A traced value is
+    a TypeError naming `name`; a 0-d array that holds no number (a jax.random key) stays as it is, for the rule to
+    refuse by its type."""
+    not_traced(name, value)
     if isinstance(value, np.generic) or (getattr(value, "shape", None) == () and hasattr(value, "dtype")
                                           and hasattr(value, "item")):
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):  # .item() is NotImplementedError
+            return value
         return value.item()
     return value
 
@@ -52,7 +69,7 @@ def is_integer(value) -> bool:
 
 def shown(value, limit: int = 60) -> str:
     """repr(value) for a message, cut to `limit` characters (a request's 5 MB field is not sent back whole)."""
-    text = repr(value)
+    text = repr(value).replace("\n", " ")  # one line: an array's repr has several (a str's escapes its own)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
@@ -64,7 +81,7 @@ def is_real(value) -> bool:
 def integer(name: str, value, low: int | None = None, high: int | None = None, *, optional: bool = False):
     """value as an int: a Python or numpy integer (not a bool, not a float) in [low, high) (None: unbounded); None
     passes when `optional`."""
-    value = scalar(value)
+    value = scalar(value, name)
     if value is None and optional:
         return None
     if not is_integer(value) or (low is not None and value < low) or (high is not None and value >= high):
@@ -80,7 +97,7 @@ def integer(name: str, value, low: int | None = None, high: int | None = None, *
 
 def seconds(name: str, value) -> float:
     """value as a float: a finite number of seconds > 0 (a timeout)."""
-    value = scalar(value)
+    value = scalar(value, name)
     if not is_real(value) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a finite number of seconds > 0, got {shown(value)}")
     return float(value)
@@ -96,7 +113,7 @@ def flag(name: str, value) -> bool:
 def temperature(value, name: str = "temperature") -> float:
     """A sampling temperature: a finite number >= 0 (0: greedy), inside float32's normal range when it is not 0
     (sampling divides float32 logits by it)."""
-    value = scalar(value)
+    value = scalar(value, name)
     if not is_real(value) or not math.isfinite(value) or value < 0:
         raise ArgumentError(name, f"{name} must be a finite number >= 0, got {shown(value)}")
     if 0 < value < FLOAT32_TINY or value > FLOAT32_MAX:
@@ -113,7 +130,7 @@ def top_k(value, name: str = "top_k") -> int | None:
 def top_p(value, name: str = "top_p") -> float | None:
     """None or a number in (0, 1], at least float32's smallest normal number: the nucleus' mass; 1 is returned as
     None (no nucleus)."""
-    value = scalar(value)
+    value = scalar(value, name)
     if value is None:
         return None
     if not is_real(value) or not 0 < value <= 1:
@@ -131,7 +148,7 @@ def seed(value, name: str = "seed") -> int:
 
 def token_id(name: str, value, vocab_size: int, *, optional: bool = False) -> int | None:
     """A token id in [0, vocab_size) (eos_id, for one)."""
-    value = scalar(value)
+    value = scalar(value, name)
     if value is None and optional:
         return None
     if not is_integer(value):
@@ -147,6 +164,7 @@ ENCODE_HINT = "encode text with the model's tokenizer first (model.tokenizer.enc
 
 def _ids(what: str, name: str, r, vocab_size: int) -> np.ndarray:
     """One token-id sequence `r` as int32, `what` naming it in messages ("prompt", "prompts: prompt 2")."""
+    not_traced(what, r)
     if isinstance(r, (str, bytes, bytearray, memoryview)):
         raise ArgumentError(name, f"{what} is {'text' if isinstance(r, (str, bytes)) else 'bytes'}, not token ids: "
                                   f"{ENCODE_HINT}")
@@ -182,6 +200,7 @@ def token_rows(rows, vocab_size: int, name: str = "prompts", row: str = "prompt"
     """Token-id rows (a list of lists, or an array [B, T]) as int32 arrays: at least one row, every row a non-empty
     1-D sequence of integers in [0, vocab_size). `name` is the argument, `row` what one row is called in messages.
     TypeError for ids that are not integers."""
+    not_traced(name, rows)
     if isinstance(rows, (str, bytes)):
         raise ArgumentError(name, f"{name} is text, not lists of token ids: {ENCODE_HINT}, one list per {row}")
     if isinstance(rows, np.ndarray) or (hasattr(rows, "__array__") and not isinstance(rows, Sequence)):

@@ -299,3 +299,36 @@ def test_params_in_another_dtype_than_cfg_are_named(tiny):
         kj.generate(params, dataclasses.replace(cfg, dtype=other), [[1, 2]], max_new_tokens=2)
     with pytest.raises(ValueError, match="params.embed has dtype"):
         next(stream(params, dataclasses.replace(cfg, dtype=other), [1, 2], max_new_tokens=2))
+
+
+def test_generate_and_stream_inside_jit_or_vmap_name_the_traced_argument(tiny):
+    """generate and stream run their own compiled loop on the host; inside jax.jit or vmap their arguments are
+    tracers. That was JAX's TracerArrayConversionError or a ConcretizationTypeError, naming neither the argument nor
+    the call; now a TypeError names the argument and says to call them outside the transformation."""
+    cfg, params, _ = tiny
+    ids = jnp.array([1, 2, 3])
+    calls = {
+        "prompts": lambda t: kj.generate(params, cfg, t[None], max_new_tokens=2).tokens,
+        "prompts: prompt 0": lambda t: kj.generate(params, cfg, [t], max_new_tokens=2).tokens,
+        "prompt": lambda t: list(stream(params, cfg, t, max_new_tokens=2)),
+        "max_new_tokens": lambda t: kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=t[0]).tokens,
+        "temperature": lambda t: kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=2, temperature=t[0] / 2).tokens,
+        "params": lambda t: kj.generate(jax.tree.map(lambda a: a + 0 * t[0].astype(a.dtype), params), cfg,
+                                        [[1, 2, 3]], max_new_tokens=2).tokens,
+    }
+    for name, call in calls.items():
+        for transform in (jax.jit, jax.vmap):
+            arg = ids[None] if transform is jax.vmap else ids
+            with pytest.raises(TypeError, match=rf"^{name} (is a traced value|hold traced values).*outside jax.jit"):
+                transform(call)(arg)
+
+
+def test_a_random_key_where_a_number_belongs_is_refused_naming_the_argument(tiny):
+    """A jax.random key as the seed was NotImplementedError('Cannot call abstract method item'), naming nothing; it is
+    now the seed rule's refusal, on one line (the key's repr has two)."""
+    cfg, params, _ = tiny
+    key = jax.random.key(3)
+    for name, kwargs in (("seed", dict(seed=key, temperature=1.0)), ("eos_id", dict(eos_id=key))):
+        with pytest.raises(ValueError, match=rf"^{name} must be .*key<fry>") as e:
+            kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=2, **kwargs)
+        assert "\n" not in str(e.value)
