@@ -534,7 +534,23 @@ def load(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *, veri
         check_sums(DRAFTER_DIR, item_sums(DRAFTER_DIR), checksums(flatten(drafter.params)))
     if drafter is not None and mesh is not None:
         drafter = shard_drafter(drafter, mesh)
-    return Model(cfg=cfg, params=params, drafter=drafter, tokenizer=load_tokenizer(path), manifest=manifest)
+    return Model(cfg=cfg, params=params, drafter=drafter, tokenizer=checkpoint_tokenizer(path, manifest),
+                 manifest=manifest)
+
+
+def checkpoint_tokenizer(path: str, manifest: dict):
+    """The tokenizer of the checkpoint at path, after every tokenizer file its manifest lists is found to be a
+    regular file: without one, `load_tokenizer` would fall back to bytes (no tiktoken.model) or to no special tokens
+    (no tokenizer_config.json) without a word. A CheckpointError names the file, or says why the files do not load."""
+    for name in manifest.get("tokenizer_files", []):
+        why = path_problem(os.path.join(path, name))
+        if why is not None:
+            raise CheckpointError(f"{path}: tokenizer file {name} {why} (the manifest lists it; without it the "
+                                  "checkpoint's tokenizer would be another)")
+    try:
+        return load_tokenizer(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"the tokenizer files of {path} do not load: {e}") from None
 
 
 def verify_checksums(path: str | os.PathLike) -> int:

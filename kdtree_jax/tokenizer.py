@@ -10,6 +10,7 @@ import os
 import tiktoken
 
 from .configs import BYTE_VOCAB, TINY_BOS, TINY_EOS, TINY_MASK, TINY_PAD
+from .validate import path_problem, shown
 
 
 class ByteTokenizer:
@@ -68,6 +69,8 @@ def load_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
             except (ValueError, binascii.Error):
                 raise ValueError(f"{path}:{n}: not a tiktoken BPE line (base64 token, rank)") from None
+    if not ranks:  # (tiktoken's own error said "max() arg is an empty sequence")
+        raise ValueError(f"{path}: holds no tokens (an empty tiktoken BPE file)")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"{path}: the ranks are not 0 .. {len(ranks) - 1} without gaps")
     return ranks
@@ -92,12 +95,24 @@ class TiktokenTokenizer:
         config = config or {}
         ranks = load_tiktoken_ranks(model_file)
         self.num_base = len(ranks)
-        names = {int(i): _token_name(t) for i, t in config.get("added_tokens_decoder", {}).items()}
+        if not isinstance(config, dict):
+            raise ValueError(f"{TOKENIZER_CONFIG_FILE} must hold a JSON object, got {shown(config)}")
+        added = config.get("added_tokens_decoder") or {}
+        try:
+            names = {int(i): _token_name(t) for i, t in added.items()}
+        except (AttributeError, TypeError, ValueError):
+            raise ValueError(f"{TOKENIZER_CONFIG_FILE}: added_tokens_decoder must map token ids to tokens, got "
+                             f"{shown(added)}") from None
         ids = range(self.num_base, self.num_base + NUM_SPECIAL_TOKENS)
         self.special_tokens = {names.get(i) or f"<|reserved_token_{i}|>": i for i in ids}
         self._enc = tiktoken.Encoding(name=os.path.basename(model_file), pat_str=KIMI_PAT_STR,
                                       mergeable_ranks=ranks, special_tokens=self.special_tokens)
         self.vocab_size = self._enc.n_vocab
+        for field in ("bos_token", "eos_token"):  # one named but not a token: no row would ever end (or begin) with it
+            name = _token_name(config.get(field))
+            if name is not None and name not in self.special_tokens:
+                raise ValueError(f"{TOKENIZER_CONFIG_FILE}: {field} {shown(name)} is not one of the special tokens "
+                                 "(added_tokens_decoder)")
         self.bos_id = self.special_tokens.get(_token_name(config.get("bos_token")) or "[BOS]")
         self.eos_id = self.special_tokens.get(_token_name(config.get("eos_token")) or "[EOS]")
         self.pad_id = self.special_tokens.get(_token_name(config.get("pad_token")) or "[PAD]")
@@ -139,16 +154,29 @@ def _split_runs(s: str, max_run: int):
 
 def load_tokenizer(directory: str | os.PathLike):
     """The tokenizer of a checkpoint directory: TiktokenTokenizer when it holds `tiktoken.model` (with
-    tokenizer_config.json when present), else ByteTokenizer."""
+    tokenizer_config.json when present), else ByteTokenizer. A ValueError names a tokenizer file that is there but
+    is not a regular file (a directory, a FIFO, which would block the read, a symlink loop or to nothing), or does not
+    parse."""
     model_file = os.path.join(directory, TIKTOKEN_FILE)
-    if not os.path.exists(model_file):
+    if not _present(model_file):
         return ByteTokenizer()
     config_file = os.path.join(directory, TOKENIZER_CONFIG_FILE)
     config = None
-    if os.path.exists(config_file):
+    if _present(config_file):
         try:
             with open(config_file) as f:
                 config = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise ValueError(f"{config_file}: not valid JSON ({type(e).__name__}: {e})") from None
     return TiktokenTokenizer(model_file, config)
+
+
+def _present(path: str) -> bool:
+    """Whether a tokenizer file is there: False when nothing is at path; a ValueError naming it when something is but
+    it is not a regular file (it used to be taken as no file, or opened: a FIFO blocked the load forever)."""
+    if not os.path.lexists(path):
+        return False
+    why = path_problem(path)
+    if why is not None:
+        raise ValueError(f"{path} {'is a symbolic link to nothing' if why == 'is missing' else why}")
+    return True

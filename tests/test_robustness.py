@@ -379,9 +379,8 @@ def test_verify_checks_everything_load_reads(source, tmp_path, capsys, damage, m
     bad = tmp_path / "bad"
     shutil.copytree(source[1], bad)
     damage_checkpoint(bad, damage)
-    if damage != "listed_tokenizer_missing":
-        with pytest.raises((CheckpointError, OSError, ValueError)):
-            kj.load(str(bad))
+    with pytest.raises((CheckpointError, OSError, ValueError)):  # a listed tokenizer file gone: load refuses too
+        kj.load(str(bad))
     assert conv.main(["--verify", str(bad)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kdtree-convert: error: ") and re.search(message, err[0]), err
@@ -828,3 +827,75 @@ def test_special_ids_outside_the_vocabulary_are_refused(source, tmp_path, field,
     assert f"{field} {value} is outside the vocabulary [0, 264)" in line, line
     with pytest.raises(kj.checkpoint.CheckpointError, match=f"{field} {value} is outside the vocabulary"):
         kj.load(bad)
+
+
+def _tokenizer_damage(ckpt: pathlib.Path, damage: str) -> None:
+    model, config = ckpt / "tiktoken.model", ckpt / "tokenizer_config.json"
+    target = config if damage.startswith("config") else model
+    kind = damage.split("_", 1)[1]
+    if kind in ("missing", "directory", "fifo", "loop", "dangling"):
+        target.unlink()
+    if kind == "directory":
+        target.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "loop":
+        target.symlink_to(target)
+    elif kind == "dangling":
+        target.symlink_to(ckpt / "nowhere")
+    elif kind == "empty":
+        target.write_text("")
+    elif kind == "list":
+        target.write_text("[1]")
+    elif kind == "bad_added":
+        target.write_text(json.dumps({"added_tokens_decoder": ["[BOS]"]}))
+    elif kind == "unknown_eos":
+        target.write_text(json.dumps({**json.loads(target.read_text()), "eos_token": "[NOPE]"}))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("model_missing", "tokenizer file tiktoken.model is missing"),
+    ("config_missing", "tokenizer file tokenizer_config.json is missing"),
+    ("model_dangling", "tokenizer file tiktoken.model is missing"),
+    ("model_loop", "tokenizer file tiktoken.model does not open: Too many levels of symbolic links"),
+    ("model_directory", "tokenizer file tiktoken.model is a directory"),
+    ("model_fifo", "tokenizer file tiktoken.model is not a regular file"),
+    ("config_fifo", "tokenizer file tokenizer_config.json is not a regular file"),
+    ("model_empty", "tiktoken.model: holds no tokens"),
+    ("config_list", "tokenizer_config.json must hold a JSON object, got \\[1\\]"),
+    ("config_bad_added", "added_tokens_decoder must map token ids to tokens"),
+    ("config_unknown_eos", "eos_token '\\[NOPE\\]' is not one of the special tokens"),
+])
+def test_tokenizer_files_the_manifest_lists_are_checked_by_load(source, tmp_path, damage, message):
+    """kj.load of a checkpoint whose listed tiktoken.model was gone (or a symlink to nothing, or a loop) gave a byte
+    tokenizer without a word, and one without its tokenizer_config.json a tokenizer without special tokens; a FIFO
+    blocked the load forever; a directory, an empty file, a config that is a list or an end token that is no token
+    were a bare IsADirectoryError, 'max() arg is an empty sequence', an AttributeError, or no end token at all. Each
+    is now a CheckpointError naming the file, from kj.load and from kdtree-convert --verify alike."""
+    import threading
+
+    from ckpt_formats import write_tokenizer
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(source[1], ckpt)
+    write_tokenizer(str(ckpt))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    (ckpt / "manifest.json").write_text(json.dumps({**manifest, "tokenizer_files": ["tiktoken.model",
+                                                                                    "tokenizer_config.json"]}))
+    assert type(kj.load(str(ckpt), verify=False).tokenizer).__name__ == "TiktokenTokenizer"
+    _tokenizer_damage(ckpt, damage)
+    got = {}
+
+    def load():
+        try:
+            kj.load(str(ckpt), verify=False)
+        except Exception as e:  # noqa: BLE001 (the test names what it wants below)
+            got["error"] = e
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "kj.load blocked"
+    assert isinstance(got.get("error"), CheckpointError) and re.search(message, str(got["error"])), got
+    with pytest.raises(CheckpointError, match=message):
+        conv.verify(str(ckpt))

@@ -888,14 +888,7 @@ def verify(path: str) -> str:
             raise
         except ValueError as e:
             raise CheckpointError(f"{drafter_dir}: {e}") from None
-    missing = [f for f in manifest.get("tokenizer_files", []) if not os.path.isfile(os.path.join(path, f))]
-    if missing:
-        raise CheckpointError(f"{path}: tokenizer file {missing[0]} is missing (the manifest lists it; without it "
-                              "kj.load would fall back to a byte tokenizer)")
-    try:
-        load_tokenizer(path)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"the tokenizer files of {path} do not load: {e}") from None
+    ckpt.checkpoint_tokenizer(path, manifest)  # what kj.load reads: each listed file, then the tokenizer
     return (f"verified {path}: all {n} arrays match the checksums of its manifest; the config, the arrays' shapes"
             + (", the drafter" if has_drafter else "") + " and the tokenizer load")
 
