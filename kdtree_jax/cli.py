@@ -834,6 +834,8 @@ def serve_command(args) -> int:
     _check_serving(args)
     _check_listen(args.host, args.port)
     _use_compilation_cache(args)
+    checkpoint = args.model if args.model not in (None, "builtin") else None
+    template = serve.load_chat_template(checkpoint)  # a broken template file: refused before loading the model
     params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
     _need_drafter(args, drafter)
     if args.max_context is not None and args.max_context > cfg.max_position_embeddings:
@@ -848,7 +850,6 @@ def serve_command(args) -> int:
         import dataclasses
 
         cfg = dataclasses.replace(cfg, cache_sharding=args.cache_sharding)
-    checkpoint = args.model if args.model not in (None, "builtin") else None
     name = args.served_model_name or (os.path.basename(os.path.normpath(checkpoint)) if checkpoint else "builtin")
     if args.warmup:
         _log(f"compiling the prefills of every admission size for {args.max_batch} slots and prompts of "
@@ -871,7 +872,7 @@ def serve_command(args) -> int:
         for sampling in (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=40)):
             engine.complete(tok.encode("def"), max_tokens=2, **sampling)  # each sampler form's program
         _log(f"compiled in {time.perf_counter() - t0:.1f} s; serving {name!r} on http://{args.host}:{args.port}")
-        app = serve.create_app(engine, tok, name, serve.load_chat_template(checkpoint), max_n=args.max_n,
+        app = serve.create_app(engine, tok, name, template, max_n=args.max_n,
                                max_body_bytes=int(args.max_request_mb * 1e6))
         serve.run(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_line=_log)
     return 0

@@ -1,5 +1,9 @@
 """The kdtree-jax command line: generation with the embedded model, stats line, clear errors."""
 
+import json
+import os
+import re
+
 import pytest
 
 from kdtree_jax import cli
@@ -441,3 +445,39 @@ def test_serve_max_context_past_the_model_names_the_flag(capsys):
         port = free.getsockname()[1]
     assert main(["serve", "--max-context", "4096", "--port", str(port), "--method", "ar"]) == 2
     assert "--max-context 4096 exceeds the model's context of 2048 positions" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("directory", "chat_template.jinja is not a regular file"),
+    ("fifo", "chat_template.jinja is not a regular file"),
+    ("dangling", "chat_template.jinja is missing"),
+    ("syntax", r"chat_template.jinja: not a Jinja chat template \(line 1: "),
+    ("latin1", "chat_template.jinja: not UTF-8 text"),
+    ("config_syntax", r"tokenizer_config.json \(chat_template\): not a Jinja chat template"),
+])
+def test_serve_refuses_a_broken_chat_template_before_loading(damage, message, tmp_path, monkeypatch, capsys):
+    """A chat_template.jinja that is a FIFO blocked serve forever once the model had loaded and compiled; a directory
+    was an IsADirectoryError then; one that is a symlink to nothing was taken as no template (the embedded one served
+    without a word); a template with a syntax error failed only after the load. Each is one line now, before the
+    model is loaded."""
+    _no_load(monkeypatch)
+    path = tmp_path / "chat_template.jinja"
+    if damage == "directory":
+        path.mkdir()
+    elif damage == "fifo":
+        os.mkfifo(path)
+    elif damage == "dangling":
+        path.symlink_to(tmp_path / "nowhere")
+    elif damage == "syntax":
+        path.write_text("{% for m in messages %}{{ m['content'] }}")
+    elif damage == "latin1":
+        path.write_bytes("{{ 'é' }}".encode("latin-1"))
+    else:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
+    import socket
+
+    with socket.socket() as free:  # a port that is free, so that the listen check passes
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert main(["serve", "--model", str(tmp_path), "--port", str(port)]) == 2
+    assert re.search(message, _one_line_error(capsys))

@@ -56,7 +56,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .. import validate
-from ..checkpoint import read_json
+from ..checkpoint import CheckpointError, open_regular, read_json
 from .engine import ContextOverflow, Engine, EngineClosed, Event, Histogram, QueueFull
 from .heap import HeapTrimmer
 from ..tokenizer import TOKENIZER_CONFIG_FILE
@@ -82,20 +82,36 @@ ABORT_GRACE_S = 2.0  # seconds the streams ended by a stop get to send their err
 
 def load_chat_template(model_dir: str | None) -> str:
     """The chat template of a checkpoint directory (its chat_template.jinja, else tokenizer_config.json's
-    "chat_template", a string or a list of named templates of which "default" is used), else EMBEDDED_CHAT_TEMPLATE."""
+    "chat_template", a string or a list of named templates of which "default" is used), else EMBEDDED_CHAT_TEMPLATE.
+    A CheckpointError names a template file that is there but is not a regular file (a directory, a FIFO, which
+    would block, a symlink loop or to nothing: taken as no file, the embedded template was used without a word), is
+    not UTF-8, or is not a Jinja template (a syntax error: the server failed only once the model had loaded)."""
     if model_dir:
         path = os.path.join(model_dir, CHAT_TEMPLATE_FILE)
-        if os.path.exists(path):
-            with open(path) as f:
-                return f.read()
+        if os.path.lexists(path):
+            with open_regular(path, "rb") as f:
+                raw = f.read()
+            try:
+                return _parsed(raw.decode("utf-8"), path)
+            except UnicodeDecodeError as e:
+                raise CheckpointError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         path = os.path.join(model_dir, TOKENIZER_CONFIG_FILE)
-        if os.path.exists(path):
+        if os.path.lexists(path):
             template = read_json(path).get("chat_template")  # a malformed file: an error naming it
             if isinstance(template, list):
-                template = {t.get("name"): t.get("template") for t in template}.get("default")
+                template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
             if isinstance(template, str):
-                return template
+                return _parsed(template, f"{path} (chat_template)")
     return EMBEDDED_CHAT_TEMPLATE
+
+
+def _parsed(template: str, where: str) -> str:
+    """template, once Jinja has parsed it (a CheckpointError naming `where` and the line if it does not)."""
+    try:
+        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise CheckpointError(f"{where}: not a Jinja chat template (line {e.lineno}: {e.message})") from None
+    return template
 
 
 class BadRequest(Exception):
