@@ -439,6 +439,20 @@ def test_text_stream_holds_back_stop_prefixes_and_partial_characters(model):
     assert ts.feed(list(b"PyQ")) == "" and ts.stopped
 
 
+def test_a_stop_string_is_not_matched_in_a_half_decoded_character(model):
+    """A character whose bytes arrive in two events decodes as U+FFFD until its last byte: a stop string holding
+    U+FFFD (a valid character) matched it there, ending the answer before an "é" the text never held; a real U+FFFD
+    (a stray byte) still stops it."""
+    e_acute = list("é".encode())
+    ts = TextStream(model.tokenizer, ["\ufffd"], eos_id=model.tokenizer.eos_id)
+    assert ts.feed(list(b"ab") + e_acute[:1]) == "ab" and not ts.stopped
+    assert ts.feed(e_acute[1:]) + ts.feed([], final=True) == "é" and not ts.stopped and ts.count == 4
+    ts = TextStream(model.tokenizer, ["x\ufffd"], eos_id=model.tokenizer.eos_id)
+    assert ts.feed(list(b"ax") + e_acute[:1]) == "a" and not ts.stopped  # "x" is held back: it may begin the stop
+    assert ts.feed([0xff]) == "" and ts.stopped  # the stray byte: "x" then a real U+FFFD, then a stop
+    assert ts.count == 3  # up to the byte that became the real U+FFFD; the stray byte after it is dropped
+
+
 def test_ar_engine_batched_prefill_and_seeded_sampling(model, solo):
     """The autoregressive engine (its own loop state and step): requests that arrive together are prefilled in one
     call per padded prompt length and each gets its solo `generate` tokens; a seeded sampled request gets the same

@@ -179,7 +179,10 @@ class TextStream:
         before = len(self.ids)
         self.ids += [i for i in ids if i != self.eos_id]
         text = self.tokenizer.decode(self.ids)
-        found = min(((i, len(s)) for s in self.stop if (i := text.find(s, self.sent)) >= 0), default=None)
+        # a trailing partial character decodes as one U+FFFD until its last byte comes: not text yet, so no stop
+        # string is looked for in it (a stop string holding U+FFFD ended the answer before an "é" it had half decoded)
+        ready = text[:-1] if not final and text.endswith("\ufffd") else text
+        found = min(((i, len(s)) for s in self.stop if (i := ready.find(s, self.sent)) >= 0), default=None)
         if found is not None:
             self.stopped = True
             end = found[0]
@@ -193,7 +196,6 @@ class TextStream:
             end = len(text)
             self.count += len(ids)
         else:
-            ready = text.rstrip("\ufffd")
             tail = ready[self.sent:]  # what was sent never began a stop string
             held = max((p.held(tail) for p in self.prefixes), default=0)
             end = max(self.sent, len(ready) - held)
