@@ -268,8 +268,14 @@ def test_chat_conflicts_unknown_routes_and_fields_that_ask_for_nothing(served):
                        response_format={"type": "text"}, suffix="", stream_options=None)
         r = http.post("/v1/completions", json=dict(model="builtin", prompt="x", max_tokens=2, temperature=0, **neutral))
         assert r.status_code == 200, r.text
-        r = http.post("/v1/chat/completions", json=dict(chat, max_tokens=2, max_completion_tokens=2, temperature=0))
+        r = http.post("/v1/chat/completions", json=dict(chat, max_tokens=2, max_completion_tokens=2, temperature=0,
+                                                        modalities=["text"], audio=None))
         assert r.status_code == 200, r.text
+        # an answer in audio, or searched on the web, was answered in text without a word
+        for field, value in (("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
+                             ("web_search_options", {})):
+            r = http.post("/v1/chat/completions", json=dict(chat, max_tokens=2, **{field: value}))
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         r = http.get("/v1/completions")
         assert r.status_code == 405 and r.json()["error"]["message"].startswith(
             "Method Not Allowed: GET /v1/completions (the routes: POST /v1/completions,")
@@ -670,6 +676,8 @@ def test_only_the_documented_routes_and_short_errors(served):
         assert r.status_code == 400 and len(r.content) < 1000 and "100002 characters" in r.json()["error"]["message"]
         r = http.post("/v1/completions", json=dict(model="builtin", prompt="x", max_tokens="9" * 100_000))
         assert r.status_code == 400 and len(r.content) < 1000
+        r = http.get("/health" + "a" * 60_000)  # the 404 sent the whole path back (60 kB; httpx sends up to 64 kB)
+        assert r.status_code == 404 and len(r.content) < 1000 and "60007 characters" in r.json()["error"]["message"]
         # valid JSON with an integer past Python's 4,300-digit limit was called "not valid JSON"
         r = http.post("/v1/completions", content=b'{"model": "builtin", "prompt": "x", "seed": 1' + b"0" * 5000 + b"}",
                       headers={"content-type": "application/json"})

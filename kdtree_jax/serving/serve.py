@@ -13,7 +13,8 @@ run to max_tokens), logprobs (completions: 0 .. 5 alternatives; chat: true, with
 then answers the prompt alone). The log-probabilities are the target's (before temperature, top_k and top_p) at the
 committed tokens, streamed with their text; the end-of-sequence token, which adds no text, has none. The fields
 of OpenAI's API that are not implemented (`UNSUPPORTED`: suffix, logit_bias, tools, penalties, best_of,
-response_format, ...) are refused with a 400 unless they ask for nothing (null, 0, {}); other fields are ignored.
+response_format, modalities, audio, ...) are refused with a 400 unless they ask for nothing (null, 0, {});
+other fields are ignored.
 Every field is checked by the rules of `kdtree_jax.validate` (those of `generate`), against the dtype and range of the
 engine column it is stored in, before the request reaches a slot.
 Errors are OpenAI-style JSON {"error": {"message", "type", "param", "code"}}: 400 for a bad request (context overflow,
@@ -251,7 +252,8 @@ def _field(rule: Callable, *args):
 UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
                "tool_choice": (None, "none"), "function_call": (None, "none"), "presence_penalty": (None, 0),
                "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "best_of": (None, 1),
-               "response_format": (None, {"type": "text"}), "min_tokens": (None, 0)}
+               "response_format": (None, {"type": "text"}), "min_tokens": (None, 0),
+               "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,)}
 
 
 def _same(a, b) -> bool:
@@ -402,6 +404,11 @@ class _EventStream(StreamingResponse):
         finally:
             for sub in self.submitted:
                 sub.close()
+
+
+def _cut(text: str, limit: int = 60) -> str:
+    """text for an error message, cut to `limit` characters (a 100 kB path was sent back whole in its 404)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _sse(obj) -> str:
@@ -823,8 +830,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, chat_template: str = 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         """An unknown path or a method a route does not take: OpenAI's error format, naming the routes."""
-        return JSONResponse({"error": {"message": f"{e.detail}: {request.method} {request.url.path} (the routes: "
-                                                  f"{ROUTES})", "type": "invalid_request_error", "param": None,
+        return JSONResponse({"error": {"message": f"{e.detail}: {_cut(request.method)} {_cut(request.url.path)} (the "
+                                                  f"routes: {ROUTES})", "type": "invalid_request_error", "param": None,
                                        "code": None}}, status_code=e.status_code, headers=e.headers)
 
     async def body_of(request: Request) -> dict:
