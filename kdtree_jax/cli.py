@@ -194,20 +194,20 @@ def _parser() -> argparse.ArgumentParser:
                                     "and writes (JSON, Markdown, PNG) per concurrency: aggregate tok/s, per-request "
                                     "tok/s, time to first token p50/p99, tokens and wall seconds.")
     bs.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
-    bs.add_argument("--concurrency", default="1,2,4,8,10", help="comma-separated (default: 1,2,4,8,10)")
+    bs.add_argument("--concurrency", default=None, help="comma-separated (default: 1,2,4,8,10)")
     bs.add_argument("--rounds", type=int, default=2, help="requests per client at each concurrency (default: 2)")
     bs.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: 128)")
-    bs.add_argument("--prompt-chars", type=int, default=256, help="characters per prompt (default: 256)")
+    bs.add_argument("--prompt-chars", type=int, default=None, help="characters per prompt (default: 256)")
     bs.add_argument("--seed", type=int, default=0, help="prompt choice (default: 0)")
     bs.add_argument("--model", default=None, help="model name to request (default: the server's)")
     bs.add_argument("--out", default="bench_serve", metavar="DIR", help="output directory (default: bench_serve/)")
     bs.add_argument("--name", default="bench_serve", help="file name of the outputs, without extension")
-    bs.add_argument("--shared-prefix", type=int, default=0, metavar="CHARS",
+    bs.add_argument("--shared-prefix", type=int, default=None, metavar="CHARS",
                     help="instead of the concurrency levels: the time to first token of prompts that begin with CHARS "
                          "characters of a held-out file, cold (a prefix the server has not seen) against warm (the "
                          "prefix of the request just before, another question after it), --rounds pairs, one request "
                          "at a time (a server with --prefix-cache-gb reuses the prefix)")
-    bs.add_argument("--question-chars", type=int, default=50,
+    bs.add_argument("--question-chars", type=int, default=None,
                     help="with --shared-prefix: characters of the question after the prefix (default: 50)")
     for sp in sub.choices.values():  # also after the subcommand: `kdtree-jax generate ... --debug`
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -881,16 +881,33 @@ def serve_command(args) -> int:
 def bench_serve_command(args) -> int:
     from kdtree_jax.serving import bench_serve
 
+    # the flags of the other mode would be ignored: refused (--shared-prefix 0 ran the concurrency levels)
+    shared = args.shared_prefix is not None
+    flags = (("--concurrency", args.concurrency, False), ("--prompt-chars", args.prompt_chars, False),
+             ("--question-chars", args.question_chars, True))  # (flag, value, whether --shared-prefix's)
+    other = [f for f, v, mine in flags if v is not None and mine != shared]
+    if other:
+        raise ValueError(f"{other[0]}: " + ("for the concurrency levels, not with --shared-prefix (one request at a "
+                                            "time), drop it" if shared else "with --shared-prefix only (add it, or "
+                                            "drop this)"))
+    concurrency = "1,2,4,8,10" if args.concurrency is None else args.concurrency
     try:
-        levels = [int(c) for c in args.concurrency.split(",")]
+        levels = [int(c) for c in concurrency.split(",")]
     except ValueError:
-        raise ValueError(f"--concurrency {args.concurrency!r}: expected comma-separated integers") from None
+        raise ValueError(f"--concurrency {concurrency!r}: expected comma-separated integers") from None
+    prompt_chars = 256 if args.prompt_chars is None else args.prompt_chars
+    question_chars = 50 if args.question_chars is None else args.question_chars
     for name, value in (("concurrency", min(levels)), ("rounds", args.rounds), ("max-tokens", args.max_tokens),
-                        ("prompt-chars", args.prompt_chars), ("question-chars", args.question_chars)):
+                        ("prompt-chars", prompt_chars), ("question-chars", question_chars),
+                        ("shared-prefix", 1 if args.shared_prefix is None else args.shared_prefix)):
         if value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}")
-    if args.shared_prefix < 0:
-        raise ValueError(f"--shared-prefix must be at least 0, got {args.shared_prefix}")
+    longest = bench_serve.longest_prompt_chars()  # prompts are cut from held-out files more than twice as long
+    for name, value in (("shared-prefix", args.shared_prefix), ("question-chars", question_chars if shared else None),
+                        ("prompt-chars", None if shared else prompt_chars)):
+        if value is not None and value > longest:
+            raise ValueError(f"--{name} {value}: prompts are cut from held-out files more than twice as long; the "
+                             f"longest allows {longest} characters")
     if not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed must be in 0..2**63 - 1, got {args.seed}")
     if args.name.strip() in ("", ".", "..") or any(sep and sep in args.name for sep in (os.sep, os.altsep)):
@@ -901,16 +918,16 @@ def bench_serve_command(args) -> int:
 
     log = lambda line: print(line, flush=True)
     try:
-        if args.shared_prefix:
+        if shared:
             result = bench_serve.prefix_ttft(args.url, prefix_chars=args.shared_prefix,
-                                             question_chars=args.question_chars, rounds=args.rounds,
+                                             question_chars=question_chars, rounds=args.rounds,
                                              max_tokens=args.max_tokens, seed=args.seed, model=args.model, log=log)
         else:
             result = bench_serve.run(args.url, levels, rounds=args.rounds, max_tokens=args.max_tokens,
-                                     prompt_chars=args.prompt_chars, seed=args.seed, model=args.model, log=log)
+                                     prompt_chars=prompt_chars, seed=args.seed, model=args.model, log=log)
     except (httpx.HTTPError, httpx.InvalidURL, json.JSONDecodeError) as e:  # unreachable, not a URL, not ours
         raise ValueError(f"--url {args.url}: {type(e).__name__}: {e}") from None
-    what = "time to first token with a shared prefix" if args.shared_prefix else result["setup"]["model"]
+    what = "time to first token with a shared prefix" if shared else result["setup"]["model"]
     paths = bench_serve.write([result], args.out, args.name, f"kdtree-jax serve: {what}")
     _log(f"wrote {', '.join(paths)}")
     return 0

@@ -209,7 +209,7 @@ def test_serve_refuses_bad_n_prefix_cache_cache_sharding_and_warmup_before_loadi
     assert main(["serve", "--warmup", "8,128", "--max-context", "128"]) == 2
     assert "--warmup 128: a prompt must be shorter than --max-context 128" in capsys.readouterr().err
     assert main(["bench-serve", "--url", "http://127.0.0.1:1", "--shared-prefix", "-5"]) == 2
-    assert "--shared-prefix must be at least 0" in capsys.readouterr().err
+    assert "--shared-prefix must be at least 1, got -5" in capsys.readouterr().err
 
 
 def test_an_empty_model_path_is_a_usage_error(capsys):
@@ -480,4 +480,21 @@ def test_serve_refuses_a_broken_chat_template_before_loading(damage, message, tm
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     assert main(["serve", "--model", str(tmp_path), "--port", str(port)]) == 2
+    assert re.search(message, _one_line_error(capsys))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shared-prefix", "0"], "--shared-prefix must be at least 1, got 0"),  # ran the concurrency levels instead
+    (["--question-chars", "5"], "--question-chars: with --shared-prefix only"),  # was ignored
+    (["--shared-prefix", "100", "--concurrency", "1,2"], "--concurrency: for the concurrency levels, not with"),
+    (["--shared-prefix", "100", "--prompt-chars", "64"], "--prompt-chars: for the concurrency levels, not with"),
+    (["--prompt-chars", "10000000"], r"--prompt-chars 10000000: prompts are cut from held-out files more than twice "
+                                     r"as long; the longest allows \d+ characters"),  # said 20000000, not given
+    (["--shared-prefix", "10000000"], "--shared-prefix 10000000: prompts are cut"),
+])
+def test_bench_serve_refuses_flags_of_the_other_mode_and_prompts_longer_than_the_files(argv, message, tmp_path,
+                                                                                        capsys):
+    """Before any request (the URL is never reached): each flag that the chosen mode would ignore is refused, and a
+    prompt length the held-out files cannot give is named by its flag."""
+    assert main(["bench-serve", "--url", "http://127.0.0.1:1", "--out", str(tmp_path), *argv]) == 2
     assert re.search(message, _one_line_error(capsys))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import json
 import os
 import re
@@ -29,12 +30,24 @@ import numpy as np
 from ..corpus import corpus_split
 
 
+@functools.cache
+def heldout_texts() -> tuple[str, ...]:
+    """The held-out standard-library files' text (read once)."""
+    _, held = corpus_split()
+    return tuple(p.read_text(errors="replace") for p in held)
+
+
+def longest_prompt_chars() -> int:
+    """The most characters `heldout_prompts` can cut: a window comes from a file more than twice its length."""
+    return (max(map(len, heldout_texts()), default=0) - 1) // 2
+
+
 def heldout_prompts(count: int, chars: int, seed: int) -> list[str]:
     """`count` windows of `chars` characters from the held-out standard-library files, each starting at a line."""
-    _, held = corpus_split()
-    texts = [t for t in (p.read_text(errors="replace") for p in held) if len(t) > 2 * chars]
+    texts = [t for t in heldout_texts() if len(t) > 2 * chars]
     if not texts:
-        raise ValueError(f"no held-out file is longer than {2 * chars} characters")
+        raise ValueError(f"prompts of {chars} characters are cut from held-out files more than twice as long, and "
+                         f"none is longer than {2 * chars} characters (at most {longest_prompt_chars()})")
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
