@@ -486,7 +486,7 @@ def _common(g: argparse.ArgumentParser, hosts: bool = True) -> None:
                    help="a converted checkpoint directory (kdtree-convert), or 'builtin'. Default: the embedded "
                         "model shipped in the package (else a random tiny model with a byte tokenizer)")
     g.add_argument("--seed", type=_seed, default=0,
-                   help="sampling, prompt-choice and random-model seed, in [0, 2**63 - 1) (default: 0)")
+                   help="sampling, prompt-choice and random-model seed, in [0, 2**63) (default: 0)")
     g.add_argument("--mesh", default=None, metavar="AXES",
                    help="shard over the local devices, e.g. 'tp=8' or 'ep=4,tp=2' or 'dp=2,ep=4' (axes dp, ep, tp; "
                         "their product must equal the device count). Default: one device")
@@ -539,13 +539,13 @@ def _use_compilation_cache(args) -> None:
 
 
 def _seed(text: str) -> int:
-    """--seed: an integer that fits int64 (with room for the drafter's seed + 1)."""
+    """--seed: an integer in [0, 2**63), the API's and the server's rule (validate.seed)."""
     try:
         seed = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= seed < 2**63 - 1:
-        raise argparse.ArgumentTypeError(f"{seed} is outside [0, 2**63 - 1) (the seed is an int64)")
+    if not 0 <= seed < 2**63:
+        raise argparse.ArgumentTypeError(f"{seed} is outside [0, 2**63) (the seed is an int64)")
     return seed
 
 
@@ -594,7 +594,7 @@ def _read_model(args, need_drafter: bool):
     params = kj.init_params(cfg, jax.random.key(args.seed))
     drafter = None
     if need_drafter:
-        drafter = kj.init_drafter(cfg, jax.random.key(args.seed + 1), num_layers=1, block_size=8)
+        drafter = kj.init_drafter(cfg, jax.random.key((args.seed + 1) % 2**63), num_layers=1, block_size=8)
     return (params, cfg, ByteTokenizer(), drafter,
             "no --model given: a RANDOM tiny model with a byte tokenizer (its text is noise)")
 
@@ -615,7 +615,12 @@ def generate_command(args) -> int:
     _use_compilation_cache(args)
     params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
     _need_drafter(args, drafter)
-    stats = _stream(params, cfg, tok, drafter, tok.encode(args.prompt), args)
+    ids = tok.encode(args.prompt)
+    if len(ids) + args.max_new_tokens > cfg.max_position_embeddings:  # before the compile line (`stream` checks too)
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: the prompt's {len(ids)} tokens + "
+                         f"{args.max_new_tokens} = {len(ids) + args.max_new_tokens} exceed the model's context of "
+                         f"{cfg.max_position_embeddings} positions")
+    stats = _stream(params, cfg, tok, drafter, ids, args)
     print()
     print(stats_line(stats))
     return 0

@@ -498,3 +498,18 @@ def test_bench_serve_refuses_flags_of_the_other_mode_and_prompts_longer_than_the
     prompt length the held-out files cannot give is named by its flag."""
     assert main(["bench-serve", "--url", "http://127.0.0.1:1", "--out", str(tmp_path), *argv]) == 2
     assert re.search(message, _one_line_error(capsys))
+
+
+def test_generate_takes_every_seed_the_api_takes_and_refuses_a_length_past_the_context_before_compiling(capsys):
+    """--seed 2**63 - 1 was refused ('outside [0, 2**63 - 1)') though generate and the server take it (one rule for
+    every seed: validate.seed); --max-new-tokens past the model's context was refused after a 'compiling ar ...'
+    line, by the call that was to compile."""
+    assert main(["generate", "--seed", str(2**63 - 1), "--max-new-tokens", "2", "--temperature", "1"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["generate", "--seed", str(2**63)])
+    assert "outside [0, 2**63)" in capsys.readouterr().err
+    assert main(["generate", "--max-new-tokens", "10000"]) == 2
+    err = capsys.readouterr().err
+    assert "compiling" not in err and re.search(r"--max-new-tokens 10000: the prompt's \d+ tokens \+ 10000 = \d+ "
+                                                r"exceed the model's context of 2048 positions", err), err
