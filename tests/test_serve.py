@@ -749,6 +749,27 @@ def test_a_head_that_does_not_arrive_closes_the_connection(model, served):
         BackgroundServer(create_app(served["engine"], model.tokenizer, "builtin"), head_timeout=0)
 
 
+@pytest.mark.parametrize("request_bytes, reason", [
+    (b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n", "Missing mandatory Host: header"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+     "conflicting Content-Length headers"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+     "illegal chunk header"),
+])
+def test_a_request_that_is_not_http_gets_a_json_400_with_the_reason(served, request_bytes, reason):
+    """uvicorn answered a request h11 cannot parse with the plain text 'Invalid HTTP request received.', naming
+    nothing; it is the server's JSON error now, with h11's reason, and the connection is closed."""
+    import socket
+
+    host, port = served["url"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request_bytes)
+        head, _, body = _read_to_close(sock).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), head
+    error = json.loads(body)["error"]
+    assert error["message"].startswith("the request is not valid HTTP/1.1: ") and reason in error["message"], error
+
+
 def test_background_server_connections_send_without_delay():
     """The benchmarks' and tests' server gives its connections TCP_NODELAY, as uvicorn's own sockets (the CLI's)
     have it: with a listening socket of proto 0 (`socket.create_server`) asyncio left it off, and every response after

@@ -934,7 +934,33 @@ class _HeadTimeoutProtocol(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._protocol_error: h11.RemoteProtocolError | None = None
+        receive = self.conn.next_event
+
+        def next_event():  # keeps h11's reason for a request it cannot parse, for `send_400_response`
+            try:
+                return receive()
+            except h11.RemoteProtocolError as e:
+                self._protocol_error = e
+                raise
+
+        self.conn.next_event = next_event
         self._arm_head()
+
+    def send_400_response(self, msg: str) -> None:
+        """The 400 for a request that is not HTTP/1.1 h11 can parse (a bad chunk size, a head past h11's limit, no
+        Host, two Content-Lengths), in the server's JSON error format with h11's reason: uvicorn sent the plain text
+        'Invalid HTTP request received.', naming nothing. The connection is then closed, as uvicorn does."""
+        why = str(self._protocol_error or "") or msg
+        body = json.dumps({"error": {"message": f"the request is not valid HTTP/1.1: {_cut(why, 200)}",
+                                     "type": "invalid_request_error", "param": None, "code": None}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        with contextlib.suppress(h11.LocalProtocolError):  # a response had begun: only the close is left
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
