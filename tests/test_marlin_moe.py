@@ -652,11 +652,12 @@ def test_gpu_other_groups_take_the_generic_path(group):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("m", [1, 64])
-def test_gpu_programmatic_launches_equal_plain_ones(k2_experts, m):
-    """Four calls in a chain (each output the next input) on K2-sized experts: the stream path's kernels launched as
+@pytest.mark.parametrize("m, path", [(1, 0), (64, 0), (1, FLAG_GEMV)])
+def test_gpu_programmatic_launches_equal_plain_ones(k2_experts, m, path):
+    """Four calls in a chain (each output the next input) on K2-sized experts: a path's kernels launched as
     programmatic dependents (each starting while the one before it ends) give the bits of plain launches, so no
-    kernel reads what the one before it has not written yet."""
+    kernel reads what the one before it has not written yet. path: 0 the stream path (flags 0, not None: at M = 1
+    the default is the GEMV decode path, whose sums run in another order), FLAG_GEMV that path."""
     gpu0 = jax.devices("gpu")[0]
     rng = np.random.default_rng(11 + m)
     routes = [make_routing(rng, m, 8, 16) for _ in range(4)]
@@ -669,9 +670,9 @@ def test_gpu_programmatic_launches_equal_plain_ones(k2_experts, m):
         return x
 
     chained = jax.jit(chain, static_argnums=3)
-    plain = np.asarray(chained(x, args, k2_experts, FLAG_SERIAL), np.float32)
+    plain = np.asarray(chained(x, args, k2_experts, path | FLAG_SERIAL), np.float32)
     assert np.all(np.isfinite(plain)) and np.any(plain != 0)
-    np.testing.assert_array_equal(np.asarray(chained(x, args, k2_experts, None), np.float32), plain)
+    np.testing.assert_array_equal(np.asarray(chained(x, args, k2_experts, path), np.float32), plain)
 
 
 @gpu
