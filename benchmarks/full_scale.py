@@ -66,6 +66,7 @@ TAU = {8: 3.562, 16: 3.843, 32: 4.140, 64: 4.414}
 # quoted, not measured here: K2.5-DFlash as a chain at block 8 (its model card); a DDTree of the same block accepts at
 # least as many tokens per step
 TAU_QUOTED = {"MT-Bench": 3.7, "Math500": 5.5}
+K2_LAYERS = kj.configs.k2_6().num_hidden_layers  # 61
 FAST_ALLREDUCE_S = 8e-6  # what-if: the small-message latency custom all-reduces reach on 8 NVLink GPUs (SGLang)
 BUDGETS = (8, 16, 32, 64)
 
@@ -372,6 +373,15 @@ def projection(rows: list[dict], extra: dict, layers: int, comm: dict) -> list[d
     return out
 
 
+def cut_model_note(layers: int) -> list[str]:
+    """The projection's warning where the run had fewer layers than K2.6 (an H100: 61 do not fit), else nothing."""
+    if layers >= K2_LAYERS:
+        return []
+    return [f"**A cut model**: {layers} of K2.6's {K2_LAYERS} layers (all {K2_LAYERS} do not fit this GPU), so these "
+            f"are the rates of a {layers}-layer model, not of K2.6; a {K2_LAYERS}-layer run on a larger GPU gives "
+            "K2.6's.", ""]
+
+
 def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "full_scale.json"), "w") as f:
@@ -423,6 +433,7 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> Non
         quoted = " / ".join(f"{v}" for v in TAU_QUOTED.values())
         lines += ["", f"## Projection to {meta['n']} GPUs (a projection: every term measured, except the columns "
                       "marked what-if and quoted)", "",
+                  *cut_model_note(meta["layers"]),
                   f"| method | C | per-device step ms | drafter ms | all-reduces ms ({meta['layers']} layers) | tau | "
                   f"tok/s | tok/s, what-if 2 x {1e6 * FAST_ALLREDUCE_S:.0f} µs all-reduces | tok/s at quoted tau "
                   f"{quoted} |", "|---|---|---|---|---|---|---|---|---|"]
@@ -441,10 +452,10 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> Non
                       "layers (`<=`: the 65-node cell's messages, larger than this cell's); tau: the embedded model's "
                       "(byte tokens, results/acceptance/acceptance.md); quoted tau: K2.5-DFlash as a chain at block 8 "
                       "on MT-Bench and Math500 from its model card (not measured here; a DDTree of the same block "
-                      "accepts at least as many); the drafter replicated (its split over the mesh is not measured "
-                      "yet) and timed at batch 1, charged at every C (the C = 10 rows are optimistic by its batch-10 "
-                      "step's excess, not measured); tree build and accept not included (0.1-0.4 ms per step, "
-                      "results/tree_build/tree_build.md)."]
+                      "accepts at least as many); the drafter replicated (its split over the mesh is timed in "
+                      "results/ddtree_full_scale/, not here) and timed at batch 1, charged at every C (the C = 10 "
+                      "rows are optimistic by its batch-10 step's excess, not measured); tree build and accept not "
+                      "included (0.1-0.4 ms per step, results/tree_build/tree_build.md)."]
     with open(os.path.join(out_dir, "full_scale.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:

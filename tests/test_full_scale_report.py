@@ -151,3 +151,16 @@ def test_check_fits_refuses_a_program_larger_than_the_gpu():
     full_scale.check_fits(cfg, _Device("gpu", None))
     fewer = full_scale.local_experts_cfg(full_scale.per_device_cfg(8, 40, False, "ffi"), 8)
     full_scale.check_fits(fewer, _Device("gpu", 79e9))
+
+
+def test_a_cut_model_is_named_in_the_projection(tmp_path):
+    """A run of fewer layers than K2.6 has (an H100: 61 do not fit) says its projection is of that cut model."""
+    comm_json = {f"{b}x{t}": dict(seconds=s, bytes=n) for (b, t), (s, n) in COMM.items()}
+    for layers in (40, 61):
+        extra = dict(comm=comm_json, comm_source="made up",
+                     projection=full_scale.projection(ROWS, dict(drafter=dict(step_s=2.6e-3)), layers, COMM))
+        out = tmp_path / str(layers)
+        full_scale.write_report(str(out), dict(META, layers=layers), ROWS, extra)
+        text = (out / "full_scale.md").read_text()
+        assert ("A cut model**: 40 of K2.6's 61 layers" in text) == (layers == 40), layers
+        assert "## Projection to 8 GPUs" in text
