@@ -178,11 +178,26 @@ def abstract_params(cfg: ModelConfig) -> Params:
 
 
 def check_model_fits(cfg: ModelConfig, ep: int, tp: int) -> None:
-    """Raise ShardingError when heads or experts do not split over a mesh with these model axes."""
+    """Raise ShardingError, naming the config field, when heads, experts or MLP widths do not split over a mesh with
+    these model axes."""
     if cfg.num_attention_heads % (ep * tp):
         raise ShardingError(f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by ep*tp ({ep * tp})")
     if cfg.num_moe_layers and cfg.n_routed_experts % ep:
         raise ShardingError(f"n_routed_experts ({cfg.n_routed_experts}) is not divisible by ep ({ep})")
+    f = cfg.moe_intermediate_size
+    if cfg.num_moe_layers and cfg.expert_format == "int4" and (f // cfg.group_size) % tp:
+        # the experts' hidden dimension is split over tp, and the down projection's INT4 groups run along it
+        n = f // cfg.group_size
+        raise ShardingError(f"moe_intermediate_size ({f}) holds {n} INT4 group{'s' * (n != 1)} of group_size "
+                            f"{cfg.group_size}, not divisible by tp ({tp}): each device must hold whole groups")
+    if cfg.num_moe_layers and f % tp:
+        raise ShardingError(f"moe_intermediate_size ({f}) is not divisible by tp ({tp})")
+    dense = ([("intermediate_size", cfg.intermediate_size)] if cfg.num_dense_layers else []) + (
+        [("moe_intermediate_size x n_shared_experts", f * cfg.n_shared_experts)]
+        if cfg.num_moe_layers and cfg.n_shared_experts else [])
+    for name, width in dense:  # the dense and shared MLPs' hidden dimension is split over ep x tp
+        if width % (ep * tp):
+            raise ShardingError(f"{name} ({width}) is not divisible by ep*tp ({ep * tp})")
 
 
 def param_shardings(cfg: ModelConfig, mesh) -> Params:

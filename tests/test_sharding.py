@@ -130,8 +130,13 @@ def test_bad_meshes_are_clear_errors(model):
                                         moe_intermediate_size=256), kj.make_mesh(ep=N))
     with pytest.raises(ShardingError, match="num_attention_heads"):
         param_shardings(kj.configs.tiny(num_attention_heads=3), kj.make_mesh(tp=N))
-    with pytest.raises(ShardingError, match="not divisible"):
+    with pytest.raises(ShardingError, match=r"\(32\) holds 1 INT4 group of group_size 32, not divisible by tp \(8\)"):
         param_shardings(kj.configs.tiny(num_attention_heads=8, n_routed_experts=16), kj.make_mesh(tp=N))
+    with pytest.raises(ShardingError, match=r"moe_intermediate_size \(260\) is not divisible by tp"):
+        param_shardings(kj.configs.tiny(num_attention_heads=8, moe_intermediate_size=260, expert_format="bf16"),
+                        kj.make_mesh(tp=N))
+    with pytest.raises(ShardingError, match=r"intermediate_size \(100\) is not divisible by ep\*tp \(8\)"):
+        param_shardings(kj.configs.tiny(num_attention_heads=8, intermediate_size=100), kj.make_mesh(ep=N))
 
 
 def test_sharded_custom_calls_equal_single_device(model):
