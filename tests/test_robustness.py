@@ -790,7 +790,7 @@ def test_cli_refuses_without_echoing_or_tracebacks(capsys):
     prompt = "never echo me " * 20000
     assert cli(["generate", "--prompt", prompt, "--max-new-tokens", "4"]) == 2
     out = capsys.readouterr()
-    assert "never echo me" not in out.out + out.err and "exceeds the context" in out.err
+    assert "never echo me" not in out.out + out.err and "exceed the model's context" in out.err
     assert cli(["generate", "--prompt", "x", "--temperature", "1e-45"]) == 2
     assert "use 0 for greedy" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
