@@ -73,7 +73,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import kdtree_jax as kj  # noqa: E402
 from common import ceilings  # noqa: E402
-from full_scale import COMM_PER_LAYER_S, FAST_ALLREDUCE_S, TAU_QUOTED, nbytes, per_device_model  # noqa: E402
+from full_scale import (COMM_PER_LAYER_S, FAST_ALLREDUCE_S, TAU_QUOTED, cut_model_note, nbytes,  # noqa: E402
+                        per_device_model)
 from trace_replay import Trace, Traced, record, traced  # noqa: E402
 from kdtree_jax.budget import calibrate  # noqa: E402
 from kdtree_jax.budget_policy import BudgetPolicy  # noqa: E402
@@ -567,7 +568,7 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], drafters: list[dict
     if proj:
         quoted = " / ".join(f"{k} {v}" for k, v in TAU_QUOTED.items())
         lines += ["", f"## Projection to {meta['n']} GPUs (every term measured, except the columns marked what-if and "
-                      "quoted)", "",
+                      "quoted)", "", *cut_model_note(meta["layers"]),
                   f"| method | C | loop step ms | all-reduces ms ({meta['layers']} layers) | tau (replayed) | tok/s | "
                   f"tok/s, what-if 2 x {1e6 * FAST_ALLREDUCE_S:.0f} µs all-reduces | tok/s at quoted tau ({quoted}) |",
                   "|---|---|---|---|---|---|---|---|"]

@@ -374,12 +374,12 @@ def projection(rows: list[dict], extra: dict, layers: int, comm: dict) -> list[d
 
 
 def cut_model_note(layers: int) -> list[str]:
-    """The projection's warning where the run had fewer layers than K2.6 (an H100: 61 do not fit), else nothing."""
+    """The projection's warning where the run had fewer layers than K2.6 (`--layers`; on an H100 61 do not fit), else
+    nothing."""
     if layers >= K2_LAYERS:
         return []
-    return [f"**A cut model**: {layers} of K2.6's {K2_LAYERS} layers (all {K2_LAYERS} do not fit this GPU), so these "
-            f"are the rates of a {layers}-layer model, not of K2.6; a {K2_LAYERS}-layer run on a larger GPU gives "
-            "K2.6's.", ""]
+    return [f"**A cut model**: {layers} of K2.6's {K2_LAYERS} layers (`--layers {layers}`), so these are the rates of "
+            f"a {layers}-layer model, not of K2.6; a {K2_LAYERS}-layer run (an H200 holds one) gives K2.6's.", ""]
 
 
 def write_report(out_dir: str, meta: dict, rows: list[dict], extra: dict) -> None:

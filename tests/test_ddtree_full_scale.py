@@ -100,6 +100,7 @@ def test_smoke_run_report(tmp_path):
     assert "Acceptance is replayed, not produced by this drafter" in text and meta["commit"] in text
     assert "Best measured budget at C = 1: ddtree@8" in text and "--cells 1x8 --drafters 1" in text
     assert "--cells 2x8 --drafters 0 --append" in text
+    assert "A cut model**: 2 of K2.6's 61 layers" in text  # the projection of 2 layers is not K2.6's
     before = text
     (out / "ddtree_full_scale.md").unlink()
     (out / "ddtree_full_scale.png").unlink()

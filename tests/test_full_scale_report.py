@@ -162,5 +162,5 @@ def test_a_cut_model_is_named_in_the_projection(tmp_path):
         out = tmp_path / str(layers)
         full_scale.write_report(str(out), dict(META, layers=layers), ROWS, extra)
         text = (out / "full_scale.md").read_text()
-        assert ("A cut model**: 40 of K2.6's 61 layers" in text) == (layers == 40), layers
+        assert ("A cut model**: 40 of K2.6's 61 layers (`--layers 40`)" in text) == (layers == 40), layers
         assert "## Projection to 8 GPUs" in text
