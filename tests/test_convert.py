@@ -486,3 +486,43 @@ def test_empty_paths_are_usage_errors(argv, name, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and f"{name}: expected a directory, got " in capsys.readouterr().err
+
+
+def _raw_safetensors(path, header_text: str, data: bytes) -> str:
+    """A safetensors file of exactly this header text (padded to 8 bytes) and data section."""
+    head = header_text.encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head + data)
+    return str(path)
+
+
+@pytest.mark.parametrize("header, named", [
+    ('{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0.5, 8.5]}}', "corrupt safetensors header entry for 'a'"),
+    ('{"a": {"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]}}', "corrupt safetensors header entry for 'a'"),
+    ('{"a": {"dtype": "F32", "shape": [2.9], "data_offsets": [0, 8]}}', "corrupt safetensors header entry for 'a'"),
+    ('{"a": {"dtype": "F32", "shape": [true, 2], "data_offsets": [0, 8]}}', "corrupt safetensors header entry for 'a'"),
+    ('{"a": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}', "corrupt safetensors header entry for 'a'"),
+    ('{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+     '"b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}', "tensors 'a' and 'b' overlap"),
+    ('{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+     '"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}', "key 'a' appears twice"),
+])
+def test_safetensors_header_of_odd_values_is_refused(header, named, tmp_path):
+    """Header values safetensors writes as integers are not truncated, no two tensors share bytes, and a name given
+    twice is not resolved silently to its last entry (issue 46, eighth probe round)."""
+    from kdtree_converters.convert import read_header
+    path = _raw_safetensors(tmp_path / "x.safetensors", header, bytes(16))
+    with pytest.raises(CheckpointError, match=re.escape(named)) as e:
+        read_header(path)
+    assert str(e.value).startswith(path)
+
+
+def test_safetensors_header_of_adjacent_tensors_is_read(tmp_path):
+    from kdtree_converters.convert import read_header
+    path = _raw_safetensors(tmp_path / "x.safetensors", '{"__metadata__": {"format": "pt"}, '
+                            '"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+                            '"b": {"dtype": "I8", "shape": [0], "data_offsets": [8, 8]}, '
+                            '"c": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}', bytes(16))
+    t = read_header(path)
+    assert [(k, v.shape, v.nbytes) for k, v in t.items()] == [("a", (2,), 8), ("b", (0,), 0), ("c", (2,), 8)]

@@ -99,7 +99,7 @@ def read_header(path: str) -> dict[str, Tensor]:
                                   "bytes)")
         raw = f.read(n)
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
         if not isinstance(header, dict):
             raise TypeError("not a JSON object")
     except (UnicodeDecodeError, ValueError, TypeError) as e:
@@ -109,7 +109,9 @@ def read_header(path: str) -> dict[str, Tensor]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            if not isinstance(dtype, str) or not all(_is_int(v) for v in (*shape, begin, end)):
+                raise TypeError  # a float, bool or string where safetensors writes integers: not truncated here
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}: {info!r}") from None
         if dtype not in DTYPES:
@@ -120,6 +122,25 @@ def read_header(path: str) -> dict[str, Tensor]:
             raise CheckpointError(f"{path}: corrupt safetensors header: tensor {name!r} {dtype}{list(shape)} has "
                                   f"byte range [{begin}, {end}) in a data section of {size - base} bytes")
         out[name] = Tensor(name, path, dt, shape, base + begin, end - begin)
+    spans = sorted((t.offset, t.offset + t.nbytes, name) for name, t in out.items() if t.nbytes)
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:  # two tensors sharing bytes: at least one of them is not what its name says
+            raise CheckpointError(f"{path}: corrupt safetensors header: the byte ranges of tensors {a!r} and {b!r} "
+                                  "overlap")
+    return out
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _unique_keys(pairs: list) -> dict:
+    """json.loads' object_pairs_hook: a dict, with a ValueError for a key given twice (json keeps the last)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} appears twice")
+        out[k] = v
     return out
 
 
