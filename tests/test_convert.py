@@ -526,3 +526,56 @@ def test_safetensors_header_of_adjacent_tensors_is_read(tmp_path):
                             '"c": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}', bytes(16))
     t = read_header(path)
     assert [(k, v.shape, v.nbytes) for k, v in t.items()] == [("a", (2,), 8), ("b", (0,), 0), ("c", (2,), 8)]
+
+
+def _fp8_edit(fn):
+    def edit(src, dst):
+        cf.to_fp8(src, dst + ".fp8", dst + ".ref", block=(16, 32))
+        tensors, config = cf.read(dst + ".fp8")
+        fn(tensors)
+        cf.write(dst, tensors, config)
+        shutil.rmtree(dst + ".fp8")
+        shutil.rmtree(dst + ".ref")
+    return edit
+
+
+def _int4_edit(fn):
+    def edit(src, dst):
+        cf.to_int4(src, dst + ".int4", dst + ".ref")
+        tensors, config = cf.read(dst + ".int4")
+        fn(tensors)
+        cf.write(dst, tensors, config)
+        shutil.rmtree(dst + ".int4")
+        shutil.rmtree(dst + ".ref")
+    return edit
+
+
+_E, _Q = "model.layers.1.mlp.experts.3.up_proj", "model.layers.0.self_attn.q_a_proj.weight"
+BAD_DTYPES = {  # name -> (edit, the start of the error); each caught from the headers, so by --dry-run too
+    "int8_expert": (_edit_tensors(lambda t: t.update({f"{_E}.weight": t[f"{_E}.weight"].to(torch.int8)})),
+                    f"tensor '{_E}.weight' (model.safetensors) is int8, expected a float dtype"),
+    "bool_norm": (_edit_tensors(lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.bool)})),
+                  "tensor 'model.norm.weight' (model.safetensors) is bool, expected a float dtype"),
+    "fp8_without_scale": (_fp8_edit(lambda t: t.pop(f"{_Q}_scale_inv")),
+                          f"FP8 tensor '{_Q}' (model.safetensors) has no '{_Q}_scale_inv'"),
+    "e5m2_without_scale": (_edit_tensors(lambda t: t.update({_Q: t[_Q].to(torch.float8_e5m2)})),
+                           f"FP8 tensor '{_Q}' (model.safetensors) has no '{_Q}_scale_inv'"),
+    "integer_fp8_scale": (_fp8_edit(lambda t: t.update({f"{_Q}_scale_inv": t[f"{_Q}_scale_inv"].to(torch.int32)})),
+                          f"tensor '{_Q}_scale_inv' (model.safetensors) is int32, expected a float scale"),
+    "float_int4_packed": (_int4_edit(lambda t: t.update({f"{_E}.weight_packed": t[f"{_E}.weight_packed"].view(
+        torch.float32)})), f"tensor '{_E}.weight_packed' (model.safetensors) is float32, expected I32"),
+    "float_int4_shape": (_int4_edit(lambda t: t.update({f"{_E}.weight_shape": t[f"{_E}.weight_shape"].float()})),
+                         f"tensor '{_E}.weight_shape' (model.safetensors) is float32, expected integer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DTYPES))
+def test_tensor_of_the_wrong_dtype_is_refused_by_dry_run_and_conversion(case, fp32, tmp_path):
+    """An integer weight was cast to float as if it held values, an FP8 weight without its scale passed --dry-run
+    (issue 46, eighth probe round)."""
+    make, message = BAD_DTYPES[case]
+    make(fp32[1], str(tmp_path / "hf"))
+    for dry_run in (True, False):
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            quiet_convert(str(tmp_path / "hf"), str(tmp_path / "out"), dry_run=dry_run)
+        assert sorted(os.listdir(tmp_path)) == ["hf"]

@@ -64,6 +64,7 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 FP8 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+FLOATS = (*(np.dtype(DTYPES[k]) for k in ("F64", "F32", "F16", "BF16")), *FP8)
 
 LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.")
@@ -341,6 +342,7 @@ def check_structure(src: Source, cfg: ModelConfig) -> None:
     shape, the layer count, the routed experts of each layer, and that the layers of each kind (dense, MoE) hold
     the same tensor names with the same shapes, and that MoE layers have the router bias (every supported config
     routes with topk_method noaux_tc, which adds it). Exact shapes are checked per tensor as layers are converted."""
+    check_dtypes(src)
     embed = src.tensors.get("model.embed_tokens.weight")
     if embed is None:
         raise CheckpointError(f"missing tensor {src.source_name('model.embed_tokens.weight')!r}")
@@ -391,6 +393,27 @@ def check_structure(src: Source, cfg: ModelConfig) -> None:
             if t.shape != common:
                 raise CheckpointError(f"tensor {src.source_name(f'model.layers.{i}.{s}')!r} has shape "
                                       f"{list(t.shape)}, expected {list(common)} (its shape in {count} other layers)")
+
+
+def check_dtypes(src: Source) -> None:
+    """Each language-model tensor's dtype against what it is, from the headers: INT4 `weight_packed` int32,
+    `weight_shape` integers, scales (`weight_scale`, `weight_scale_inv`) float but not FP8, every other tensor float;
+    an FP8 tensor has its `weight_scale_inv`. (An integer weight would be cast to float as if it held values.)"""
+    for name, t in src.tensors.items():
+        if name.endswith(".weight_packed"):
+            ok, want = t.dtype == np.int32, "I32 (packed INT4)"
+        elif name.endswith(".weight_shape"):
+            ok, want = t.dtype.kind in "iu", "integer"
+        elif name.endswith((".weight_scale", "_scale_inv")):
+            ok, want = t.dtype in FLOATS and t.dtype not in FP8, "a float scale (F32, BF16, F16 or F64)"
+        else:
+            ok, want = t.dtype in FLOATS, "a float dtype (F32, BF16, F16, F64 or FP8 with its weight_scale_inv)"
+        if not ok:
+            raise CheckpointError(f"tensor {src.source_name(name)!r} ({os.path.basename(t.file)}) is "
+                                  f"{t.dtype.name}, expected {want}")
+        if t.dtype in FP8 and f"{name}_scale_inv" not in src.tensors:
+            raise CheckpointError(f"FP8 tensor {src.source_name(name)!r} ({os.path.basename(t.file)}) has no "
+                                  f"{src.source_name(name + '_scale_inv')!r}")
 
 
 def _ids(ids: list[int]) -> str:
