@@ -579,3 +579,26 @@ def test_tensor_of_the_wrong_dtype_is_refused_by_dry_run_and_conversion(case, fp
         with pytest.raises(CheckpointError, match=re.escape(message)):
             quiet_convert(str(tmp_path / "hf"), str(tmp_path / "out"), dry_run=dry_run)
         assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def _int4_scheme(group_size) -> dict:
+    q = json.loads(json.dumps(cf.INT4_QUANTIZATION))
+    q["config_groups"]["group_0"]["weights"]["group_size"] = group_size
+    return q
+
+
+@pytest.mark.parametrize("q, named", [
+    (_int4_scheme("32"), "group_size '32' is not a positive integer"),
+    (_int4_scheme(32.5), "group_size 32.5 is not a positive integer"),
+    (_int4_scheme(-32), "group_size -32 is not a positive integer"),
+    ({**cf.FP8_QUANTIZATION, "weight_block_size": [0, 128]}, "weight_block_size [0, 128]"),
+    ({**cf.FP8_QUANTIZATION, "weight_block_size": [128.5, 128]}, "weight_block_size [128.5, 128]"),
+    ({**cf.FP8_QUANTIZATION, "weight_block_size": 128}, "weight_block_size 128"),
+])
+def test_quantization_config_of_odd_sizes_is_refused(q, named):
+    """A group size or FP8 block that is a string, a fraction or not positive was cast by int(), truncated, or left
+    to fail later on a scale's shape (issue 46, eighth probe round)."""
+    from kdtree_converters.convert import parse_quantization
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        parse_quantization(q)
+    assert parse_quantization(_int4_scheme(32)).group_size == 32

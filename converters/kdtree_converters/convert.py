@@ -191,10 +191,11 @@ def parse_quantization(q: dict | None) -> Quantization:
     if method == "fp8":
         if q.get("fmt", "e4m3") != "e4m3":
             raise CheckpointError(f"unsupported fp8 format {q.get('fmt')!r} (only e4m3)")
-        block = tuple(q.get("weight_block_size") or (128, 128))
-        if len(block) != 2:
-            raise CheckpointError(f"unsupported fp8 weight_block_size {block!r} (need [out, in])")
-        return Quantization("fp8", block=(int(block[0]), int(block[1])))
+        block = q.get("weight_block_size") or [128, 128]
+        if not isinstance(block, list) or len(block) != 2 or not all(_is_int(b) and b > 0 for b in block):
+            raise CheckpointError(f"unsupported fp8 weight_block_size {block!r} (need [out, in], two positive "
+                                  "integers)")
+        return Quantization("fp8", block=(block[0], block[1]))
     if method == "compressed-tensors":
         if q.get("format") != "pack-quantized":
             raise CheckpointError(f"unsupported compressed-tensors format {q.get('format')!r} (only pack-quantized)")
@@ -207,7 +208,9 @@ def parse_quantization(q: dict | None) -> Quantization:
         if bad or not w.get("group_size"):
             raise CheckpointError(f"unsupported compressed-tensors weight scheme {bad or w} (only 4-bit symmetric "
                                   "int with a group_size)")
-        return Quantization("int4", group_size=int(w["group_size"]))
+        if not _is_int(w["group_size"]) or w["group_size"] < 1:
+            raise CheckpointError(f"compressed-tensors group_size {w['group_size']!r} is not a positive integer")
+        return Quantization("int4", group_size=w["group_size"])
     raise CheckpointError(f"unknown quantization method {method!r} in config.json quantization_config (supported: "
                           "fp8 block-scaled e4m3, compressed-tensors pack-quantized int4)")
 
