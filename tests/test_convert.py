@@ -602,3 +602,14 @@ def test_quantization_config_of_odd_sizes_is_refused(q, named):
     with pytest.raises(CheckpointError, match=re.escape(named)):
         parse_quantization(q)
     assert parse_quantization(_int4_scheme(32)).group_size == 32
+
+
+def test_fp8_scale_that_overflows_float32_is_refused(fp32, tmp_path):
+    """Finite FP8 values times a finite but huge weight_scale_inv are inf in float32: they were written as inf, with
+    numpy's RuntimeWarning the only sign (issue 46, eighth probe round)."""
+    def huge(t):
+        t[f"{_Q}_scale_inv"].view(-1)[0] = 3e38
+    _fp8_edit(huge)(fp32[1], str(tmp_path / "hf"))
+    with pytest.raises(CheckpointError, match=re.escape(f"FP8 tensor '{_Q}' dequantizes to ")):
+        quiet_convert(str(tmp_path / "hf"), str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["hf"]

@@ -473,7 +473,12 @@ class _Reader:
             scale_name = f"{name}_scale_inv"
             if scale_name not in self.src.tensors:
                 raise CheckpointError(f"FP8 tensor {self.src.source_name(name)!r} has no {scale_name!r}")
-            a = dequantize_fp8(a, self._read(scale_name), self.src.quant.block, self.src.source_name(name))
+            with np.errstate(over="ignore", invalid="ignore"):  # counted below, not warned about
+                a = dequantize_fp8(a, self._read(scale_name), self.src.quant.block, self.src.source_name(name))
+            if bad := count_nonfinite(a):  # finite values times finite scales can overflow fp32
+                raise CheckpointError(f"FP8 tensor {self.src.source_name(name)!r} dequantizes to {bad} non-finite "
+                                      f"value(s) of {a.size}: its {scale_name.rpartition('.')[2]} overflows float32 "
+                                      "(the source checkpoint is corrupt)")
         return a
 
 
