@@ -613,3 +613,15 @@ def test_fp8_scale_that_overflows_float32_is_refused(fp32, tmp_path):
     with pytest.raises(CheckpointError, match=re.escape(f"FP8 tensor '{_Q}' dequantizes to ")):
         quiet_convert(str(tmp_path / "hf"), str(tmp_path / "out"))
     assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+@pytest.mark.parametrize("field", ["bos_token_id", "eos_token_id"])
+def test_special_token_outside_the_vocabulary_is_refused_before_converting(field, fp32, tmp_path):
+    """config.json's bos or eos id past vocab_size (264) was converted into a checkpoint kj.load then refused (issue 46,
+    eighth probe round)."""
+    _edit_config(lambda c: c.update({field: 264}))(fp32[1], str(tmp_path / "hf"))
+    for dry_run in (True, False):
+        message = f"config.json: {field} 264 is outside the vocabulary [0, 264)"
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            quiet_convert(str(tmp_path / "hf"), str(tmp_path / "out"), dry_run=dry_run)
+        assert sorted(os.listdir(tmp_path)) == ["hf"]

@@ -345,6 +345,10 @@ def check_structure(src: Source, cfg: ModelConfig) -> None:
     shape, the layer count, the routed experts of each layer, and that the layers of each kind (dense, MoE) hold
     the same tensor names with the same shapes, and that MoE layers have the router bias (every supported config
     routes with topk_method noaux_tc, which adds it). Exact shapes are checked per tensor as layers are converted."""
+    for key in ("bos_token_id", "eos_token_id"):  # kj.load refuses them (an end token that never matches)
+        if (value := getattr(cfg, key)) is not None and not 0 <= value < cfg.vocab_size:
+            raise ConfigError(f"{os.path.join(src.dir, 'config.json')}: {key} {value} is outside the vocabulary "
+                              f"[0, {cfg.vocab_size}) (kdtree_jax.load would refuse the checkpoint)")
     check_dtypes(src)
     embed = src.tensors.get("model.embed_tokens.weight")
     if embed is None:
