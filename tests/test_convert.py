@@ -423,7 +423,7 @@ BAD_INPUTS = {
         CheckpointError, r"'model\.layers\.1\.input_layernorm\.weight' has shape \[65\], expected \[64\]"),
     "shape": (
         _edit_tensors(lambda t: t.update({"model.norm.weight": torch.ones(65)})), CheckpointError,
-        r"'model\.norm\.weight' has shape \(65,\), expected \(64,\)"),
+        r"'model\.norm\.weight' has shape \[65\], expected \[64\]"),
     "corrupt_header": (_corrupt_header, CheckpointError, "corrupt safetensors header"),
     "non_finite": (
         _edit_tensors(_poison), CheckpointError,
@@ -623,5 +623,34 @@ def test_special_token_outside_the_vocabulary_is_refused_before_converting(field
     for dry_run in (True, False):
         message = f"config.json: {field} 264 is outside the vocabulary [0, 264)"
         with pytest.raises(ConfigError, match=re.escape(message)):
+            quiet_convert(str(tmp_path / "hf"), str(tmp_path / "out"), dry_run=dry_run)
+        assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+HEADER_SHAPES = {  # caught from the headers (--dry-run called these consistent; the conversion failed later)
+    "scalar_norm": (_edit_tensors(lambda t: t.update({"model.norm.weight": torch.tensor(1.0)})),
+                    "tensor 'model.norm.weight' has shape [], expected [64]"),
+    "no_lm_head": (_edit_tensors(lambda t: t.pop("lm_head.weight")), "missing tensor 'lm_head.weight'"),
+    "fp8_scale_of_another_block": (
+        _fp8_edit(lambda t: t.update({f"{_Q}_scale_inv": torch.ones(1, 1)})),
+        f"tensor '{_Q}_scale_inv' has shape [1, 1], expected [3, 2] (blocks of 16x32 over [48, 64]"),
+    "fp8_norm": (_fp8_edit(lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.float8_e4m3fn),
+                                               "model.norm.weight_scale_inv": torch.ones(1)})),
+                 "FP8 tensor 'model.norm.weight' has shape [64]: only 2-D weights are block-scaled"),
+    "int4_packed_attention": (
+        _int4_edit(lambda t: t.update({_Q.replace(".weight", ".weight_packed"): torch.zeros(48, 8, dtype=torch.int32)})
+                   or t.pop(_Q)),
+        "tensor 'model.layers.0.self_attn.q_a_proj.weight_packed' is INT4-packed, but only routed experts may be"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEADER_SHAPES))
+def test_dry_run_checks_the_top_tensors_fp8_scales_and_int4_placement(case, fp32, tmp_path):
+    """The final norm's and lm_head's shapes, each FP8 scale's block shape and which tensors may be INT4-packed are
+    known from the headers: --dry-run called these sources consistent (issue 46, eighth probe round)."""
+    make, message = HEADER_SHAPES[case]
+    make(fp32[1], str(tmp_path / "hf"))
+    for dry_run in (True, False):
+        with pytest.raises(CheckpointError, match=re.escape(message)):
             quiet_convert(str(tmp_path / "hf"), str(tmp_path / "out"), dry_run=dry_run)
         assert sorted(os.listdir(tmp_path)) == ["hf"]

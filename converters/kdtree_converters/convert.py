@@ -356,6 +356,28 @@ def check_structure(src: Source, cfg: ModelConfig) -> None:
     if embed.shape != (cfg.vocab_size, cfg.hidden_size):
         raise ConfigError(f"config.json (vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}) does not match "
                           f"the tensors: {src.source_name('model.embed_tokens.weight')} is {list(embed.shape)}")
+    top = {"model.norm.weight": (cfg.hidden_size,), "lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
+    for name, shape in top.items():
+        t = src.tensors.get(name)
+        if t is None and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            raise CheckpointError(f"missing tensor {src.source_name(name)!r}")
+        if t is not None and t.shape != shape:
+            raise CheckpointError(f"tensor {src.source_name(name)!r} has shape {list(t.shape)}, expected "
+                                  f"{list(shape)}")
+    for name, t in src.tensors.items():
+        if name.endswith(".weight_packed") and not EXPERT_RE.search(name):
+            raise CheckpointError(f"tensor {src.source_name(name)!r} is INT4-packed, but only routed experts may be "
+                                  "(compressed-tensors ignore list)")
+        if t.dtype in FP8 and len(t.shape) != 2:
+            raise CheckpointError(f"FP8 tensor {src.source_name(name)!r} has shape {list(t.shape)}: only 2-D "
+                                  "weights are block-scaled")
+        if t.dtype in FP8:
+            (o, i), (bo, bi) = t.shape, src.quant.block
+            scale = src.tensors[f"{name}_scale_inv"]  # present: check_dtypes
+            if scale.shape != (-(-o // bo), -(-i // bi)):
+                raise CheckpointError(f"tensor {src.source_name(name + '_scale_inv')!r} has shape "
+                                      f"{list(scale.shape)}, expected {[-(-o // bo), -(-i // bi)]} (blocks of "
+                                      f"{bo}x{bi} over {list(t.shape)}, config.json's weight_block_size)")
     layers: dict[int, dict[str, Tensor]] = {}
     for name, t in src.tensors.items():
         m = LAYER_RE.fullmatch(name)
