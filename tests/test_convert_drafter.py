@@ -2,11 +2,13 @@
 
 import json
 import os
+import re
+import shutil
 
 import jax
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 import kdtree_jax as kj
 from kdtree_jax.config import ConfigError
@@ -107,3 +109,44 @@ def test_bad_drafter_is_a_clear_error_and_leaves_nothing(target, tmp_path, overr
     with pytest.raises(error, match=match):
         convert(src, str(out), dtype="float32", drafter=bad, progress=False)
     assert not out.exists() and not any(p.name.startswith(".ckpt") for p in tmp_path.iterdir())
+
+
+def _retype_norm(path):
+    t = load_file(os.path.join(path, "model.safetensors"))
+    t["norm.weight"] = t["norm.weight"].astype(np.int8)
+    save_file(t, os.path.join(path, "model.safetensors"))
+
+
+def _drop_down_proj(path):
+    t = load_file(os.path.join(path, "model.safetensors"))
+    del t["layers.1.mlp.down_proj.weight"]
+    save_file(t, os.path.join(path, "model.safetensors"))
+
+
+def _second_copy(path):
+    shutil.copy(os.path.join(path, "model.safetensors"), os.path.join(path, "model-2.safetensors"))
+
+
+def _extra_layer(path):
+    t = load_file(os.path.join(path, "model.safetensors"))
+    t["layers.5.mlp.down_proj.weight"] = t["layers.1.mlp.down_proj.weight"]
+    save_file(t, os.path.join(path, "model.safetensors"))
+
+
+@pytest.mark.parametrize("damage, error, message", [
+    (_retype_norm, CheckpointError, "tensor 'norm.weight' is int8, expected F32, BF16, F16 or F64"),
+    (_drop_down_proj, CheckpointError, "missing tensor 'layers.1.mlp.down_proj.weight'"),
+    (_second_copy, CheckpointError, "tensor 'fc.weight' is in both model-2.safetensors and model.safetensors"),
+    (_extra_layer, ConfigError, "the safetensors hold layer(s) 5, beyond config.json's num_hidden_layers=2"),
+])
+def test_bad_drafter_tensors_are_found_from_the_headers(target, tmp_path, damage, error, message):
+    """An integer drafter tensor was cast and converted, a tensor in two files or a layer past the config's taken
+    silently, and a missing tensor found only after every target layer was converted, which that failure then
+    discarded: all are refused by --dry-run now, before the target is read (issue 46, eighth probe round)."""
+    src, _, drafter = target
+    bad = write_dflash(str(tmp_path / "dflash"), drafter)
+    damage(bad)
+    for dry_run in (True, False):
+        with pytest.raises(error, match=re.escape(message)):
+            convert(src, str(tmp_path / "ckpt"), dtype="float32", drafter=bad, progress=False, dry_run=dry_run)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["dflash"]

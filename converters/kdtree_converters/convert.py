@@ -48,7 +48,7 @@ from kdtree_jax.config import ConfigError, ModelConfig, check_hf_config
 from kdtree_jax.model import abstract_params
 from kdtree_jax.tokenizer import TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE, load_tokenizer
 
-from .hf import drafter_config_from_hf, drafter_from_hf, layer_from_hf, top_from_hf
+from .hf import drafter_config_from_hf, drafter_from_hf, drafter_tensor_shapes, layer_from_hf, top_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = (TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "chat_template.jinja")
@@ -608,7 +608,31 @@ class DrafterSource:
             raise CheckpointError(f"drafter: no .safetensors files in {self.dir}")
         self.tensors = {}
         for f in files:
-            self.tensors.update(read_header(os.path.join(self.dir, f)))
+            for name, t in read_header(os.path.join(self.dir, f)).items():
+                if name in self.tensors:
+                    raise CheckpointError(f"drafter {self.dir}: tensor {name!r} is in both "
+                                          f"{os.path.basename(self.tensors[name].file)} and {f}")
+                self.tensors[name] = t
+        self._check()
+
+    def _check(self) -> None:
+        """From the headers, before the target's layers are converted (a failure after them would discard that work):
+        every tensor the conversion reads is present, float and of its shape, and no layer is beyond the config's."""
+        pre = "model." if "model.fc.weight" in self.tensors else ""
+        for name, shape in drafter_tensor_shapes(self.cfg, pre).items():
+            t = self.tensors.get(name)
+            where = f"drafter {self.dir}"
+            if t is None:
+                raise CheckpointError(f"{where}: missing tensor {name!r}")
+            if t.dtype not in FLOATS or t.dtype in FP8:
+                raise CheckpointError(f"{where}: tensor {name!r} is {t.dtype.name}, expected F32, BF16, F16 or F64")
+            if t.shape != shape:
+                raise CheckpointError(f"{where}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+        layer = re.compile(re.escape(pre) + r"layers\.(\d+)\.")
+        n = self.cfg.num_layers
+        if extra := sorted({int(m[1]) for name in self.tensors if (m := layer.match(name)) and int(m[1]) >= n}):
+            raise ConfigError(f"drafter {self.dir}: the safetensors hold layer(s) {_ids(extra)}, beyond config.json's "
+                              f"num_hidden_layers={self.cfg.num_layers}")
 
     def write(self, out: str) -> dict[str, str]:
         """Read, map and check every tensor, then write out/drafter_config.json and out/params.npz; return the

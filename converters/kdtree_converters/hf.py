@@ -235,6 +235,22 @@ def drafter_config_from_hf(raw: dict, target: ModelConfig):
                          rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1e6))), dtype=target.dtype)
 
 
+def drafter_tensor_shapes(d, pre: str) -> dict[str, tuple[int, ...]]:
+    """The HF name and shape of every tensor drafter_from_hf reads for DrafterConfig d (names under prefix pre)."""
+    h, hq, hk, hd, f = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size
+    out = {f"{pre}fc.weight": (h, len(d.target_layer_ids) * h), f"{pre}hidden_norm.weight": (h,),
+           f"{pre}norm.weight": (h,)}
+    for i in range(d.num_layers):
+        p = f"{pre}layers.{i}"
+        out.update({f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+                    f"{p}.self_attn.q_proj.weight": (hq * hd, h), f"{p}.self_attn.k_proj.weight": (hk * hd, h),
+                    f"{p}.self_attn.v_proj.weight": (hk * hd, h), f"{p}.self_attn.o_proj.weight": (h, hq * hd),
+                    f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,),
+                    f"{p}.mlp.gate_proj.weight": (f, h), f"{p}.mlp.up_proj.weight": (f, h),
+                    f"{p}.mlp.down_proj.weight": (h, f)})
+    return out
+
+
 def drafter_from_hf(get: Getter, has: Callable[[str], bool], d):
     """DFlash drafter weights (DrafterParams of numpy arrays, layers stacked) in the dtype of DrafterConfig d."""
     dt = np.float32 if d.dtype == "float32" else ml_dtypes.bfloat16
