@@ -654,3 +654,15 @@ def test_dry_run_checks_the_top_tensors_fp8_scales_and_int4_placement(case, fp32
         with pytest.raises(CheckpointError, match=re.escape(message)):
             quiet_convert(str(tmp_path / "hf"), str(tmp_path / "out"), dry_run=dry_run)
         assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_names_with_and_without_the_language_model_prefix_are_refused(fp32, tmp_path):
+    """A source whose layer 2 alone carries `language_model.` was reported as missing the (present, unprefixed)
+    embedding (issue 46, eighth probe round)."""
+    def mix(t):
+        for k in [k for k in t if k.startswith("model.layers.2.")]:
+            t[f"language_model.{k}"] = t.pop(k)
+    _edit_tensors(mix)(fp32[1], str(tmp_path / "hf"))
+    with pytest.raises(CheckpointError, match=re.escape("mix names with the 'language_model.' prefix and "
+                                                        "language-model names without it (")):
+        quiet_convert(str(tmp_path / "hf"), str(tmp_path / "out"), dry_run=True)

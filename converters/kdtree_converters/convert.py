@@ -242,6 +242,9 @@ class Source:
         everything = self._read_headers()
         self.num_tensors = len(everything)
         self.prefix = LM_PREFIX if any(n.startswith(LM_PREFIX) for n in everything) else ""
+        if self.prefix and (bare := sorted(n for n in everything if n.startswith(("model.", "lm_head.")))):
+            raise CheckpointError(f"the safetensors mix names with the {LM_PREFIX!r} prefix and language-model names "
+                                  f"without it ({len(bare)}, e.g. {bare[0]!r}): one checkpoint, one naming")
         # DeepSeek-V3's multi-token-prediction modules are extra layers after the last one, with an eh_proj (found
         # from the tensor names: nothing here is sized by the config's counts)
         mtp = {f"model.layers.{m[1]}." for name in everything if name.startswith(self.prefix)
