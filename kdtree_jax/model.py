@@ -192,10 +192,12 @@ def check_model_fits(cfg: ModelConfig, ep: int, tp: int) -> None:
                             f"{cfg.group_size}, not divisible by tp ({tp}): each device must hold whole groups")
     if cfg.num_moe_layers and f % tp:
         raise ShardingError(f"moe_intermediate_size ({f}) is not divisible by tp ({tp})")
-    dense = ([("intermediate_size", cfg.intermediate_size)] if cfg.num_dense_layers else []) + (
-        [("moe_intermediate_size x n_shared_experts", f * cfg.n_shared_experts)]
-        if cfg.num_moe_layers and cfg.n_shared_experts else [])
-    for name, width in dense:  # the dense and shared MLPs' hidden dimension is split over ep x tp
+    widths = []  # the dense and shared MLPs' hidden dimension, split over ep x tp
+    if cfg.num_dense_layers:
+        widths.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.num_moe_layers and cfg.n_shared_experts:
+        widths.append(("moe_intermediate_size x n_shared_experts", f * cfg.n_shared_experts))
+    for name, width in widths:
         if width % (ep * tp):
             raise ShardingError(f"{name} ({width}) is not divisible by ep*tp ({ep * tp})")
 

@@ -528,26 +528,25 @@ def test_safetensors_header_of_adjacent_tensors_is_read(tmp_path):
     assert [(k, v.shape, v.nbytes) for k, v in t.items()] == [("a", (2,), 8), ("b", (0,), 0), ("c", (2,), 8)]
 
 
-def _fp8_edit(fn):
+def _quantized_edit(quantize, fn):
+    """An edit that quantizes the source (quantize(src, out, reference)), applies fn to its tensors and writes the
+    result to dst."""
     def edit(src, dst):
-        cf.to_fp8(src, dst + ".fp8", dst + ".ref", block=(16, 32))
-        tensors, config = cf.read(dst + ".fp8")
+        quantize(src, dst + ".q", dst + ".ref")
+        tensors, config = cf.read(dst + ".q")
         fn(tensors)
         cf.write(dst, tensors, config)
-        shutil.rmtree(dst + ".fp8")
+        shutil.rmtree(dst + ".q")
         shutil.rmtree(dst + ".ref")
     return edit
+
+
+def _fp8_edit(fn):
+    return _quantized_edit(lambda src, out, ref: cf.to_fp8(src, out, ref, block=(16, 32)), fn)
 
 
 def _int4_edit(fn):
-    def edit(src, dst):
-        cf.to_int4(src, dst + ".int4", dst + ".ref")
-        tensors, config = cf.read(dst + ".int4")
-        fn(tensors)
-        cf.write(dst, tensors, config)
-        shutil.rmtree(dst + ".int4")
-        shutil.rmtree(dst + ".ref")
-    return edit
+    return _quantized_edit(cf.to_int4, fn)
 
 
 _E, _Q = "model.layers.1.mlp.experts.3.up_proj", "model.layers.0.self_attn.q_a_proj.weight"
