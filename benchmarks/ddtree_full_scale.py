@@ -255,45 +255,58 @@ def time_calls(call, repeats: int, inner: int = 5) -> tuple[float, float]:
     return float(np.median(samples)), first
 
 
-def time_loop(method: Replayed, params, cfg, s: DecodeState, context: int, steps: int, warmup: int,
+def time_loop(method: Replayed | Traced, params, cfg, s: DecodeState, context: int, steps: int, warmup: int,
               repeats: int) -> tuple[dict, DecodeState]:
     """The compiled loop from `s` (donated): compile, `warmup` steps, then `repeats` pairs of runs of `steps` and
     2 x `steps` steps, each from `context` (`rewind`). Returns the timings (marginal: the difference of the pair over
-    `steps`, at least a tenth of the longer run's mean step), the replayed tau of the timed steps (the mean tokens
-    committed per row and step) and the last state. A `Traced` method starts each pair further along its trace
-    (`Trace.at`: the most positions a run can pass), so that the pairs replay different text, and both runs of a pair
-    from the same place: the longer run's first steps replay the shorter run's, so their difference is the cost of
-    its last `steps` steps (under budget="auto" a step's cost depends on its text, and runs of different text would
-    not subtract: 5.9 ms against 14.9 whole on an H100, 2026-12-07)."""
+    `steps`, at least a tenth of the longer run's mean step; the mean over the pairs), the replayed tau (the mean
+    tokens committed per row and step) with its histogram, and the last state.
+
+    A `Traced` method starts each pair further along its trace (`Trace.at`: the most positions a run can pass), so
+    that the pairs replay different text, and both runs of a pair from the same place: the longer run's first steps
+    replay the shorter run's exactly, so their difference is the time, the tokens and the nodes of its last `steps`
+    steps, and tau is of those steps, the ones the marginal times (under budget="auto" a step's cost and its
+    tokens depend on its text, so both must come from the same steps: runs of different text gave 5.9 ms marginal
+    against 14.9 whole on an H100, 2026-12-07). A `Replayed` method draws its lengths at random: its tau is of every
+    timed step.
+    """
     until = lambda k: jnp.int32(k)
     span = 2 * steps * method.tokens_per_step
-    at = lambda run: (dataclasses.replace(method, trace=method.trace.at(run * span)) if isinstance(method, Traced)
-                      else method)
+    traced_ = isinstance(method, Traced)
+    at = lambda run: dataclasses.replace(method, trace=method.trace.at(run * span)) if traced_ else method
+    counts = lambda s: (np.asarray(s.accepted).sum(axis=0), np.asarray(s.nodes).sum(axis=0))
     with trace_context(params, cfg):
         t0 = time.perf_counter()
         compiled = advance.lower(method, params, cfg, s, until(warmup), sampler=GREEDY).compile()
         compile_s = time.perf_counter() - t0
         s = compiled(at(0), params, s, until(warmup))
         jax.block_until_ready(s.out)
-        before = np.asarray(s.accepted).sum(axis=0)
         whole, marginal = [], []
+        hist, nodes = 0, 0
         for pair in range(repeats):
-            walls = []
+            walls, seen = [], []
             for k in (steps, 2 * steps):
                 s = rewind(s, context)
                 jax.block_until_ready(s.cache.lengths)
+                before = counts(s)
                 t0 = time.perf_counter()
                 s = compiled(at(pair + 1), params, s, until(k))
                 jax.block_until_ready(s.out)
                 walls.append(time.perf_counter() - t0)
                 if int(s.steps) != k:
                     raise RuntimeError(f"the loop ran {int(s.steps)} steps of {k} (rows done early: no room?)")
+                seen.append(tuple(a - b for a, b in zip(counts(s), before)))
             whole.append(walls[0] / steps)  # never <= 0 from noise (as `budget.time_loop`)
             marginal.append(max((walls[1] - walls[0]) / steps, 0.1 * walls[1] / (2 * steps)))
-        hist = np.asarray(s.accepted).sum(axis=0) - before
-    return dict(loop_s=float(np.median(marginal)), loop_whole_s=float(np.median(whole)), loop_compile_s=compile_s,
-                timed_steps=int(3 * steps * repeats), tau_replayed=hist_mean(hist),
-                replayed_histogram=hist.tolist()), s
+            if traced_:  # the longer run's last steps
+                hist, nodes = hist + seen[1][0] - seen[0][0], nodes + seen[1][1] - seen[0][1]
+            else:
+                hist, nodes = hist + seen[0][0] + seen[1][0], nodes + seen[0][1] + seen[1][1]
+    if traced_ and (np.min(hist) < 0 or np.min(nodes) < 0):
+        raise RuntimeError("a pair's runs replayed different steps: the trace's replay is not deterministic")
+    return dict(loop_s=float(np.mean(marginal)), loop_whole_s=float(np.mean(whole)), loop_compile_s=compile_s,
+                timed_steps=int((1 if traced_ else 3) * steps * repeats), tau_replayed=hist_mean(hist),
+                replayed_histogram=hist.tolist(), nodes_histogram=nodes.tolist()), s
 
 
 def time_stages(method: Replayed | Traced, params, cfg, s: DecodeState, repeats: int) -> tuple[dict, float]:
@@ -423,9 +436,8 @@ def run_cell(params, cfg, drafter, batch: int, budget, replay, context: int, arg
     s = loop_state(method, cfg, batch, context, cache_len, room + args.warmup * method.tokens_per_step, rng)
     loop, s = time_loop(method, params, cfg, s, context, args.steps, args.warmup, args.loop_repeats)
     if budget == AUTO:  # its steps are of several programs: no stages to add up
-        nodes = np.asarray(s.nodes).sum(axis=0)
         return dict(C=batch, budget=budget, context=context, nodes=AUTO_MAX + 1, **loop, stages=None, **info,
-                    nodes_histogram=nodes.tolist(), mean_nodes=hist_mean(nodes))
+                    mean_nodes=hist_mean(loop["nodes_histogram"]))
     stages, first = time_stages(method, params, cfg, rewind(s, context), args.repeats)
     del s
     total = sum(stages.values())
@@ -487,10 +499,17 @@ def replay_note(meta: dict) -> str:
             "real each step (draft, tree build, verify, accept, keep), but the tree is built from the embedded "
             "drafter's distributions and accept walks the embedded target's greedy choices, both recorded at each "
             f"row's text position (`benchmarks/trace_replay.py`: {meta.get('trace_texts')} held-out texts of "
-            f"{meta.get('trace_positions')} positions, joined into C streams, each timed run further along them); so "
-            "each step's tree, auto's choice of nodes and the accepted "
-            "length are the embedded pair's (byte tokens), and the tau column is the accept kernel's own. Random "
-            "weights would accept next to nothing.")
+            f"{meta.get('trace_positions')} positions, joined into C streams, each timed pair of runs further along "
+            "them, both runs of a pair from the same place); so "
+            "each step's tree, auto's choice of nodes and the accepted length are the embedded pair's (byte tokens), "
+            "and the tau column is the accept kernel's own, over the steps the marginal times (each pair's longer "
+            "run's last S steps). Random weights would accept next to nothing.")
+
+
+def nodes_scope(meta: dict) -> str:
+    """Which steps a row's mean nodes count: the timed ones since the pairs replay the same text (`loop_stat` mean)."""
+    return ("the steps the marginal times" if meta.get("loop_stat") == "mean"
+            else "every step run, the warm-up's too")
 
 
 def write_report(out_dir: str, meta: dict, rows: list[dict], drafters: list[dict]) -> dict:
@@ -509,9 +528,10 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], drafters: list[dict
              f"{meta['layers']} layers, {meta['params_gb']:.1f} GB of weights on the device, context "
              f"{meta['context']}; the drafter: {meta['drafter']}, its tree built from this device's vocabulary "
              f"shard ({meta['vocab']} tokens). Loop: `decoding.advance` compiled once, runs of {meta['steps']} and "
-             f"{2 * meta['steps']} steps from the same context after {meta['warmup']} warm-up steps, median of "
-             f"{meta['loop_repeats']}; marginal = (2S-step run - S-step run) / S, whole = S-step run / S (a call's "
-             f"entry included). Stages: each jitted alone on the same shapes (the draft given only the target's "
+             f"{2 * meta['steps']} steps from the same context after {meta['warmup']} warm-up steps, "
+             f"{'median' if meta.get('loop_stat', 'median') == 'median' else 'the mean'} of "
+             f"{meta['loop_repeats']} pairs; marginal = (2S-step run - S-step run) / S, whole = S-step run / S (a "
+             f"call's entry included). Stages: each jitted alone on the same shapes (the draft given only the target's "
              f"embedding and lm_head, not its layers' arrays), median of {meta['repeats']} x 5 queued calls. The "
              "state: both caches at the context, zeros (no prefill). No collectives anywhere (those of the mesh are "
              "in the projection).", "",
@@ -537,7 +557,7 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], drafters: list[dict
             lines += ["", f"budget=\"auto\" at C = {r['C']}: tiers {r['tiers']} (largest {r['nodes'] - 1} nodes), its "
                           f"cost model calibrated on this model in {r['calibrate_s']:.0f} s (`budget.calibrate`, "
                           f"plan every {r['replan']} step{'s' * (r['replan'] > 1)}); nodes verified per row and "
-                          f"step: {r['mean_nodes']:.1f} on average (every step run, the warm-up's too). Its steps "
+                          f"step: {r['mean_nodes']:.1f} on average ({nodes_scope(meta)}). Its steps "
                           "run several programs, so no stages are summed."]
     if staged:
         worst = max(staged, key=lambda r: r["ratio"])
@@ -719,7 +739,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, help="cached tokens (default 4096; --small: 256)")
     ap.add_argument("--steps", type=int, default=16, help="S: timed runs of S and 2S loop steps (default 16)")
     ap.add_argument("--warmup", type=int, default=2, help="loop steps of the first (compiling) call")
-    ap.add_argument("--loop-repeats", type=int, default=2, help="pairs of timed loop runs (median)")
+    ap.add_argument("--loop-repeats", type=int, default=4, help="pairs of timed loop runs (mean)")
     ap.add_argument("--repeats", type=int, default=5, help="samples of each stage's timing (median)")
     ap.add_argument("--replay", choices=("trace", "histogram"), default="trace",
                     help="acceptance from the embedded model's trace (trees and accepted paths: trace_replay.py; "
@@ -775,7 +795,8 @@ def main(argv=None) -> int:
                 params_gb=nbytes(params) / 1e9,
                 init_s=init_s, copy_Bps=copy_Bps, copy_measured=jax.default_backend() == "gpu",
                 xla_flags=os.environ.get("XLA_FLAGS", ""), context=context,
-                steps=args.steps, warmup=args.warmup, loop_repeats=args.loop_repeats, repeats=args.repeats,
+                steps=args.steps, warmup=args.warmup, loop_repeats=args.loop_repeats, loop_stat="mean",
+                repeats=args.repeats,
                 vocab=cfg.vocab_size, acceptance=os.path.relpath(os.path.abspath(args.acceptance), HERE),
                 replay=args.replay, embedded_tau={str(b): hist_mean(h) for b, h in hists.items()},
                 drafter=f"{d.num_layers} layer{'s' * (d.num_layers != 1)}, {d.num_heads} heads, {d.num_kv_heads} "
