@@ -262,18 +262,18 @@ def time_loop(method: Replayed | Traced, params, cfg, s: DecodeState, context: i
     `steps`, at least a tenth of the longer run's mean step; the mean over the pairs), the replayed tau (the mean
     tokens committed per row and step) with its histogram, and the last state.
 
-    A `Traced` method starts each pair further along its trace (`Trace.at`: the most positions a run can pass), so
-    that the pairs replay different text, and both runs of a pair from the same place: the longer run's first steps
-    replay the shorter run's exactly, so their difference is the time, the tokens and the nodes of its last `steps`
-    steps, and tau is of those steps, the ones the marginal times (under budget="auto" a step's cost and its
-    tokens depend on its text, so both must come from the same steps: runs of different text gave 5.9 ms marginal
-    against 14.9 whole on an H100, 2026-12-07). A `Replayed` method draws its lengths at random: its tau is of every
-    timed step.
+    A `Traced` method starts the pairs at places spread evenly over its streams (`Trace.at`: pair i at i / repeats of
+    a stream's positions), so that they replay different text, and both runs of a pair at the same place: the longer
+    run's first steps replay the shorter run's exactly (checked: the same tokens), so their difference is the time,
+    the tokens and the nodes of its last `steps` steps, and tau is of those steps, the ones the marginal times. Under
+    budget="auto" a step's cost and its tokens depend on its text, so both must come from the same steps (until
+    810bd4c each run started further along: at C = 1 an H100 gave auto 5.9 ms marginal against 14.9 whole, 2026-12-07).
+    A `Replayed` method draws its lengths at random: its tau is of every timed step.
     """
     until = lambda k: jnp.int32(k)
-    span = 2 * steps * method.tokens_per_step
     traced_ = isinstance(method, Traced)
-    at = lambda run: dataclasses.replace(method, trace=method.trace.at(run * span)) if traced_ else method
+    at = lambda pair: (dataclasses.replace(method, trace=method.trace.at(pair * method.trace.positions // repeats))
+                       if traced_ else method)
     counts = lambda s: (np.asarray(s.accepted).sum(axis=0), np.asarray(s.nodes).sum(axis=0))
     with trace_context(params, cfg):
         t0 = time.perf_counter()
@@ -290,20 +290,25 @@ def time_loop(method: Replayed | Traced, params, cfg, s: DecodeState, context: i
                 jax.block_until_ready(s.cache.lengths)
                 before = counts(s)
                 t0 = time.perf_counter()
-                s = compiled(at(pair + 1), params, s, until(k))
+                s = compiled(at(pair), params, s, until(k))
                 jax.block_until_ready(s.out)
                 walls.append(time.perf_counter() - t0)
                 if int(s.steps) != k:
                     raise RuntimeError(f"the loop ran {int(s.steps)} steps of {k} (rows done early: no room?)")
                 seen.append(tuple(a - b for a, b in zip(counts(s), before)))
+                if traced_:  # the longer run's first steps must be the shorter run's: the same tokens committed
+                    out, num = np.asarray(s.out), np.asarray(s.num_out)
+                    if k == steps:
+                        short = (out, num)
+                    elif any(not np.array_equal(out[r, :n], short[0][r, :n]) for r, n in enumerate(short[1])):
+                        raise RuntimeError("a pair's runs replayed different steps: the trace's replay is not "
+                                           "deterministic, and their difference would not be the last steps'")
             whole.append(walls[0] / steps)  # never <= 0 from noise (as `budget.time_loop`)
             marginal.append(max((walls[1] - walls[0]) / steps, 0.1 * walls[1] / (2 * steps)))
             if traced_:  # the longer run's last steps
                 hist, nodes = hist + seen[1][0] - seen[0][0], nodes + seen[1][1] - seen[0][1]
             else:
                 hist, nodes = hist + seen[0][0] + seen[1][0], nodes + seen[0][1] + seen[1][1]
-    if traced_ and (np.min(hist) < 0 or np.min(nodes) < 0):
-        raise RuntimeError("a pair's runs replayed different steps: the trace's replay is not deterministic")
     return dict(loop_s=float(np.mean(marginal)), loop_whole_s=float(np.mean(whole)), loop_compile_s=compile_s,
                 timed_steps=int((1 if traced_ else 3) * steps * repeats), tau_replayed=hist_mean(hist),
                 replayed_histogram=hist.tolist(), nodes_histogram=nodes.tolist()), s
@@ -499,8 +504,8 @@ def replay_note(meta: dict) -> str:
             "real each step (draft, tree build, verify, accept, keep), but the tree is built from the embedded "
             "drafter's distributions and accept walks the embedded target's greedy choices, both recorded at each "
             f"row's text position (`benchmarks/trace_replay.py`: {meta.get('trace_texts')} held-out texts of "
-            f"{meta.get('trace_positions')} positions, joined into C streams, each timed pair of runs further along "
-            "them, both runs of a pair from the same place); so "
+            f"{meta.get('trace_positions')} positions, joined into C streams, the timed pairs of runs spread evenly "
+            "over them, both runs of a pair from the same place); so "
             "each step's tree, auto's choice of nodes and the accepted length are the embedded pair's (byte tokens), "
             "and the tau column is the accept kernel's own, over the steps the marginal times (each pair's longer "
             "run's last S steps). Random weights would accept next to nothing.")
