@@ -738,9 +738,9 @@ def main(argv=None) -> int:
                     "--small: 8,16); auto's cost model is measured at each C first (`budget.calibrate`)")
     ap.add_argument("--drafters", type=ints, help="batch sizes of the drafter-alone timing (default: 1,10; "
                     "--small: 1,2; 0: none)")
-    ap.add_argument("--draft-attention", choices=("xla", "cudnn"), default="xla",
+    ap.add_argument("--draft-attention", choices=("xla", "cudnn", "ffi"), default="xla",
                     help="the drafter-alone rows' attention (`drafter.block_attention`; default xla, what the loop's "
-                         "drafter runs)")
+                         "drafter runs unless --ffi-ops names draft_attention; ffi: the custom call)")
     ap.add_argument("--context", type=int, help="cached tokens (default 4096; --small: 256)")
     ap.add_argument("--steps", type=int, default=16, help="S: timed runs of S and 2S loop steps (default 16)")
     ap.add_argument("--warmup", type=int, default=2, help="loop steps of the first (compiling) call")

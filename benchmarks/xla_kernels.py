@@ -66,7 +66,7 @@ device_description_str: "NVIDIA H200"
 # GPU kernels each custom call launches at small M, as the H200 profiles show them (docs/full_scale.md): marlin_moe's
 # stream path align + gate/up + down + combine; mla_verify's kernel + its split combine.
 KERNELS_PER_CALL = {"kdtree_marlin_moe": 4, "kdtree_marlin_moe_fused": 2, "kdtree_mla_verify": 2, "kdtree_mla_pre": 1,
-                    "kdtree_fused_dot": 1,
+                    "kdtree_fused_dot": 1, "kdtree_draft_attention": 2,
                     "kdtree_moe_route": 1, "kdtree_tree_build": 1, "kdtree_tree_accept": 1}
 NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "bitcast", "tuple", "after-all", "partition-id",
                "replica-id", "opt-barrier"}
@@ -465,8 +465,9 @@ def main(argv=None) -> int:
     ap.add_argument("--program", choices=("step", "draft"), default="step",
                     help="step: the target's verify step (cells BxT); draft: the drafter's block (cells Bx8: batch "
                          "x the block; its layers are the difference of --layers + 1 and --layers drafter layers)")
-    ap.add_argument("--attention", choices=("xla", "cudnn"), default="xla", help="--program draft: the drafter's "
-                    "attention (`drafter.block_attention`; default xla, what the drafter runs)")
+    ap.add_argument("--attention", choices=("xla", "cudnn", "ffi"), default="xla", help="--program draft: the "
+                    "drafter's attention (`drafter.block_attention`; default xla, what the drafter runs unless ffi_ops "
+                    "has draft_attention; ffi: the custom call, counted as 2 launches)")
     ap.add_argument("--no-flags", action="store_true", help="compile without the XLA flags the kdtree-jax commands "
                     "set (kdtree_jax.xla_flags.GPU_FLAGS); with them by default")
     ap.add_argument("--hlo", action="store_true", help="also write each cell's optimized HLO (L + 1 layers) to --out")

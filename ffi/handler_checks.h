@@ -1,6 +1,6 @@
-// Shared by the C++ (CPU) and CUDA handlers of mla_verify, marlin_moe, moe_route and fused_dot: the operand-shape
-// checks (one rule per op for both platforms, with the same error text) and, in CUDA builds, CUDA status ->
-// ffi::Error.
+// Shared by the C++ (CPU) and CUDA handlers of mla_verify, marlin_moe, moe_route, fused_dot and draft_attention:
+// the operand-shape checks (one rule per op for both platforms, with the same error text) and, in CUDA builds,
+// CUDA status -> ffi::Error.
 #pragma once
 
 #include <cstdint>
@@ -179,6 +179,38 @@ inline xffi::Error CheckFusedDot(const xffi::AnyBuffer& x, const xffi::AnyBuffer
   }
   if (d.want_xn && xns != d.m * d.k) return bad("xn must be [M, K] or empty");
   *shape = d;
+  return xffi::Error::Success();
+}
+
+// draft_attention: q [B, T, H, D], ck and cv [B, S, G, D], kb and vb [B, T, G, D] with G dividing H, lengths [B],
+// out as q; one dtype for all five inputs and out (which one is the handler's to check).
+struct DraftShape {
+  int64_t b, t, h, g, s, d;
+};
+
+inline xffi::Error CheckDraftShape(const xffi::AnyBuffer& q, const xffi::AnyBuffer& ck, const xffi::AnyBuffer& cv,
+                                   const xffi::AnyBuffer& kb, const xffi::AnyBuffer& vb, size_t lengths,
+                                   const xffi::AnyBuffer& out, DraftShape* shape) {
+  const Dims qd = q.dimensions(), cd = ck.dimensions(), bd = kb.dimensions();
+  const bool four = qd.size() == 4 && cd.size() == 4 && bd.size() == 4 && cv.dimensions().size() == 4 &&
+                    vb.dimensions().size() == 4 && out.dimensions().size() == 4;
+  bool same = four;
+  for (int i = 0; same && i < 4; ++i) {
+    same = cv.dimensions()[i] == cd[i] && vb.dimensions()[i] == bd[i] && out.dimensions()[i] == qd[i];
+  }
+  if (!same || cd[0] != qd[0] || bd[0] != qd[0] || bd[1] != qd[1] || bd[2] != cd[2] || cd[3] != qd[3] ||
+      bd[3] != qd[3] || cd[2] < 1 || qd[2] % cd[2] != 0 || lengths != static_cast<size_t>(qd[0])) {
+    return xffi::Error::InvalidArgument(
+        "draft_attention: expected q [B, T, H, D], ck/cv [B, S, G, D], kb/vb [B, T, G, D] with G dividing H, "
+        "lengths [B], out as q; got q " + (four ? ShapeString(qd) + " ck " + ShapeString(cd) + " kb " +
+        ShapeString(bd) : std::string("(not all 4-D)")));
+  }
+  const xffi::DataType t = q.element_type();
+  if (ck.element_type() != t || cv.element_type() != t || kb.element_type() != t || vb.element_type() != t ||
+      out.element_type() != t) {
+    return xffi::Error::InvalidArgument("draft_attention: q, ck, cv, kb, vb and out must share one dtype");
+  }
+  *shape = DraftShape{qd[0], qd[1], qd[2], cd[2], cd[1], qd[3]};
   return xffi::Error::Success();
 }
 

@@ -494,12 +494,13 @@ def _common(g: argparse.ArgumentParser, hosts: bool = True) -> None:
                    help="custom calls (ffi) or their pure-JAX references (xla). Default: the model's setting")
     g.add_argument("--ffi-ops", default=None, metavar="OPS",
                    help="with custom calls, only these (comma-separated, from tree_build, tree_accept, mla_verify, "
-                        "marlin_moe, moe_route, move_rows, mla_pre, fused_dot; the rest in "
+                        "marlin_moe, moe_route, move_rows, mla_pre, fused_dot, draft_attention; the rest in "
                         "pure JAX), "
                         "e.g. 'tree_build,tree_accept' for "
                         "a small fp32 model whose attention and experts are off the CUDA fast paths. Default: all "
                         "but fused_dot (a layer's dense weights with their norms and residual adds in four "
-                        "launches: no faster in the step so far). Implies --kernels ffi")
+                        "launches: no faster in the step so far) and draft_attention (the drafter's block "
+                        "attention in one launch: not yet run on a GPU). Implies --kernels ffi")
     if not hosts:
         return
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",

@@ -20,7 +20,8 @@ from .validate import shown
 DTYPES = ("float32", "bfloat16")
 EXPERT_FORMATS = ("bf16", "int4")
 KERNELS = ("xla", "ffi", "dense")
-FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "move_rows", "mla_pre", "fused_dot")
+FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "move_rows", "mla_pre", "fused_dot",
+           "draft_attention")
 # The custom calls kernels="ffi" runs unless ffi_ops names others. move_rows (the accepted
 # rows of every layer's caches moved in one launch) is on: its GPU tests pass and, on an H100 (2026-12-06), XLA's move
 # took 118-170 µs a step at 61 layers where the custom call's was below the wall-clock method's resolution. mla_pre
@@ -30,6 +31,8 @@ FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route",
 # opt-in: on an H100 (2026-12-06) the 40-layer step at 1 x 1 was 1.02x at best, and with it greedy ddtree left ar on
 # the GPU once (docs/full_scale.md). Two custom calls measured slower than XLA's operations were removed (2026-12-07):
 # small_dot (the dense matmuls of a decode or verify step) and l2_prefetch (a layer's next weights asked into L2).
+# draft_attention (the drafter's block attention in one launch for ~12 kernels a layer) is opt-in: its CUDA kernel
+# has not run on a GPU yet (2026-12-07).
 DEFAULT_FFI_OPS = ("tree_build", "tree_accept", "mla_verify", "marlin_moe", "moe_route", "move_rows", "mla_pre")
 CACHE_SHARDINGS = ("replicated", "sequence")
 

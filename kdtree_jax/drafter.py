@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .config import ConfigError, ModelConfig
+from .kernels.draft_attention import draft_attention
 from .kernels.mla_verify import combine_lse
 from .model import (ArrayInfo, KVCache, Params, embed, init_from_info, naive_attention_lse, rms_norm, stack_info, step,
                     write_rows)
@@ -175,10 +176,12 @@ class Drafter:
 
     def propose(self, target: Params, cfg: ModelConfig, state: DraftCache, cache: KVCache, bonus: jax.Array,
                 key: jax.Array) -> jax.Array:
-        """One forward of the block (`draft`), its attention XLA's one softmax: cuDNN's two flash attentions
-        (`block_attention` "cudnn") were slower for one device's share of the K2.5-DFlash drafter (H100, 2026-12-06:
-        1.11 against 0.80 ms a draft at batch 1, 1.33 against 1.26 at 10; docs/full_scale.md)."""
-        return draft(self, target, state, cache.lengths, bonus)
+        """One forward of the block (`draft`), its attention XLA's one softmax, or the custom call where the target's
+        config asks for it (ffi_ops "draft_attention"; not partitioned, so not on a mesh). cuDNN's two flash
+        attentions (`block_attention` "cudnn") were slower for one device's share of the K2.5-DFlash drafter (H100,
+        2026-12-06: 1.11 against 0.80 ms a draft at batch 1, 1.33 against 1.26 at 10; docs/full_scale.md)."""
+        ffi = cfg.impl("draft_attention") == "ffi" and current_mesh() is None
+        return draft(self, target, state, cache.lengths, bonus, attention="ffi" if ffi else "xla")
 
 
 @struct.dataclass
@@ -323,25 +326,14 @@ def block_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, kb: jax.Array, v
     lengths[b] and the whole block's kb, vb [B, bs, G, hd] (G heads, each shared by H / G query heads). Returns
     [B, bs, H, hd] in q's dtype.
 
-    impl "xla": one softmax over the context and the block together (the reference, and what the drafter runs).
-    "cudnn": the two parts as cuDNN's flash attention each (`model.naive_attention_lse`: two launches where XLA
-    makes ~13 kernels of the scores, masks, softmax and products), joined by their log-sum-exp
-    (`split_block_attention`); fewer kernels, but slower at one device's share of the K2.5-DFlash drafter (H100,
-    2026-12-06), faster only replicated at batch 10."""
-    if impl != "xla":
-        return split_block_attention(q, ck, cv, kb, vb, lengths, scale, impl).astype(q.dtype)
-    b, bs, h, hd = q.shape
-    g, f32 = ck.shape[2], jnp.float32
-    q = q.reshape(b, bs, g, h // g, hd)
-    seen = jnp.arange(ck.shape[1])[None, :] < lengths[:, None]  # [B, S]
-    s_ctx = jnp.einsum("btgrk,bsgk->btgrs", q, ck, preferred_element_type=f32) * scale
-    s_blk = jnp.einsum("btgrk,bugk->btgru", q, kb, preferred_element_type=f32) * scale
-    s_ctx = jnp.where(seen[:, None, None, None, :], s_ctx, -jnp.inf)
-    probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
-    s = ck.shape[1]
-    o = (jnp.einsum("btgrs,bsgk->btgrk", probs[..., :s].astype(q.dtype), cv)
-         + jnp.einsum("btgru,bugk->btgrk", probs[..., s:].astype(q.dtype), vb))
-    return o.reshape(b, bs, h, hd)
+    impl "xla": one softmax over the context and the block together (`kernels.draft_attention_ref`, the reference;
+    XLA makes ~12 kernels of it a layer). "ffi": the same as one custom call (`kernels.draft_attention`, opt-in:
+    ffi_ops "draft_attention"). "cudnn": the two parts as cuDNN's flash attention each
+    (`model.naive_attention_lse`), joined by their log-sum-exp (`split_block_attention`); fewer kernels, but slower
+    at one device's share of the K2.5-DFlash drafter (H100, 2026-12-06), faster only replicated at batch 10."""
+    if impl in ("xla", "ffi"):
+        return draft_attention(q, ck, cv, kb, vb, lengths, scale, impl=impl)
+    return split_block_attention(q, ck, cv, kb, vb, lengths, scale, impl).astype(q.dtype)
 
 
 def split_block_attention(q, ck, cv, kb, vb, lengths, scale: float, impl: str) -> jax.Array:

@@ -21,6 +21,10 @@
 #                                                    # drafter rows, 1/8 and replicated, batch 1 and 10): XLA's
 #                                                    # attention with the XLA flags without and with the dot-merger
 #                                                    # pass disabled, then cuDNN's; its attention's GPU tests
+#   OUT=/tmp/out SKIP_TESTS=1 bash scripts/gpu_small_m.sh draftattn  # the drafter's block attention as one custom
+#                                                    # call (draft_attention): its GPU tests, under compute-sanitizer
+#                                                    # memcheck too; then the drafter alone (1/8 and replicated,
+#                                                    # batch 1 and 10) with XLA's attention and with the custom call
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fused  # the fused decode path of marlin_moe (FLAG_FUSED): its GPU tests,
 #                                                    # the MoE alone at one device's M (defaults against +fused),
 #                                                    # then, where the GPU holds the full step (H200), the full step
@@ -166,6 +170,18 @@ drafter)  # the K2.5-DFlash-shaped drafter alone (sharded 1/8 and replicated, ba
     --time-limit 0 --draft-attention cudnn --out "$OUT/results/drafter_cudnn" --commit "$KDTREE_COMMIT"
   step drafter_tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_model.py \
     tests/test_long_context.py -k gpu
+  ;;
+draftattn)  # the drafter's block attention as one custom call: correctness first (tests, then memcheck of the
+  # smallest GPU cases), then the drafter alone with XLA's attention and with the custom call, the XLA flags on both
+  step draftattn_tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider \
+    tests/test_draft_attention.py -k gpu
+  step draftattn_memcheck 150 env JAX_PLATFORMS=cuda,cpu compute-sanitizer --tool memcheck --error-exitcode 1 \
+    python3 -m pytest -q -p no:cacheprovider "tests/test_draft_attention.py::test_gpu_kernel_equals_float64_softmax[3-4-8-2-16-100-1-bfloat16]" \
+    "tests/test_draft_attention.py::test_gpu_kernel_equals_float64_softmax[3-4-8-2-16-100-7-float32]"
+  step drafter 200 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
+    --time-limit 0 --draft-attention xla --out "$OUT/results/drafter" --commit "$KDTREE_COMMIT"
+  step drafter_ffi 200 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
+    --time-limit 0 --draft-attention ffi --out "$OUT/results/drafter_ffi" --commit "$KDTREE_COMMIT"
   ;;
 fused)
   step fused_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_marlin_moe.py \

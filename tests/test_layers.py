@@ -12,7 +12,7 @@ PACKAGE = ROOT / "kdtree_jax"
 LAYERS = [
     {"config", "configs", "corpus", "quant", "tokenizer", "validate", "xla_flags"},
     {"kernels", "kernels._registry", "kernels.marlin_moe", "kernels.mla_verify", "kernels.moe_route",
-     "kernels.move_rows", "kernels.mla_pre", "kernels.fused_dot",
+     "kernels.move_rows", "kernels.mla_pre", "kernels.fused_dot", "kernels.draft_attention",
      "kernels.tree_accept", "kernels.tree_build", "distributed"},
     {"sharding"},
     {"model"},

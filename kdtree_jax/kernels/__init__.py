@@ -5,6 +5,7 @@ The FFI libraries are built from `ffi/` by the package's CMake build and registe
 (`_registry.register`).
 """
 
+from .draft_attention import draft_attention, draft_attention_ref
 from .fused_dot import fused_dot, fused_dot_ref
 from .marlin_moe import marlin_moe, marlin_moe_ref
 from .mla_pre import mla_pre, mla_pre_ref
@@ -18,3 +19,4 @@ __all__ = ["Accepted", "Tree", "mla_verify", "mla_verify_ref", "tree_accept", "t
            "tree_build_ref"]
 __all__ += ["marlin_moe", "marlin_moe_ref", "moe_route", "moe_route_ref"]
 __all__ += ["move_rows", "move_rows_ref", "mla_pre", "mla_pre_ref", "fused_dot", "fused_dot_ref"]
+__all__ += ["draft_attention", "draft_attention_ref"]

@@ -32,6 +32,7 @@ CPU_TARGETS = {
     "kdtree_move_rows": "KdMoveRowsCpu",
     "kdtree_mla_pre": "KdMlaPreCpu",
     "kdtree_fused_dot": "KdFusedDotCpu",
+    "kdtree_draft_attention": "KdDraftAttentionCpu",
 }
 CUDA_TARGETS = {
     "kdtree_tree_build": "KdTreeBuildCuda",
@@ -43,6 +44,7 @@ CUDA_TARGETS = {
     "kdtree_move_rows": "KdMoveRowsCuda",
     "kdtree_mla_pre": "KdMlaPreCuda",
     "kdtree_fused_dot": "KdFusedDotCuda",
+    "kdtree_draft_attention": "KdDraftAttentionCuda",
 }
 
 _cuda_error: str | None = None
