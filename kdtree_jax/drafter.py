@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -27,7 +28,7 @@ from .kernels.draft_attention import draft_attention
 from .kernels.mla_verify import combine_lse
 from .model import (ArrayInfo, KVCache, Params, embed, init_from_info, naive_attention_lse, rms_norm, stack_info, step,
                     write_rows)
-from .sharding import current_mesh, fitting_sharding, logical_to_spec
+from .sharding import current_mesh, draft_head_parallel, draft_heads_split, fitting_sharding, logical_to_spec
 from .validate import is_integer, is_real, shown
 
 
@@ -177,10 +178,11 @@ class Drafter:
     def propose(self, target: Params, cfg: ModelConfig, state: DraftCache, cache: KVCache, bonus: jax.Array,
                 key: jax.Array) -> jax.Array:
         """One forward of the block (`draft`), its attention XLA's one softmax, or the custom call where the target's
-        config asks for it (ffi_ops "draft_attention"; not partitioned, so not on a mesh). cuDNN's two flash
+        config asks for it (ffi_ops "draft_attention"; on a mesh per shard of heads, where they split evenly).
+        cuDNN's two flash
         attentions (`block_attention` "cudnn") were slower for one device's share of the K2.5-DFlash drafter (H100,
         2026-12-06: 1.11 against 0.80 ms a draft at batch 1, 1.33 against 1.26 at 10; docs/full_scale.md)."""
-        ffi = cfg.impl("draft_attention") == "ffi" and current_mesh() is None
+        ffi = cfg.impl("draft_attention") == "ffi" and draft_heads_split(self.cfg.num_heads, self.cfg.num_kv_heads)
         return draft(self, target, state, cache.lengths, bonus, attention="ffi" if ffi else "xla")
 
 
@@ -331,6 +333,8 @@ def block_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, kb: jax.Array, v
     ffi_ops "draft_attention"). "cudnn": the two parts as cuDNN's flash attention each
     (`model.naive_attention_lse`), joined by their log-sum-exp (`split_block_attention`); fewer kernels, but slower
     at one device's share of the K2.5-DFlash drafter (H100, 2026-12-06), faster only replicated at batch 10."""
+    if impl == "ffi" and current_mesh() is not None:  # per shard of heads (the caller checked `draft_heads_split`)
+        return draft_head_parallel(partial(draft_attention, impl="ffi"), q, ck, cv, kb, vb, lengths, scale)
     if impl in ("xla", "ffi"):
         return draft_attention(q, ck, cv, kb, vb, lengths, scale, impl=impl)
     return split_block_attention(q, ck, cv, kb, vb, lengths, scale, impl).astype(q.dtype)

@@ -143,6 +143,27 @@ def mla_head_parallel(attend, q_lat, q_pe, latent, k_pe, lengths, tree_mask, sca
                          out_specs=heads, check_vma=False)(q_lat, q_pe, latent, k_pe, lengths, tree_mask)
 
 
+def draft_heads_split(heads: int, kv_heads: int) -> bool:
+    """Whether `draft_head_parallel` can run the drafter's block attention per shard on the current mesh: the query
+    heads split evenly over the model axes, and the key/value heads too or a single one (replicated)."""
+    mesh = current_mesh()
+    n = 1 if mesh is None else mesh.shape["ep"] * mesh.shape["tp"]
+    return heads % n == 0 and (kv_heads % n == 0 or kv_heads == 1)
+
+
+def draft_head_parallel(attend, q, ck, cv, kb, vb, lengths, scale):
+    """The drafter's block-attention kernel per shard (`draft_heads_split` must hold): query heads split over
+    ("ep", "tp"), the key/value heads with them (each shard's query heads use its own kv heads) or, when there is
+    one, replicated; the batch over "dp". No communication."""
+    mesh = current_mesh()
+    bt = _batch_axis(mesh, q.shape[0])
+    heads = P(bt, None, MODEL_AXES, None)
+    kv = heads if ck.shape[2] > 1 else P(bt, None, None, None)
+    fn = lambda q, ck, cv, kb, vb, ln: attend(q, ck, cv, kb, vb, ln, scale)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(heads, kv, kv, kv, kv, P(bt)), out_specs=heads,
+                         check_vma=False)(q, ck, cv, kb, vb, lengths)
+
+
 MODEL_AXES = ("ep", "tp")
 
 

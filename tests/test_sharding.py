@@ -259,3 +259,40 @@ def test_sharded_drafter_equals_replicated(model, kv_heads):
     assert rel_err(got, want) <= 1e-5
     out = kj.generate(target, cfg, PROMPTS, max_new_tokens=8, method="ddtree", drafter=sharded, budget=8)
     assert out.tokens == ref["ar"]
+
+
+@pytest.mark.parametrize("kv_heads", [8, 1])
+def test_sharded_drafter_with_the_attention_custom_call(model, kv_heads):
+    """The drafter's block attention as the custom call on a mesh (`sharding.draft_head_parallel`: per shard of
+    query heads, the kv heads with them or the one replicated): its draft logits equal the unsharded XLA
+    drafter's, and greedy ddtree with ffi_ops draft_attention gives the AR tokens."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from kdtree_jax.drafter import append_context, draft, init_draft_cache, shard_drafter
+    from kdtree_jax.sharding import draft_heads_split, trace_context
+
+    cfg, params, _, _, ref = model
+    mesh = kj.make_mesh(**FFI_MESH)
+    drafter = kj.init_drafter(cfg, jax.random.key(4), num_layers=2, block_size=4, num_heads=8, num_kv_heads=kv_heads,
+                              intermediate_size=256)
+    sharded, target = shard_drafter(drafter, mesh), kj.shard_params(params, cfg, mesh)
+    hidden = jnp.asarray(np.random.default_rng(6).standard_normal((cfg.num_hidden_layers, 2, 6, cfg.hidden_size)),
+                         jnp.float32)
+
+    def run(dr, tp, impl):
+        cache = append_context(dr, init_draft_cache(dr.cfg, 2, 16), hidden, jnp.zeros((2,), jnp.int32))
+        return draft(dr, tp, cache, jnp.asarray([6, 3], jnp.int32), jnp.asarray([3, 7], jnp.int32), attention=impl)
+
+    want = jax.jit(lambda d, p: run(d, p, "xla"))(drafter, params)
+    with trace_context(target, cfg):
+        assert draft_heads_split(8, kv_heads)
+        got = jax.jit(lambda d, p: run(d, p, "ffi"))(sharded, target)
+        hlo = jax.jit(lambda d, p: run(d, p, "ffi")).lower(sharded, target).as_text()
+    assert "kdtree_draft_attention" in hlo
+    assert rel_err(got, want) <= 1e-5
+    on = dataclasses.replace(cfg, kernels="ffi", ffi_ops=(*cfg.ffi_ops, "draft_attention"))
+    out = kj.generate(kj.shard_params(params, on, mesh), on, PROMPTS, max_new_tokens=8, method="ddtree",
+                      drafter=sharded, budget=8)
+    assert out.tokens == ref["ar"]

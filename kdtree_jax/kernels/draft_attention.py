@@ -73,7 +73,7 @@ def draft_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, kb: jax.Array, v
 
     impl="ffi": the custom call (C++ on CPU; CUDA for head dims up to 128, else the reference); impl="xla":
     `draft_attention_ref`. num_splits overrides `plan_splits` (benchmarks). Not partitioned: under a mesh, call it
-    per device (the drafter's heads are split by the mesh, so each device has its own).
+    per shard of heads (`sharding.draft_head_parallel`, as `drafter.block_attention` does).
     """
     _check(q, ck, cv, kb, vb, lengths, scale)
     if impl == "xla":
