@@ -22,6 +22,10 @@ inline uint16_t Bf16Bits(float x) {  // round to nearest even, NaN stays NaN
   return static_cast<uint16_t>(u >> 16);
 }
 
+// float -> the handler's element type (fp32 as is, bf16 rounded to nearest even)
+inline void FromFloat(float x, float* out) { *out = x; }
+inline void FromFloat(float x, uint16_t* out) { *out = Bf16Bits(x); }
+
 // fp32 dot product with eight running sums (vectorizes without reassociation flags).
 inline float Dot(const float* a, const float* b, int64_t n) {
   float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};

@@ -19,7 +19,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <string>
 
 #include "handler_checks.h"
 #include "xla/ffi/api/ffi.h"
@@ -277,8 +276,7 @@ ffi::Error DraftAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   } else {
     return ffi::Error::InvalidArgument("draft_attention: dtype must be float32 or bfloat16");
   }
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string("draft_attention (CUDA): ") + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return kdtree::CudaStatus(e, "draft_attention (CUDA)", "launch");
 }
 
 }  // namespace

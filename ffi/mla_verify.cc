@@ -26,10 +26,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 using kdtree::Dot;
+using kdtree::FromFloat;
 using kdtree::ToFloat;
-
-inline void FromFloat(float x, float* out) { *out = x; }
-inline void FromFloat(float x, uint16_t* out) { *out = kdtree::Bf16Bits(x); }
 
 using Dims = kdtree::MlaShape;
 
