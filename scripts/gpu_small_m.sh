@@ -23,8 +23,10 @@
 #                                                    # pass disabled, then cuDNN's; its attention's GPU tests
 #   OUT=/tmp/out SKIP_TESTS=1 bash scripts/gpu_small_m.sh draftattn  # the drafter's block attention as one custom
 #                                                    # call (draft_attention): its GPU tests, under compute-sanitizer
-#                                                    # memcheck too; then the drafter alone (1/8 and replicated,
-#                                                    # batch 1 and 10) with XLA's attention and with the custom call
+#                                                    # memcheck too; the call alone against XLA's operations
+#                                                    # (benchmarks/draft_attention.py); then the drafter alone
+#                                                    # (1/8 and replicated, batch 1 and 10) with XLA's attention
+#                                                    # and with the custom call
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fused  # the fused decode path of marlin_moe (FLAG_FUSED): its GPU tests,
 #                                                    # the MoE alone at one device's M (defaults against +fused),
 #                                                    # then, where the GPU holds the full step (H200), the full step
@@ -177,7 +179,11 @@ draftattn)  # the drafter's block attention as one custom call: correctness firs
     tests/test_draft_attention.py -k gpu
   step draftattn_memcheck 150 env JAX_PLATFORMS=cuda,cpu compute-sanitizer --tool memcheck --error-exitcode 1 \
     python3 -m pytest -q -p no:cacheprovider "tests/test_draft_attention.py::test_gpu_kernel_equals_float64_softmax[3-4-8-2-16-100-1-bfloat16]" \
-    "tests/test_draft_attention.py::test_gpu_kernel_equals_float64_softmax[3-4-8-2-16-100-7-float32]"
+    "tests/test_draft_attention.py::test_gpu_kernel_equals_float64_softmax[3-4-8-2-16-100-7-float32]" \
+    "tests/test_draft_attention.py::test_gpu_kernel_equals_float64_softmax[2-3-6-3-20-90-5-bfloat16]" \
+    "tests/test_draft_attention.py::test_gpu_kernel_equals_float64_softmax[2-8-8-1-112-300-256-bfloat16]"
+  step draftattn_alone 150 python3 benchmarks/draft_attention.py --out "$OUT/results/draft_attention" \
+    --commit "$KDTREE_COMMIT"
   step drafter 200 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
     --time-limit 0 --draft-attention xla --out "$OUT/results/drafter" --commit "$KDTREE_COMMIT"
   step drafter_ffi 200 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
