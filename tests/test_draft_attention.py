@@ -145,3 +145,21 @@ def test_gpu_kernel_equals_float64_softmax(dtype, b, t, h, g, d, s, splits):
     rng = np.random.default_rng(b + h + d)
     args = _inputs(rng, b, t, h, g, d, s, dtype, device=jax.devices("gpu")[0])
     _check(args, d ** -0.5, dtype, num_splits=splits)
+
+
+def test_benchmark_smoke(tmp_path):
+    """benchmarks/draft_attention.py --small runs on the CPU (the C++ handler) and writes its table, numbers and
+    plot: XLA's row first, then the custom call at each split count asked for."""
+    import json
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import draft_attention as bench
+    assert bench.main(["--small", "--out", str(tmp_path), "--batches", "2", "--shapes", "sharded",
+                       "--splits", "3"]) == 0
+    saved = json.load(open(tmp_path / "draft_attention.json"))
+    assert [(r["form"], r["splits"]) for r in saved["rows"]] == [("xla", None), ("ffi", 3)]
+    # the context's keys and values below the length (64 + the block's 8), the queries and the output; f32
+    assert saved["rows"][0]["bytes"] == 4 * 2 * 112 * (2 * 1 * (64 + 8) + 2 * 8 * 8)
+    assert (tmp_path / "draft_attention.png").stat().st_size > 0
+    assert "| sharded | 8 / 1, 112 | 2 | ffi | 3 |" in (tmp_path / "draft_attention.md").read_text()
