@@ -397,12 +397,21 @@ def draft_bytes(drafter, params, dcache, context: int) -> float:
 def time_draft(drafter, params, cfg, batch: int, context: int, repeats: int, copy_Bps: float, kind: str,
                attention: str) -> dict:
     """The drafter's step alone (`drafter.draft`: the block's logits, its attention on `attention`) after `context`
-    tokens, and its bytes floor."""
+    tokens, and its bytes floor; on a GPU also "profile": its kernels' busy time and span a step and the 16 kernel
+    families that take the most ([family, launches, µs] a step)."""
     dcache = init_draft_cache(drafter.cfg, batch, context + 16)
     lengths, bonus = jnp.full((batch,), context, jnp.int32), jnp.zeros((batch,), jnp.int32)
     fn, io = jax.jit(partial(draft, attention=attention)), target_io(params)
     with trace_context(params, cfg):
         step_s, _ = time_calls(lambda: fn(drafter, io, dcache, lengths, bonus), repeats)
+        prof = {}
+        if jax.default_backend() == "gpu":  # where the step's time goes: its kernels under the profiler, 5 calls
+            from profile_tools import profile_calls, top_kernels
+            p = profile_calls(lambda: fn(drafter, io, dcache, lengths, bonus), (), 5)
+            prof = dict(busy_us=p["busy_us"], span_us=p["span_us"],
+                        kernels=[[k, round(n, 2), round(us, 2)] for k, n, us in top_kernels(p, 16)])
+            print(f"drafter {kind} batch {batch}: GPU busy {p['busy_us']:.0f} µs, span {p['span_us']:.0f} µs; "
+                  + ", ".join(f"{k} {n:g}x {us:.0f} µs" for k, n, us in prof["kernels"]), flush=True)
     byts = draft_bytes(drafter, params, dcache, context)
     fc = nbytes(drafter.params.fc) + nbytes(drafter.params.hidden_norm)
     d = drafter.cfg
@@ -411,7 +420,7 @@ def time_draft(drafter, params, cfg, batch: int, context: int, repeats: int, cop
                 floor_s=byts / copy_Bps,
                 floor_fc_s=(byts + fc) / copy_Bps,
                 layers=d.num_layers, heads=d.num_heads, kv_heads=d.num_kv_heads, head_dim=d.head_dim,
-                intermediate=d.intermediate_size)
+                intermediate=d.intermediate_size, profile=prof)
 
 
 def cell_method(params, cfg, drafter, batch: int, budget, replay) -> tuple[Replayed | Traced, dict]:
