@@ -3,7 +3,8 @@ against the `draft_attention` custom call, at the splits `plan_splits` picks and
 
 Shapes of the K2.5-DFlash-shaped drafter: one device's share on an ep=8 mesh (8 query heads, 1 kv head of 112) and
 the replicated drafter (64 / 8), a block of 8 queries over `--context` cached slots (the cache holds 256 more), at
-each of `--batches`. Each form runs as one jitted program of `--chain` calls in a row (each call's output is the
+each of `--batches`; the custom call on the CUDA cores at each of `--splits`, and with `--mma` on the tensor cores
+at the planned splits. Each form runs as one jitted program of `--chain` calls in a row (each call's output is the
 next one's queries, so none can be skipped), under the profiler: GPU time a call is the kernels' busy time over the
 calls, launches a call likewise; wall time a call from `common.timed` (dispatch included). Floor: the bytes a call
 must move (the context's keys and values below the length, the block's, the queries and the output) at the copy
@@ -40,7 +41,7 @@ def make_case(b: int, h: int, g: int, d: int, context: int, slack: int, dtype, r
             jnp.full((b,), context, jnp.int32))
 
 
-def measure(impl: str, splits: int | None, case, chain: int, profile: bool) -> dict:
+def measure(impl: str, splits: int | None, case, chain: int, profile: bool, mma: bool = False) -> dict:
     import jax
     from common import timed
     from profile_tools import profile_calls
@@ -51,7 +52,7 @@ def measure(impl: str, splits: int | None, case, chain: int, profile: bool) -> d
     @jax.jit
     def run(q, ck, cv, kb, vb, lengths):
         for _ in range(chain):
-            q = draft_attention(q, ck, cv, kb, vb, lengths, d ** -0.5, impl=impl, num_splits=splits)
+            q = draft_attention(q, ck, cv, kb, vb, lengths, d ** -0.5, impl=impl, num_splits=splits, mma=mma)
         return q
     wall, _ = timed(run, case, chain)
     out = dict(wall_s=wall)
@@ -95,14 +96,15 @@ def write_report(out: str, meta: dict, rows: list[dict]) -> None:
         group = [r for r in rows if (r["shape"], r["batch"]) == c]
         for j, r in enumerate(group):
             ax.bar(i + (j - (len(group) - 1) / 2) * width, r[key] * 1e6, width * 0.9,
-                   color="tab:gray" if r["form"] == "xla" else "tab:blue")
+                   color={"xla": "tab:gray", "ffi mma": "tab:orange"}.get(r["form"], "tab:blue"))
             ax.text(i + (j - (len(group) - 1) / 2) * width, r[key] * 1e6,
-                    "xla" if r["form"] == "xla" else str(r["splits"]), ha="center", va="bottom", fontsize=6)
+                    {"xla": "xla", "ffi mma": f"mma {r['splits']}"}.get(r["form"], str(r["splits"])), ha="center",
+                    va="bottom", fontsize=6)
         ax.hlines(group[0]["floor_s"] * 1e6, i - 0.4, i + 0.4, colors="k", linestyles=":")
     ax.set_xticks(range(len(cases)), [f"{s}\nbatch {b}" for s, b in cases])
     ax.set_ylabel("GPU µs a call" if key == "gpu_s" else "µs a call (wall)")
-    ax.set_title(f"Drafter block attention: XLA (gray) vs custom call by splits (blue); floor dotted "
-                 f"({meta['device']})", fontsize=8)
+    ax.set_title(f"Drafter block attention: XLA (gray) vs custom call by splits (blue; tensor cores orange); "
+                 f"floor dotted ({meta['device']})", fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "draft_attention.png"), dpi=120)
     plt.close(fig)
@@ -120,6 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", default="plan,16,32,64", help="the custom call's splits: plan (plan_splits' choice) "
                     "and integers, comma-separated (default plan,16,32,64)")
     ap.add_argument("--chain", type=int, default=8, help="calls in one program (default 8)")
+    ap.add_argument("--mma", action="store_true", help="also the tensor-core kernel (mma=True) at the planned splits")
     ap.add_argument("--small", action="store_true", help="context 64, float32, chain 2 (CPU smoke run)")
     args = ap.parse_args(argv)
     import jax
@@ -143,10 +146,13 @@ def main(argv=None) -> int:
             planned = plan_splits(b, BLOCK, h, g, args.context + slack)
             forms = [("xla", None)] + sorted({("ffi", planned if v == "plan" else int(v))
                                               for v in args.splits.split(",")}, key=lambda f: f[1])
+            if args.mma:
+                forms.append(("ffi mma", planned))
             for form, splits in forms:
-                r = measure(form, splits, case, args.chain, gpu)
-                r.update(shape=shape, h=h, g=g, d=d, batch=b, form=form if splits != planned else "ffi (planned)",
-                         splits=splits, bytes=moved, floor_s=moved / copy_Bps)
+                r = measure("xla" if form == "xla" else "ffi", splits, case, args.chain, gpu, mma=form == "ffi mma")
+                label = "ffi (planned)" if form == "ffi" and splits == planned else form
+                r.update(shape=shape, h=h, g=g, d=d, batch=b, form=label, splits=splits, bytes=moved,
+                         floor_s=moved / copy_Bps)
                 rows.append(r)
                 print(f"{shape} B={b} {r['form']} splits={splits}: {r}", flush=True)
             del case

@@ -288,6 +288,207 @@ __global__ void __launch_bounds__(kThreads, 2) AttendKernel(Params p) {
   }
 }
 
+// The tensor-core variant (bf16, D a multiple of 16, up to 128): the same blocks, splits and outputs, with 4 warps
+// of 16 query rows each; scores and p · V as mma.m16n8k16 (bf16 in, fp32 sums). A warp's queries stay in registers
+// as A fragments; a key tile (32 keys) is staged in shared memory as K [key][D + 8] and V transposed [D][32 + 8] (the
+// pads put a fragment's 32-bit reads in distinct banks); the unnormalized probabilities exp(s - running max) are
+// rounded to bf16 for p · V (the reference rounds the normalized ones: the same relative error a term) and used
+// straight from the score fragments' registers; the rows are divided by their fp32 sums at the end.
+constexpr int kMmaWarps = 4;
+constexpr int kMmaThreads = kMmaWarps * 32;
+constexpr int kMmaKPad = 8;   // K's row: D + 8 bf16
+constexpr int kMmaVRow = kKeys + 8;  // V^T's row: 40 bf16
+
+__device__ __forceinline__ void Mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t Word(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+__global__ void __launch_bounds__(kMmaThreads) AttendMmaKernel(Params p) {
+  extern __shared__ uint4 smem_mma[];
+  const int d = p.d, krow = d + kMmaKPad;
+  __nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(smem_mma);  // [kKeys][d + 8]
+  __nv_bfloat16* vt = ks + kKeys * krow;                             // [d][kKeys + 8]
+  const int tiles = (p.m + kRows - 1) / kRows;
+  const int split = blockIdx.x, g = blockIdx.y / tiles, row0 = (blockIdx.y % tiles) * kRows, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
+  const auto* q = static_cast<const __nv_bfloat16*>(p.q);
+  const auto* ck = static_cast<const __nv_bfloat16*>(p.ck);
+  const auto* cv = static_cast<const __nv_bfloat16*>(p.cv);
+  const auto* kb = static_cast<const __nv_bfloat16*>(p.kb);
+  const auto* vb = static_cast<const __nv_bfloat16*>(p.vb);
+  const int prefix = min(max(p.lens[b], 0), p.s);
+  const int nkeys = prefix + p.t;
+  const int chunk = ((nkeys + p.splits - 1) / p.splits + kKeys - 1) / kKeys * kKeys;
+  const int k0 = split * chunk, k1 = min(nkeys, k0 + chunk);
+  if (k0 >= k1) {  // as AttendKernel: no keys here, the rows marked empty
+    for (int i = threadIdx.x; i < kRows; i += kMmaThreads) {
+      const int m = row0 + i;
+      const int64_t row = (static_cast<int64_t>(b) * p.g + g) * p.m + m;
+      if (m < p.m) p.stats[row * p.splits + split] = make_float2(-INFINITY, 0.0f);
+    }
+    return;
+  }
+  const int steps = d / 16;  // k-steps of the scores, 16 dims each
+  const int m_lo = row0 + warp * 16 + gid, m_hi = m_lo + 8;  // this thread's two rows
+  // The queries as A fragments: step s, registers {row lo, dims 16s + 2tig (+1)}, {row hi, same}, {lo, + 8}, {hi, + 8}
+  uint32_t qa[8][4];
+#pragma unroll
+  for (int st = 0; st < 8; ++st) {  // (a bound known at compile time: the fragments stay in registers)
+    const int c = 16 * st + 2 * tig;
+    const __nv_bfloat16* lo = q + OutRow(p, b, g, min(m_lo, p.m - 1)) * d;
+    const __nv_bfloat16* hi = q + OutRow(p, b, g, min(m_hi, p.m - 1)) * d;
+    const bool in = st < steps;
+    qa[st][0] = in && m_lo < p.m ? Word(lo + c) : 0u;
+    qa[st][1] = in && m_hi < p.m ? Word(hi + c) : 0u;
+    qa[st][2] = in && m_lo < p.m ? Word(lo + c + 8) : 0u;
+    qa[st][3] = in && m_hi < p.m ? Word(hi + c + 8) : 0u;
+  }
+  const int dc = d / 8;  // 16-byte chunks a row
+  constexpr int kTileN = kKeys * kMaxDim / 8 / kMmaThreads;  // a thread's chunks of K (and of V) a tile: 4
+  uint4 kr4[kTileN], vr4[kTileN];
+  const auto load_tile = [&](int kt) {
+#pragma unroll
+    for (int i = 0; i < kTileN; ++i) {
+      const int e = threadIdx.x + i * kMmaThreads, k = kt + e % kKeys;  // a lane a key: see the stores below
+      if (e < kKeys * dc && k < k1) {
+        const int c = (e / kKeys) * 8;
+        const int64_t o = k < prefix ? (static_cast<int64_t>(b) * p.s + k) * p.g * d + static_cast<int64_t>(g) * d + c
+                                     : (static_cast<int64_t>(b) * p.t + k - prefix) * p.g * d +
+                                           static_cast<int64_t>(g) * d + c;
+        kr4[i] = Load16((k < prefix ? ck : kb) + o);
+        vr4[i] = Load16((k < prefix ? cv : vb) + o);
+      }
+    }
+  };
+  load_tile(k0);
+  float o[16][4], peak[2] = {-INFINITY, -INFINITY}, total[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o[n][c] = 0.0f;
+  }
+  for (int kt = k0; kt < k1; kt += kKeys) {
+    __syncthreads();  // the last tile's reads are done
+#pragma unroll
+    for (int i = 0; i < kTileN; ++i) {
+      // chunk e: key e % 32, dims 8 (e / 32) ..: a warp's lanes hold 32 keys of the same dims, so their 16-bit
+      // stores into V^T's rows fall in 16 banks, two lanes a word (key-major chunks put them in one or two)
+      const int e = threadIdx.x + i * kMmaThreads, j = e % kKeys, c = (e / kKeys) * 8;
+      if (e >= kKeys * dc) continue;
+      const bool in = kt + j < k1;
+      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(ks + j * krow + c) = in ? kr4[i] : zero;
+      const uint4 v = in ? vr4[i] : zero;
+      const __nv_bfloat16* vh = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) vt[(c + u) * kMmaVRow + j] = vh[u];
+    }
+    __syncthreads();
+    if (kt + kKeys < k1) load_tile(kt + kKeys);  // the next tile's loads in flight during this one's math
+    // scores: 4 n-tiles of 8 keys; element (row lo|hi, key 8n + 2tig (+1))
+    float sc[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) sc[n][c] = 0.0f;
+      const __nv_bfloat16* kr = ks + (8 * n + gid) * krow + 2 * tig;
+#pragma unroll
+      for (int st = 0; st < 8; ++st) {
+        if (st < steps) Mma(sc[n], qa[st], Word(kr + 16 * st), Word(kr + 16 * st + 8));
+      }
+    }
+    float top[2] = {peak[0], peak[1]};
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const bool valid = kt + 8 * n + 2 * tig + (c & 1) < k1;
+        sc[n][c] = valid ? sc[n][c] * p.scale : -INFINITY;
+        top[c / 2] = fmaxf(top[c / 2], sc[n][c]);
+      }
+    }
+    float alpha[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // a row's four lanes share its max (the tile's first key is valid: finite)
+      top[r] = fmaxf(top[r], __shfl_xor_sync(kFull, top[r], 1));
+      top[r] = fmaxf(top[r], __shfl_xor_sync(kFull, top[r], 2));
+      alpha[r] = expf(peak[r] - top[r]);  // 0 on the first tile (peak -inf)
+      peak[r] = top[r];
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        sc[n][c] = expf(sc[n][c] - top[c / 2]);  // masked keys: exp(-inf) = 0
+        sum[c / 2] += sc[n][c];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      sum[r] += __shfl_xor_sync(kFull, sum[r], 1);
+      sum[r] += __shfl_xor_sync(kFull, sum[r], 2);
+      total[r] = total[r] * alpha[r] + sum[r];
+    }
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
+    // p · V: the scores' fragments of keys 16kk.. are the A fragment of k-step kk
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const uint32_t pa[4] = {PackBf16(sc[2 * kk][0], sc[2 * kk][1]), PackBf16(sc[2 * kk][2], sc[2 * kk][3]),
+                              PackBf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                              PackBf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        if (n < 2 * steps) {
+          const __nv_bfloat16* vr = vt + (8 * n + gid) * kMmaVRow + 16 * kk + 2 * tig;
+          Mma(o[n], pa, Word(vr), Word(vr + 8));
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int m = r == 0 ? m_lo : m_hi;
+    if (m >= p.m) continue;
+    if (p.splits == 1) {
+      const float inv = total[r] == 0.0f ? 0.0f : 1.0f / total[r];  // NaN stays NaN
+      __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + OutRow(p, b, g, m) * d;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        if (n < 2 * steps) {
+          *reinterpret_cast<uint32_t*>(orow + 8 * n + 2 * tig) = PackBf16(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+        }
+      }
+    } else {
+      const int64_t row = (static_cast<int64_t>(b) * p.g + g) * p.m + m;
+      float* prow = p.part + (row * p.splits + split) * d;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        if (n < 2 * steps) {
+          *reinterpret_cast<float2*>(prow + 8 * n + 2 * tig) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+        }
+      }
+      if (tig == 0) p.stats[row * p.splits + split] = make_float2(peak[r], total[r]);
+    }
+  }
+}
+
 // One block a query row: the splits' partial rows weighted by exp(their max - the largest). Group y of the block
 // sums splits y * per .. (y + 1) * per - 1 in order (a thread a dim, several splits' loads in flight), then the
 // groups are added in order: the same sums on every run.
@@ -340,13 +541,19 @@ __global__ void __launch_bounds__(kCombineX * kCombineY) CombineKernel(Params p)
 }
 
 template <typename T>
-cudaError_t Launch(cudaStream_t stream, const Params& p, int b) {
+cudaError_t Launch(cudaStream_t stream, const Params& p, int b, bool mma) {
   const int tiles = (p.m + kRows - 1) / kRows;
-  const size_t smem = sizeof(float) * (kRows * p.d + kKeys * (p.d | 1) + kKeys * p.d);
-  cudaError_t e = cudaFuncSetAttribute(AttendKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem));
-  if (e != cudaSuccess) return e;
-  AttendKernel<T><<<dim3(p.splits, p.g * tiles, b), kThreads, smem, stream>>>(p);
+  const dim3 grid(p.splits, p.g * tiles, b);
+  cudaError_t e;
+  if (mma) {  // the caller checked: bf16, D a multiple of 16
+    const size_t smem = sizeof(__nv_bfloat16) * (kKeys * (p.d + kMmaKPad) + p.d * kMmaVRow);
+    AttendMmaKernel<<<grid, kMmaThreads, smem, stream>>>(p);
+  } else {
+    const size_t smem = sizeof(float) * (kRows * p.d + kKeys * (p.d | 1) + kKeys * p.d);
+    e = cudaFuncSetAttribute(AttendKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+    AttendKernel<T><<<grid, kThreads, smem, stream>>>(p);
+  }
   if (p.splits > 1) {
     const int64_t rows = static_cast<int64_t>(b) * p.g * p.m;
     CombineKernel<T><<<static_cast<unsigned>(rows), dim3(kCombineX, kCombineY), 0, stream>>>(p);
@@ -356,7 +563,7 @@ cudaError_t Launch(cudaStream_t stream, const Params& p, int b) {
 
 ffi::Error DraftAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer ck, ffi::AnyBuffer cv,
                               ffi::AnyBuffer kb, ffi::AnyBuffer vb, ffi::Buffer<ffi::S32> lengths, float scale,
-                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> part,
+                              int32_t mma, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> part,
                               ffi::Result<ffi::Buffer<ffi::F32>> stats) {
   kdtree::DraftShape n;
   if (ffi::Error e = kdtree::CheckDraftShape(q, ck, cv, kb, vb, lengths.element_count(), *out, &n); e.failure()) {
@@ -388,9 +595,9 @@ ffi::Error DraftAttentionCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
            static_cast<int>(splits), scale};
   cudaError_t e;
   if (dt == ffi::DataType::F32) {
-    e = Launch<float>(stream, p, static_cast<int>(b));
+    e = Launch<float>(stream, p, static_cast<int>(b), false);
   } else if (dt == ffi::DataType::BF16) {
-    e = Launch<__nv_bfloat16>(stream, p, static_cast<int>(b));
+    e = Launch<__nv_bfloat16>(stream, p, static_cast<int>(b), mma != 0 && d % 16 == 0);
   } else {
     return ffi::Error::InvalidArgument("draft_attention: dtype must be float32 or bfloat16");
   }
@@ -409,6 +616,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KdDraftAttentionCuda, DraftAttentionCuda,
                                   .Arg<ffi::AnyBuffer>()              // vb [B, T, G, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()       // lengths [B]
                                   .Attr<float>("scale")               // softmax scale
+                                  .Attr<int32_t>("mma")               // 1: the tensor-core kernel where it applies
                                   .Ret<ffi::AnyBuffer>()              // out [B, T, H, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()       // part [B, G * M, splits, D]
                                   .Ret<ffi::Buffer<ffi::F32>>(),      // stats [B, G * M, splits, 2]

@@ -118,6 +118,8 @@ def test_arguments_are_checked():
         draft_attention(q, ck, cv, kb, vb, lengths, 0.5, impl="cuda")
     with pytest.raises(ValueError, match="num_splits"):
         draft_attention(q, ck, cv, kb, vb, lengths, 0.5, num_splits=0)
+    with pytest.raises(TypeError, match="mma"):
+        draft_attention(q, ck, cv, kb, vb, lengths, 0.5, mma="yes")
 
 
 def test_plan_splits():
@@ -131,20 +133,22 @@ def test_plan_splits():
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("mma", [False, True], ids=["cores", "mma"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("b, t, h, g, d, s, splits", [(1, 8, 8, 1, 112, 4352, None), (10, 8, 8, 1, 112, 4352, None),
                                                        (2, 8, 64, 8, 112, 1000, None), (3, 4, 8, 2, 16, 100, 1),
                                                        (3, 4, 8, 2, 16, 100, 7), (2, 5, 130, 1, 128, 50, None),
                                                        (2, 3, 6, 3, 20, 90, 5), (2, 8, 8, 1, 112, 300, 256)])
-def test_gpu_kernel_equals_float64_softmax(dtype, b, t, h, g, d, s, splits):
+def test_gpu_kernel_equals_float64_softmax(mma, dtype, b, t, h, g, d, s, splits):
     """The CUDA kernel: one device's share of the K2.5-DFlash drafter at batch 1 and 10 (8 heads, 1 kv head of
     112, a 4k context), the replicated one (64 / 8), one and several splits, more than 64 rows a kv head (130
     heads: three row tiles), head dim 128; a head dim of 20 (bf16 rows not a multiple of 16 bytes: the
     element-at-a-time loads), 256 splits (most of them empty, the combine's groups uneven); lengths 0, S and past
-    S."""
+    S. Each on the CUDA cores and with mma=True: the tensor-core kernel for bf16 with a head dim a multiple of 16,
+    the CUDA cores for the others (float32, the head dim of 20)."""
     rng = np.random.default_rng(b + h + d)
     args = _inputs(rng, b, t, h, g, d, s, dtype, device=jax.devices("gpu")[0])
-    _check(args, d ** -0.5, dtype, num_splits=splits)
+    _check(args, d ** -0.5, dtype, num_splits=splits, mma=mma)
 
 
 def test_benchmark_smoke(tmp_path):

@@ -7,16 +7,20 @@ that as 12 kernels a layer (the scores of the two parts, a two-stage max and sum
 their sum: `python benchmarks/xla_kernels.py --program draft`), each a few microseconds whatever it moves, six
 layers a draft. The CUDA kernel is flash decoding: blocks of 64 query rows of one key/value head take a share of
 the keys each, in tiles of 32, with an online softmax in fp32, and a second kernel joins the shares (the split
-count is planned here, `plan_splits`, and sizes the call's fp32 scratch outputs). It runs on the CUDA cores: a
-first version, measured against XLA's kernels in `benchmarks/ddtree_full_scale.py --draft-attention ffi`.
+count is planned here, `plan_splits`, and sizes the call's fp32 scratch outputs). Two kernels compute a block:
+on the CUDA cores (the default; on an H100 as fast as XLA's kernels for one device's share at batch 1, slower at
+batch 10: `benchmarks/draft_attention.py`), or with `mma=True` (or KDTREE_JAX_DRAFT_MMA=1) on the tensor cores, for
+bf16 with head dims a multiple of 16 (other calls keep the CUDA cores); the tensor-core kernel is built and
+reviewed, not yet run on a GPU.
 
-Differences from the reference: the kernel keeps the probabilities in fp32 for the products (the reference rounds
-them to the inputs' dtype first), and sums in another order.
+Differences from the reference: the CUDA-core kernel keeps the probabilities in fp32 for the products (the
+reference and the tensor-core kernel round them to bf16 first), and both sum in another order.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -66,14 +70,17 @@ def plan_splits(b: int, t: int, h: int, g: int, s: int, sms: int = SMS) -> int:
 
 
 def draft_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, kb: jax.Array, vb: jax.Array, lengths: jax.Array,
-                    scale: float, *, impl: str = "ffi", num_splits: int | None = None) -> jax.Array:
+                    scale: float, *, impl: str = "ffi", num_splits: int | None = None,
+                    mma: bool | None = None) -> jax.Array:
     """Queries q [B, T, H, D] over the context keys/values ck, cv [B, S, G, D] below lengths[b] (clamped to 0..S)
     and the whole block's kb, vb [B, T, G, D] (G heads, each shared by H / G query heads: head h uses h // (H / G)).
     Returns [B, T, H, D] in q's dtype; fp32 scores, softmax and sums.
 
     impl="ffi": the custom call (C++ on CPU; CUDA for head dims up to 128, else the reference); impl="xla":
-    `draft_attention_ref`. num_splits overrides `plan_splits` (benchmarks). Not partitioned: under a mesh, call it
-    per shard of heads (`sharding.draft_head_parallel`, as `drafter.block_attention` does).
+    `draft_attention_ref`. num_splits overrides `plan_splits` (benchmarks). mma: the tensor-core CUDA kernel where
+    it applies (bf16, head dim a multiple of 16); None: KDTREE_JAX_DRAFT_MMA=1 turns it on (default off). Not
+    partitioned: under a mesh, call it per shard of heads (`sharding.draft_head_parallel`, as
+    `drafter.block_attention` does).
     """
     _check(q, ck, cv, kb, vb, lengths, scale)
     if impl == "xla":
@@ -87,6 +94,10 @@ def draft_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, kb: jax.Array, v
     b, t, h, d = q.shape
     s, g = ck.shape[1], ck.shape[2]
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if mma is None:
+        mma = os.environ.get("KDTREE_JAX_DRAFT_MMA", "0") == "1"
+    if not isinstance(mma, (bool, np.bool_)):
+        raise TypeError(f"draft_attention: mma must be a bool or None, got {mma!r}")
     splits = num_splits or plan_splits(b, t, h, g, s)
     rows = g * t * (h // g)
     scratch = [jax.ShapeDtypeStruct((b, rows, splits, d), jnp.float32),  # unnormalized partial rows
@@ -98,7 +109,7 @@ def draft_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, kb: jax.Array, v
 
     def cuda(*args):
         return jax.ffi.ffi_call("kdtree_draft_attention", [out, *scratch], vmap_method="sequential")(
-            *args, **attrs)[0]
+            *args, **attrs, mma=np.int32(bool(mma)))[0]
 
     def other(*args):
         return draft_attention_ref(*args, scale)
