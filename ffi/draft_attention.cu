@@ -95,6 +95,34 @@ __device__ __forceinline__ int64_t OutRow(const Params& p, int b, int g, int m) 
   return (static_cast<int64_t>(b) * p.t + m / rep) * p.h + g * rep + m % rep;
 }
 
+// Block `split`'s keys of batch row b: [k0, k1) of the row's prefix (context slots below the clamped length) then
+// its T block keys, in whole tiles; k0 >= k1 when the split has none (the splits are planned for the cache's S).
+struct KeyShare {
+  int prefix, k0, k1;
+};
+__device__ __forceinline__ KeyShare ShareOf(const Params& p, int b, int split) {
+  const int prefix = min(max(p.lens[b], 0), p.s);
+  const int nkeys = prefix + p.t;
+  const int chunk = ((nkeys + p.splits - 1) / p.splits + kKeys - 1) / kKeys * kKeys;
+  const int k0 = split * chunk;
+  return {prefix, k0, min(nkeys, k0 + chunk)};
+}
+
+// Key k's dims c.. of kv head g: its element offset in the context ([B, S, G, D], k < prefix) or the block.
+__device__ __forceinline__ int64_t KeyOffset(const Params& p, int b, int g, int prefix, int k, int c) {
+  const int64_t slot = k < prefix ? static_cast<int64_t>(b) * p.s + k : static_cast<int64_t>(b) * p.t + k - prefix;
+  return (slot * p.g + g) * p.d + c;
+}
+
+// A split with no keys: its rows' stats say (-inf, 0), which the combine skips.
+__device__ __forceinline__ void MarkEmpty(const Params& p, int b, int g, int row0, int split, int threads) {
+  for (int i = threadIdx.x; i < kRows; i += threads) {
+    const int m = row0 + i;
+    const int64_t row = (static_cast<int64_t>(b) * p.g + g) * p.m + m;
+    if (m < p.m) p.stats[row * p.splits + split] = make_float2(-INFINITY, 0.0f);
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2) AttendKernel(Params p) {
   extern __shared__ float smem[];
@@ -110,16 +138,10 @@ __global__ void __launch_bounds__(kThreads, 2) AttendKernel(Params p) {
   const T* cv = static_cast<const T*>(p.cv);
   const T* kb = static_cast<const T*>(p.kb);
   const T* vb = static_cast<const T*>(p.vb);
-  const int prefix = min(max(p.lens[b], 0), p.s);
-  const int nkeys = prefix + p.t;
-  const int chunk = ((nkeys + p.splits - 1) / p.splits + kKeys - 1) / kKeys * kKeys;  // whole tiles
-  const int k0 = split * chunk, k1 = min(nkeys, k0 + chunk);
-  if (k0 >= k1) {  // no keys here (the splits are planned for the cache's S, the row may be shorter): marked empty
-    for (int i = threadIdx.x; i < kRows; i += kThreads) {
-      const int m = row0 + i;
-      const int64_t row = (static_cast<int64_t>(b) * p.g + g) * p.m + m;
-      if (m < p.m) p.stats[row * p.splits + split] = make_float2(-INFINITY, 0.0f);
-    }
+  const KeyShare share = ShareOf(p, b, split);
+  const int prefix = share.prefix, k0 = share.k0, k1 = share.k1;
+  if (k0 >= k1) {
+    MarkEmpty(p, b, g, row0, split, kThreads);
     return;  // the whole block: k0 and k1 are the block's
   }
 
@@ -158,16 +180,12 @@ __global__ void __launch_bounds__(kThreads, 2) AttendKernel(Params p) {
   // registers from their loads (issued a tile ahead) to their stores.
   constexpr int kTileN = (kKeys * kMaxDim / kE + kThreads - 1) / kThreads;
   uint4 kr4[kTileN], vr4[kTileN];
-  const auto at = [&](int k, int c) {  // key k's dims c.. of head g: its offset in the context or the block
-    return k < prefix ? (static_cast<int64_t>(b) * p.s + k) * p.g * d + static_cast<int64_t>(g) * d + c
-                      : (static_cast<int64_t>(b) * p.t + k - prefix) * p.g * d + static_cast<int64_t>(g) * d + c;
-  };
   const auto load_tile = [&](int kt) {
 #pragma unroll
     for (int i = 0; i < kTileN; ++i) {
       const int e = threadIdx.x + i * kThreads, k = kt + e / dc;
       if (e < kKeys * dc && k < k1) {
-        const int64_t o = at(k, (e % dc) * kE);
+        const int64_t o = KeyOffset(p, b, g, prefix, k, (e % dc) * kE);
         kr4[i] = Load16((k < prefix ? ck : kb) + o);
         vr4[i] = Load16((k < prefix ? cv : vb) + o);
       }
@@ -209,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 2) AttendKernel(Params p) {
         const int j = e / d, c = e % d, k = kt + j;
         float kv = 0.0f, vv = 0.0f;
         if (k < k1) {
-          const int64_t o = at(k, c);
+          const int64_t o = KeyOffset(p, b, g, prefix, k, c);
           kv = Load((k < prefix ? ck : kb) + o);
           vv = Load((k < prefix ? cv : vb) + o);
         }
@@ -327,16 +345,10 @@ __global__ void __launch_bounds__(kMmaThreads) AttendMmaKernel(Params p) {
   const auto* cv = static_cast<const __nv_bfloat16*>(p.cv);
   const auto* kb = static_cast<const __nv_bfloat16*>(p.kb);
   const auto* vb = static_cast<const __nv_bfloat16*>(p.vb);
-  const int prefix = min(max(p.lens[b], 0), p.s);
-  const int nkeys = prefix + p.t;
-  const int chunk = ((nkeys + p.splits - 1) / p.splits + kKeys - 1) / kKeys * kKeys;
-  const int k0 = split * chunk, k1 = min(nkeys, k0 + chunk);
-  if (k0 >= k1) {  // as AttendKernel: no keys here, the rows marked empty
-    for (int i = threadIdx.x; i < kRows; i += kMmaThreads) {
-      const int m = row0 + i;
-      const int64_t row = (static_cast<int64_t>(b) * p.g + g) * p.m + m;
-      if (m < p.m) p.stats[row * p.splits + split] = make_float2(-INFINITY, 0.0f);
-    }
+  const KeyShare share = ShareOf(p, b, split);
+  const int prefix = share.prefix, k0 = share.k0, k1 = share.k1;
+  if (k0 >= k1) {
+    MarkEmpty(p, b, g, row0, split, kMmaThreads);
     return;
   }
   const int steps = d / 16;  // k-steps of the scores, 16 dims each
@@ -363,9 +375,7 @@ __global__ void __launch_bounds__(kMmaThreads) AttendMmaKernel(Params p) {
       const int e = threadIdx.x + i * kMmaThreads, k = kt + e % kKeys;  // a lane a key: see the stores below
       if (e < kKeys * dc && k < k1) {
         const int c = (e / kKeys) * 8;
-        const int64_t o = k < prefix ? (static_cast<int64_t>(b) * p.s + k) * p.g * d + static_cast<int64_t>(g) * d + c
-                                     : (static_cast<int64_t>(b) * p.t + k - prefix) * p.g * d +
-                                           static_cast<int64_t>(g) * d + c;
+        const int64_t o = KeyOffset(p, b, g, prefix, k, c);
         kr4[i] = Load16((k < prefix ? ck : kb) + o);
         vr4[i] = Load16((k < prefix ? cv : vb) + o);
       }
