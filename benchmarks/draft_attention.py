@@ -4,7 +4,7 @@ against the `draft_attention` custom call, at the splits `plan_splits` picks and
 Shapes of the K2.5-DFlash-shaped drafter: one device's share on an ep=8 mesh (8 query heads, 1 kv head of 112) and
 the replicated drafter (64 / 8), a block of 8 queries over `--context` cached slots (the cache holds 256 more), at
 each of `--batches`; the custom call on the CUDA cores at each of `--splits`, and with `--mma` on the tensor cores
-at the planned splits. Each form runs as one jitted program of `--chain` calls in a row (each call's output is the
+at each of them. Each form runs as one jitted program of `--chain` calls in a row (each call's output is the
 next one's queries, so none can be skipped), under the profiler: GPU time a call is the kernels' busy time over the
 calls, launches a call likewise; wall time a call from `common.timed` (dispatch included). Floor: the bytes a call
 must move (the context's keys and values below the length, the block's, the queries and the output) at the copy
@@ -96,9 +96,9 @@ def write_report(out: str, meta: dict, rows: list[dict]) -> None:
         group = [r for r in rows if (r["shape"], r["batch"]) == c]
         for j, r in enumerate(group):
             ax.bar(i + (j - (len(group) - 1) / 2) * width, r[key] * 1e6, width * 0.9,
-                   color={"xla": "tab:gray", "ffi mma": "tab:orange"}.get(r["form"], "tab:blue"))
+                   color="tab:gray" if r["form"] == "xla" else "tab:orange" if "mma" in r["form"] else "tab:blue")
             ax.text(i + (j - (len(group) - 1) / 2) * width, r[key] * 1e6,
-                    {"xla": "xla", "ffi mma": f"mma {r['splits']}"}.get(r["form"], str(r["splits"])), ha="center",
+                    "xla" if r["form"] == "xla" else f"{'m' if 'mma' in r['form'] else ''}{r['splits']}", ha="center",
                     va="bottom", fontsize=6)
         ax.hlines(group[0]["floor_s"] * 1e6, i - 0.4, i + 0.4, colors="k", linestyles=":")
     ax.set_xticks(range(len(cases)), [f"{s}\nbatch {b}" for s, b in cases])
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", default="plan,16,32,64", help="the custom call's splits: plan (plan_splits' choice) "
                     "and integers, comma-separated (default plan,16,32,64)")
     ap.add_argument("--chain", type=int, default=8, help="calls in one program (default 8)")
-    ap.add_argument("--mma", action="store_true", help="also the tensor-core kernel (mma=True) at the planned splits")
+    ap.add_argument("--mma", action="store_true", help="also the tensor-core kernel (mma=True) at each of --splits")
     ap.add_argument("--small", action="store_true", help="context 64, float32, chain 2 (CPU smoke run)")
     args = ap.parse_args(argv)
     import jax
@@ -147,10 +147,10 @@ def main(argv=None) -> int:
             forms = [("xla", None)] + sorted({("ffi", planned if v == "plan" else int(v))
                                               for v in args.splits.split(",")}, key=lambda f: f[1])
             if args.mma:
-                forms.append(("ffi mma", planned))
+                forms += [("ffi mma", splits) for form, splits in forms if form == "ffi"]
             for form, splits in forms:
                 r = measure("xla" if form == "xla" else "ffi", splits, case, args.chain, gpu, mma=form == "ffi mma")
-                label = "ffi (planned)" if form == "ffi" and splits == planned else form
+                label = f"{form} (planned)" if form != "xla" and splits == planned else form
                 r.update(shape=shape, h=h, g=g, d=d, batch=b, form=label, splits=splits, bytes=moved,
                          floor_s=moved / copy_Bps)
                 rows.append(r)

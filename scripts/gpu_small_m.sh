@@ -26,8 +26,8 @@
 #                                                    # memcheck too; the call alone against XLA's operations
 #                                                    # (benchmarks/draft_attention.py); then the drafter alone
 #                                                    # (1/8 and replicated, batch 1 and 10) with XLA's attention
-#                                                    # and with the custom call, on the CUDA cores and the tensor
-#                                                    # cores (KDTREE_JAX_DRAFT_MMA=1)
+#                                                    # and with the custom call, on the CUDA cores
+#                                                    # (KDTREE_JAX_DRAFT_MMA=0) and the tensor cores
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fused  # the fused decode path of marlin_moe (FLAG_FUSED): its GPU tests,
 #                                                    # the MoE alone at one device's M (defaults against +fused),
 #                                                    # then, where the GPU holds the full step (H200), the full step
@@ -179,23 +179,27 @@ draftattn)  # the drafter's block attention as one custom call: correctness firs
   step draftattn_tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider \
     tests/test_draft_attention.py -k gpu
   for kernel in cores mma; do  # each kernel's smallest cases under memcheck, a process each (2026-12-07: four
-    # cases in one process ended in a segmentation fault of the tool, no error reported before it)
+    # cases in one process ended in a segmentation fault of the tool, no error reported before it; one a process, 6
+    # of 8 did again with XLA's pooled allocator and command buffers: each buffer its own allocation here, so memcheck
+    # sees a kernel step past its own, and no CUDA graphs)
     for case in 3-4-8-2-16-100-1-bfloat16 3-4-8-2-16-100-7-bfloat16 2-3-6-3-20-90-5-bfloat16 \
         2-8-8-1-112-300-256-bfloat16; do
-      step "draftattn_memcheck_${kernel}_$case" 90 env JAX_PLATFORMS=cuda,cpu compute-sanitizer --tool memcheck \
+      step "draftattn_memcheck_${kernel}_$case" 90 env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+        XLA_FLAGS=--xla_gpu_enable_command_buffer= compute-sanitizer --tool memcheck \
         --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider \
         "tests/test_draft_attention.py::test_gpu_kernel_equals_float64_softmax[$case-$kernel]"
     done
   done
-  step draftattn_alone 150 python3 benchmarks/draft_attention.py --out "$OUT/results/draft_attention" \
-    --commit "$KDTREE_COMMIT" --mma
+  step draftattn_alone 200 python3 benchmarks/draft_attention.py --out "$OUT/results/draft_attention" \
+    --commit "$KDTREE_COMMIT" --mma --splits plan,8,16,32,64
   step drafter 200 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
     --time-limit 0 --draft-attention xla --out "$OUT/results/drafter" --commit "$KDTREE_COMMIT"
-  step drafter_ffi 200 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
-    --time-limit 0 --draft-attention ffi --out "$OUT/results/drafter_ffi" --commit "$KDTREE_COMMIT"
+  step drafter_ffi 200 env XLA_FLAGS="$FLAGS" KDTREE_JAX_DRAFT_MMA=0 python3 benchmarks/ddtree_full_scale.py \
+    --layers 2 --drafters 1,10 --time-limit 0 --draft-attention ffi --out "$OUT/results/drafter_ffi" \
+    --commit "$KDTREE_COMMIT+cores"
   step drafter_mma 200 env XLA_FLAGS="$FLAGS" KDTREE_JAX_DRAFT_MMA=1 python3 benchmarks/ddtree_full_scale.py \
     --layers 2 --drafters 1,10 --time-limit 0 --draft-attention ffi --out "$OUT/results/drafter_mma" \
-    --commit "$KDTREE_COMMIT+mma"
+    --commit "$KDTREE_COMMIT"
   ;;
 fused)
   step fused_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_marlin_moe.py \
