@@ -499,8 +499,7 @@ def _common(g: argparse.ArgumentParser, hosts: bool = True) -> None:
                         "e.g. 'tree_build,tree_accept' for "
                         "a small fp32 model whose attention and experts are off the CUDA fast paths. Default: all "
                         "but fused_dot (a layer's dense weights with their norms and residual adds in four "
-                        "launches: no faster in the step so far) and draft_attention (the drafter's block "
-                        "attention in one launch: not yet run on a GPU). Implies --kernels ffi")
+                        "launches: no faster in the step so far). Implies --kernels ffi")
     if not hosts:
         return
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",

@@ -177,8 +177,9 @@ class Drafter:
 
     def propose(self, target: Params, cfg: ModelConfig, state: DraftCache, cache: KVCache, bonus: jax.Array,
                 key: jax.Array) -> jax.Array:
-        """One forward of the block (`draft`), its attention XLA's one softmax, or the custom call where the target's
-        config asks for it (ffi_ops "draft_attention"; on a mesh per shard of heads, where they split evenly).
+        """One forward of the block (`draft`), its attention the custom call where the target's config runs it
+        (ffi_ops "draft_attention", a default; on a mesh per shard of heads, where they split evenly), else XLA's
+        one softmax.
         cuDNN's two flash
         attentions (`block_attention` "cudnn") were slower for one device's share of the K2.5-DFlash drafter (H100,
         2026-12-06: 1.11 against 0.80 ms a draft at batch 1, 1.33 against 1.26 at 10; docs/full_scale.md)."""
@@ -329,8 +330,8 @@ def block_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, kb: jax.Array, v
     [B, bs, H, hd] in q's dtype.
 
     impl "xla": one softmax over the context and the block together (`kernels.draft_attention_ref`, the reference;
-    XLA makes ~12 kernels of it a layer). "ffi": the same as one custom call (`kernels.draft_attention`, opt-in:
-    ffi_ops "draft_attention"). "cudnn": the two parts as cuDNN's flash attention each
+    XLA makes ~12 kernels of it a layer). "ffi": the same as one custom call (`kernels.draft_attention`; ffi_ops
+    "draft_attention", a default). "cudnn": the two parts as cuDNN's flash attention each
     (`model.naive_attention_lse`), joined by their log-sum-exp (`split_block_attention`); fewer kernels, but slower
     at one device's share of the K2.5-DFlash drafter (H100, 2026-12-06), faster only replicated at batch 10."""
     if impl == "ffi" and current_mesh() is not None:  # per shard of heads (the caller checked `draft_heads_split`)

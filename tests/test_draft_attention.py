@@ -100,7 +100,7 @@ def test_drafter_block_with_the_custom_call():
     assert out.tokens == ar and out.stats["tau"] > 1.0
 
 
-def test_arguments_are_checked():
+def test_arguments_are_checked(monkeypatch):
     rng = np.random.default_rng(0)
     q, ck, cv, kb, vb, lengths = _inputs(rng, 2, 4, 4, 2, 8, 10, jnp.float32)
     with pytest.raises(ValueError, match="G dividing H"):
@@ -120,6 +120,40 @@ def test_arguments_are_checked():
         draft_attention(q, ck, cv, kb, vb, lengths, 0.5, num_splits=0)
     with pytest.raises(TypeError, match="mma"):
         draft_attention(q, ck, cv, kb, vb, lengths, 0.5, mma="yes")
+    monkeypatch.setenv("KDTREE_JAX_DRAFT_MMA", "yes")
+    with pytest.raises(ValueError, match="KDTREE_JAX_DRAFT_MMA must be 0 or 1"):
+        draft_attention(q, ck, cv, kb, vb, lengths, 0.5)
+
+
+def _cuda_lowering(dtype, d, **kw) -> str:
+    """The StableHLO of one call lowered for CUDA (no GPU needed to lower)."""
+    q, kb = jax.ShapeDtypeStruct((1, 4, 4, d), dtype), jax.ShapeDtypeStruct((1, 4, 2, d), dtype)
+    c, lengths = jax.ShapeDtypeStruct((1, 32, 2, d), dtype), jax.ShapeDtypeStruct((1,), jnp.int32)
+    fn = jax.jit(lambda *a: draft_attention(*a, 0.25, **kw))
+    return fn.trace(q, c, c, kb, kb, lengths).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("dtype, d, kw, env, expect", [
+    (jnp.bfloat16, 16, {}, None, "mma = 1"),         # the default: the tensor cores where they apply ...
+    (jnp.float32, 16, {}, None, None),               # ... else XLA's operations
+    (jnp.bfloat16, 20, {}, None, None),
+    (jnp.bfloat16, 16, {"mma": False}, None, "mma = 0"),  # the CUDA-core kernel only when asked for
+    (jnp.float32, 16, {"mma": False}, None, "mma = 0"),
+    (jnp.float32, 16, {"mma": True}, None, "mma = 1"),    # (the handler takes the CUDA cores for float32)
+    (jnp.bfloat16, 16, {}, "0", "mma = 0"),
+    (jnp.float32, 16, {}, "1", "mma = 1"),
+    (jnp.bfloat16, 16, {"mma": True}, "0", "mma = 1"),    # the argument over the variable
+])
+def test_cuda_lowering_picks_the_kernel(monkeypatch, dtype, d, kw, env, expect):
+    if env is None:
+        monkeypatch.delenv("KDTREE_JAX_DRAFT_MMA", raising=False)
+    else:
+        monkeypatch.setenv("KDTREE_JAX_DRAFT_MMA", env)
+    text = _cuda_lowering(dtype, d, **kw)
+    if expect is None:
+        assert "kdtree_draft_attention" not in text and "dot_general" in text
+    else:
+        assert "kdtree_draft_attention" in text and expect in text
 
 
 def test_plan_splits():

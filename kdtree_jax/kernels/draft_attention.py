@@ -8,10 +8,11 @@ their sum: `python benchmarks/xla_kernels.py --program draft`), each a few micro
 layers a draft. The CUDA kernel is flash decoding: blocks of 64 query rows of one key/value head take a share of
 the keys each, in tiles of 32, with an online softmax in fp32, and a second kernel joins the shares (the split
 count is planned here, `plan_splits`, and sizes the call's fp32 scratch outputs). Two kernels compute a block:
-on the tensor cores (`mma`, the default for bf16 with head dims a multiple of 16: on an H100, 0.68-0.75x the GPU
-time of XLA's kernels for the sharded and replicated drafters at batch 1 and the sharded one at batch 10, 1.16x for
-the replicated one at batch 10: `benchmarks/draft_attention.py`), or on the CUDA cores (other dtypes and head
-dims, `mma=False`, or KDTREE_JAX_DRAFT_MMA=0; slower than XLA's kernels but at one device's batch 1).
+on the tensor cores (the default, for bf16 with head dims a multiple of 16: on an H100, 0.68-0.75x the GPU time of
+XLA's kernels for the sharded and replicated drafters at batch 1 and the sharded one at batch 10, 1.15x for the
+replicated one at batch 10: `benchmarks/draft_attention.py`), or on the CUDA cores when asked (`mma=False` or
+KDTREE_JAX_DRAFT_MMA=0; slower than XLA's kernels but at one device's batch 1). Other dtypes and head dims run
+XLA's operations on a GPU unless a kernel is asked for.
 
 Differences from the reference: the CUDA-core kernel keeps the probabilities in fp32 for the products (the
 reference and the tensor-core kernel round them to bf16 first), and both sum in another order.
@@ -77,9 +78,11 @@ def draft_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, kb: jax.Array, v
     Returns [B, T, H, D] in q's dtype; fp32 scores, softmax and sums.
 
     impl="ffi": the custom call (C++ on CPU; CUDA for head dims up to 128, else the reference); impl="xla":
-    `draft_attention_ref`. num_splits overrides `plan_splits` (benchmarks). mma: the tensor-core CUDA kernel where
-    it applies (bf16, head dim a multiple of 16; other calls take the CUDA-core kernel); None: on unless
-    KDTREE_JAX_DRAFT_MMA=0 (on an H100 it beat the CUDA-core kernel in every case measured, 2026-12-07). Not
+    `draft_attention_ref`. num_splits overrides `plan_splits` (benchmarks). On a GPU, mma picks the kernel: True,
+    the tensor cores where they apply (bf16, a head dim a multiple of 16), else the CUDA cores; False, the CUDA
+    cores; None (the default), KDTREE_JAX_DRAFT_MMA=1 or 0 if set, else the tensor cores where they apply and XLA's
+    operations (the reference) where not: the CUDA-core kernel was slower than them in 3 of 4 drafter shapes, the
+    tensor-core kernel faster in 3 of 4 (H100, 2026-12-07, `benchmarks/draft_attention.py`). Not
     partitioned: under a mesh, call it per shard of heads (`sharding.draft_head_parallel`, as
     `drafter.block_attention` does).
     """
@@ -95,10 +98,13 @@ def draft_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, kb: jax.Array, v
     b, t, h, d = q.shape
     s, g = ck.shape[1], ck.shape[2]
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    if mma is None:
-        mma = os.environ.get("KDTREE_JAX_DRAFT_MMA", "1") != "0"
-    if not isinstance(mma, (bool, np.bool_)):
+    if mma is not None and not isinstance(mma, (bool, np.bool_)):
         raise TypeError(f"draft_attention: mma must be a bool or None, got {mma!r}")
+    env = os.environ.get("KDTREE_JAX_DRAFT_MMA", "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"KDTREE_JAX_DRAFT_MMA must be 0 or 1 (or unset), got {env!r}")
+    chosen = mma if mma is not None else {"0": False, "1": True}.get(env)
+    tensor_cores = q.dtype == jnp.bfloat16 and d % 16 == 0
     splits = num_splits or plan_splits(b, t, h, g, s)
     rows = g * t * (h // g)
     scratch = [jax.ShapeDtypeStruct((b, rows, splits, d), jnp.float32),  # unnormalized partial rows
@@ -110,13 +116,13 @@ def draft_attention(q: jax.Array, ck: jax.Array, cv: jax.Array, kb: jax.Array, v
 
     def cuda(*args):
         return jax.ffi.ffi_call("kdtree_draft_attention", [out, *scratch], vmap_method="sequential")(
-            *args, **attrs, mma=np.int32(bool(mma)))[0]
+            *args, **attrs, mma=np.int32(chosen is not False))[0]
 
     def other(*args):
         return draft_attention_ref(*args, scale)
 
     args = (q, ck, cv, kb, vb, lengths)
-    if d > MAX_DIM:
+    if d > MAX_DIM or (chosen is None and not tensor_cores):  # the CUDA-core kernel only when asked for
         return jax.lax.platform_dependent(*args, cpu=cpu, default=other)
     return jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda, default=other)
 
