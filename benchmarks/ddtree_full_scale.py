@@ -747,9 +747,10 @@ def main(argv=None) -> int:
                     "--small: 8,16); auto's cost model is measured at each C first (`budget.calibrate`)")
     ap.add_argument("--drafters", type=ints, help="batch sizes of the drafter-alone timing (default: 1,10; "
                     "--small: 1,2; 0: none)")
-    ap.add_argument("--draft-attention", choices=("xla", "cudnn", "ffi"), default="xla",
-                    help="the drafter-alone rows' attention (`drafter.block_attention`; default xla, what the loop's "
-                         "drafter runs unless --ffi-ops names draft_attention; ffi: the custom call)")
+    ap.add_argument("--draft-attention", choices=("xla", "cudnn", "ffi"), default=None,
+                    help="the drafter-alone rows' attention (`drafter.block_attention`; default: what the loop's "
+                         "drafter runs, ffi (the custom call) where the config's ffi_ops name draft_attention, as "
+                         "they do by default, else xla)")
     ap.add_argument("--context", type=int, help="cached tokens (default 4096; --small: 256)")
     ap.add_argument("--steps", type=int, default=16, help="S: timed runs of S and 2S loop steps (default 16)")
     ap.add_argument("--warmup", type=int, default=2, help="loop steps of the first (compiling) call")
@@ -821,7 +822,7 @@ def main(argv=None) -> int:
     batches = [b for b in (args.drafters if args.drafters is not None else (SMALL_BATCHES if args.small else BATCHES))
                if b > 0]
     if batches:
-        attention = args.draft_attention
+        attention = args.draft_attention or ("ffi" if cfg.impl("draft_attention") == "ffi" else "xla")
         replicated = make_drafter(cfg, args.small, 1)
         for kind, dr in ((f"sharded (1/{args.n})", sharded), ("replicated", replicated)):
             for b in batches:

@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import sys
 
 import numpy as np
@@ -75,7 +76,8 @@ def write_report(out: str, meta: dict, rows: list[dict]) -> None:
              + ("GPU time a call (the kernels' busy time; the profiler)" if meta["profiled"] else
                 "wall time a call (no GPU: not profiled)")
              + f". Floor: the bytes a call moves at {meta['copy_Bps'] / 1e12:.2f} TB/s "
-             f"({'measured in this run' if meta['profiled'] else 'assumed'}). `python benchmarks/draft_attention.py`.",
+             f"({'measured in this run' if meta['profiled'] else 'assumed'}). "
+             f"`{meta.get('command', 'python benchmarks/draft_attention.py')}`.",
              "", "| drafter | heads / kv, dim | batch | form | splits | µs a call | kernels | x floor | vs XLA |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -103,8 +105,8 @@ def write_report(out: str, meta: dict, rows: list[dict]) -> None:
         ax.hlines(group[0]["floor_s"] * 1e6, i - 0.4, i + 0.4, colors="k", linestyles=":")
     ax.set_xticks(range(len(cases)), [f"{s}\nbatch {b}" for s, b in cases])
     ax.set_ylabel("GPU µs a call" if key == "gpu_s" else "µs a call (wall)")
-    ax.set_title(f"Drafter block attention: XLA (gray) vs custom call by splits (blue; tensor cores orange); "
-                 f"floor dotted ({meta['device']})", fontsize=8)
+    ax.set_title(f"Drafter block attention: XLA (gray) vs custom call by splits (blue; tensor cores orange, m)\n"
+                 f"floor dotted; {meta['device']}, {meta['commit']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "draft_attention.png"), dpi=120)
     plt.close(fig)
@@ -158,7 +160,8 @@ def main(argv=None) -> int:
             del case
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, commit=args.commit,
                 context=args.context, chain=args.chain, dtype=jnp.dtype(dtype).name, copy_Bps=copy_Bps,
-                profiled=gpu)
+                profiled=gpu, command=shlex.join(["python", "benchmarks/draft_attention.py",
+                                                   *(sys.argv[1:] if argv is None else argv)]))
     write_report(args.out, meta, rows)
     return 0
 

@@ -466,8 +466,8 @@ def main(argv=None) -> int:
                     help="step: the target's verify step (cells BxT); draft: the drafter's block (cells Bx8: batch "
                          "x the block; its layers are the difference of --layers + 1 and --layers drafter layers)")
     ap.add_argument("--attention", choices=("xla", "cudnn", "ffi"), default="xla", help="--program draft: the "
-                    "drafter's attention (`drafter.block_attention`; default xla, what the drafter runs unless ffi_ops "
-                    "has draft_attention; ffi: the custom call, counted as 2 launches)")
+                    "drafter's attention (`drafter.block_attention`; default xla, XLA's operations; ffi: the custom "
+                    "call, what the drafter runs with the default ffi_ops since 2026-12-07, counted as 2 launches)")
     ap.add_argument("--no-flags", action="store_true", help="compile without the XLA flags the kdtree-jax commands "
                     "set (kdtree_jax.xla_flags.GPU_FLAGS); with them by default")
     ap.add_argument("--hlo", action="store_true", help="also write each cell's optimized HLO (L + 1 layers) to --out")
