@@ -37,6 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from common import ceilings, timed  # noqa: E402
+from kdtree_jax.kernels.fused_dot import MAX_CORE_ROWS, MAX_ROWS  # noqa: E402
 
 # name: (K, N, N2, norm, addends, gated, gated2, out dtype, want_xn)
 CALLS = {"attn_in": (7168, 2112, 0, True, 0, False, False, "bfloat16", False),
@@ -115,7 +116,8 @@ def write_report(out: str, meta: dict, rows: list[dict]) -> None:
              f"{meta['copy_Bps'] / 1e12:.2f} TB/s. Each cell: µs per call (a chain of distinct weights, each call's "
              "input depending on the last) and, in parentheses, the call over its bytes floor; speedup: XLA's "
              "operations over the first fused_dot column. Flags: 2 = the weights' first stages loaded before the "
-             "wait for the kernel ahead (the model's), 4 = whole 256-byte L2 lines asked for.", "",
+             "wait for the kernel ahead (the model's), 4 = whole 256-byte L2 lines asked for, 8 = the tensor-core "
+             "kernel at M <= 4 (past 4 it always runs).", "",
              "| call | K -> N | MB | M | " + " | ".join(variants) + " | speedup | floor µs |",
              "|" + "---|" * (len(variants) + 6)]
     by = {(r["name"], r["m"], r["variant"]): r for r in rows}
@@ -142,11 +144,11 @@ def main(argv=None) -> int:
                                                    "fused_dot"), help="folder for the .md and .json")
     ap.add_argument("--commit", default=os.environ.get("KDTREE_COMMIT", "unknown"),
                     help="commit stamped on the results")
-    ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M, comma-separated (at most 4, the "
-                    "custom call's rows on a GPU)")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M, comma-separated (at most "
+                    f"{MAX_ROWS}, the custom call's rows on a GPU; the tensor cores past {MAX_CORE_ROWS})")
     ap.add_argument("--calls", default=",".join(CALLS), help="calls, comma-separated, of: " + ", ".join(CALLS))
     ap.add_argument("--flags", default="2", help="fused_dot's flags, one column each, comma-separated (2: the "
-                    "model's, FLAG_WEIGHT_PARAM; 6: + FLAG_L2_LINES)")
+                    "model's, FLAG_WEIGHT_PARAM; 6: + FLAG_L2_LINES; 10: + FLAG_MMA, the tensor cores at M <= 4)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, two calls a chain")
     ap.add_argument("--replot", metavar="JSON", help="rewrite the report from saved numbers")
     args = ap.parse_args(argv)
@@ -160,8 +162,8 @@ def main(argv=None) -> int:
         ap.error(f"unknown calls {sorted(set(names) - set(CALLS))}; known: {', '.join(CALLS)}")
     ms = [int(v) for v in args.ms.split(",")]
     flag_list = [int(v) for v in args.flags.split(",")]
-    if any(not 1 <= m <= 4 for m in ms):
-        ap.error(f"--ms: each M must be in 1..4 (the custom call's rows on a GPU), got {ms}")
+    if any(not 1 <= m <= MAX_ROWS for m in ms):
+        ap.error(f"--ms: each M must be in 1..{MAX_ROWS} (the custom call's rows on a GPU), got {ms}")
     bw = ceilings()["copy_Bps"] if not args.quick else 1e11
     meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, commit=args.commit,
                 jax=jax.__version__, copy_Bps=bw, command="python benchmarks/fused_dot.py " + " ".join(

@@ -41,6 +41,8 @@
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fdot  # fused_dot's tests on the GPU; the full step without and with it
 #                                                    # (a layer's dense weights and their glue in four launches),
 #                                                    # side by side; each of its calls alone against XLA's operations
+#   OUT=/tmp/out bash scripts/gpu_small_m.sh fdmma  # fused_dot's tensor-core kernel (M 5-32): its GPU tests,
+#                                                    # memcheck, each call alone at M 1-32 against XLA's operations
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh gemv  # the MoE's GEMV decode path: its tests, the MoE alone, the full
 #                                                    # step as is, with it, and with it and fused_dot
 #   OUT=/tmp/out BASE_DIR=<dir> bash scripts/gpu_small_m.sh defaults  # this build against BASE_DIR's package,
@@ -269,6 +271,17 @@ fdot)  # fused_dot (a layer's dense weights with their norms, SwiGLU and residua
     --ffi-ops "$OPS,fused_dot" --base "$OUT/results/base/full_scale.json" "${DEPTH[@]}"
   [ -z "${SKIP_FD_BENCH:-}" ] && step fd_bench 200 python3 benchmarks/fused_dot.py --out "$OUT/results/fused_dot" \
     --commit "$KDTREE_COMMIT" --ms "${FD_MS:-1,4}" --flags 2,6
+  ;;
+fdmma)  # fused_dot's tensor-core kernel (M 5-32, and FLAG_MMA at 1-4): its GPU tests, then memcheck of one call
+  # at 8 and 32 rows, then every call alone at M 1-32 with the CUDA cores (flags 2) and the tensor cores (10: at M
+  # <= 4; past 4 both columns are the tensor cores) against XLA's operations
+  step fdmma_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_fused_dot.py \
+    -k gpu
+  step fdmma_memcheck 120 env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer \
+    --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider tests/test_fused_dot.py \
+    -k "gpu and every_split and (8- or 32-)"
+  step fdmma_bench 240 python3 benchmarks/fused_dot.py --out "$OUT/results/fused_dot" --commit "$KDTREE_COMMIT" \
+    --ms "${FD_MS:-1,4,8,9,16,17,32}" --flags 2,10
   ;;
 gemv)  # the MoE's GEMV decode path (FLAG_GEMV: a warp a weight row, no align) and fused_dot: the GEMV path's GPU
   # tests (marlin_moe's K2-shape cases) and fused_dot's; benchmarks/fixed_cost.py (the MoE at

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import kdtree_jax as kj
-from kdtree_jax.kernels.fused_dot import (FLAG_L2_LINES, FLAG_PLAIN, FLAG_WEIGHT_PARAM, fused_dot, fused_dot_ref,
+from kdtree_jax.kernels.fused_dot import (FLAG_L2_LINES, FLAG_MMA, FLAG_PLAIN, FLAG_WEIGHT_PARAM, MAX_CORE_ROWS,
+                                          MAX_ROWS, SMEM_BYTES, cuda_smem_bytes, fused_dot, fused_dot_ref,
                                           on_cuda_path, on_ffi_path)
 
 from conftest import needs_gpu, step_calls, tiny_bf16_model, with_ffi_op
@@ -130,9 +131,14 @@ def test_off_the_custom_call_runs_the_reference():
     assert not on_ffi_path(ops["x"], ops["w"], ops["w2"], ops["norm"], ops["adds"])
     got, want = run(ops), run(ops, "xla")
     np.testing.assert_array_equal(got[0], want[0])
-    x = jnp.ones((5, 64), BF)
+    x = jnp.ones((MAX_ROWS + 1, 64), BF)
     assert not on_cuda_path(x, jnp.ones((64, 64), BF)) and not on_cuda_path(x[:1, :48], jnp.ones((48, 64), BF))
     assert on_cuda_path(x[:4], jnp.ones((64, 128), BF)) and not on_cuda_path(x[:1], jnp.ones((64, 48), BF))
+    assert on_cuda_path(x[:MAX_ROWS], jnp.ones((64, 128), BF))
+    # K = 1216 = 64 x 19: only split 1 divides K / 64, and 32 rows of a 1216 slice are past a block's shared memory
+    wide = jnp.ones((MAX_ROWS, 1216), BF)
+    assert cuda_smem_bytes(MAX_ROWS, 1216, 1) > SMEM_BYTES and not on_cuda_path(wide, jnp.ones((1216, 64), BF))
+    assert on_cuda_path(wide[:8], jnp.ones((1216, 64), BF))
     assert not on_cuda_path(x[:1], jnp.ones((64, 64), BF), jnp.ones((64, 32), BF))
 
 
@@ -161,6 +167,10 @@ def test_bad_arguments_are_named():
         fused_dot(x, w, impl="cuda")
     with pytest.raises(TypeError, match="x must be an array"):
         fused_dot([[1.0]], w)
+    big = jnp.ones((MAX_ROWS, 7168), BF), jnp.ones((7168, 64), BF)  # 32 rows of a 7168 slice: ~1 MB of x'
+    with pytest.raises(ValueError, match="too long for a block's shared memory at 32 rows"):
+        fused_dot(*big, split=1)
+    assert cuda_smem_bytes(MAX_ROWS, 7168, 8) <= SMEM_BYTES  # (a split that fits passes the check)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,7 +205,7 @@ def test_decode_step_runs_fused_dot_only_where_asked():
         assert count(params, off) == 0
         # four a layer: norm + q_a/kv_a, o + residual, norm + router/gate-up (or the dense gate/up), down + adds
         assert count(params, on) == 4 * cfg.num_hidden_layers
-        assert count(params, on, rows=1, t=5) == 0  # past MAX_ROWS: the model's own operations
+        assert count(params, on, rows=1, t=MAX_ROWS + 1) == 0  # past MAX_ROWS: the model's own operations
         sharded = kj.shard_params(params, on, kj.make_mesh(ep=4, devices=jax.devices("cpu")[:4]))
         assert count(sharded, on) == 0
 
@@ -213,7 +223,8 @@ def test_greedy_ddtree_with_fused_dot_equals_ar():
 
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA: one device's share of K2.6 (ep=8): the four calls of a MoE layer, a dense layer's two, at the rows of a
-# decode (1) and up to the kernel's most (4)
+# decode (1), up to the CUDA-core kernel's most (4), and on the tensor cores past it: 5, 8 (a drafter's block), 9
+# and 17 (a verify of budget 8 and 16: the first rows of the second and third 8-row group), 32 (the most)
 
 GPU_CASES = [
     ((1,), 7168, 2112, 0, True, 0, False, False, BF),  # norm + q_a/kv_a
@@ -226,6 +237,13 @@ GPU_CASES = [
     ((2, 2), 256, 7168, 0, False, 2, False, False, BF),
     ((1,), 7168, 4608, 0, True, 0, True, False, BF),  # a dense layer's norm + gate/up
     ((2,), 2304, 7168, 0, False, 1, False, False, BF),  # its down + residual
+    ((5,), 7168, 2112, 0, True, 0, False, False, BF),  # the tensor cores
+    ((8,), 7168, 4608, 0, True, 0, True, False, BF),
+    ((9,), 1024, 7168, 0, False, 1, False, False, BF),
+    ((17,), 7168, 384, 512, True, 0, False, True, jnp.float32),
+    ((2, 8), 2304, 7168, 0, False, 2, False, False, BF),
+    ((32,), 7168, 2112, 0, True, 0, False, False, BF),
+    ((31,), 256, 7168, 0, False, 2, False, False, BF),
 ]
 
 
@@ -250,9 +268,14 @@ def test_gpu_kernel_is_the_layer_math_at_every_split(lead, k, n, n2, norm, adds,
     cpu = run(_on(ops, jax.devices("cpu")[0]), gated=gated, gated2=gated2, out_dtype=dt, want_xn=True)
     check(cpu[0], want, dt)
     g_ops = _on(ops, jax.devices("gpu")[0])
-    splits = [s for s in (0, 1, 2, 4, 8, 16) if (k // 64) % max(s, 1) == 0]
-    # every split with the model's flags; the other flags (plain launch, whole L2 lines) with the chosen split
+    m = int(np.prod(lead))
+    splits = [s for s in (0, 1, 2, 4, 8, 16) if (k // 64) % max(s, 1) == 0
+              and (s == 0 or cuda_smem_bytes(m, k, s) <= SMEM_BYTES)]
+    # every split that fits with the model's flags; the other flags (plain launch, whole L2 lines, the tensor cores
+    # at M <= 4) with the chosen split
     runs = [(s, FLAG_WEIGHT_PARAM) for s in splits] + [(0, f) for f in (0, FLAG_PLAIN, FLAG_L2_LINES)]
+    if m <= MAX_CORE_ROWS:
+        runs += [(0, FLAG_MMA | FLAG_WEIGHT_PARAM), (16 if (k // 64) % 16 == 0 else 0, FLAG_MMA)]
     for split, flags in runs:
         _poison(4 * int(np.prod(lead)) * (n + n2 + k) + 4096)
         y, y2, xn = run(g_ops, gated=gated, gated2=gated2, out_dtype=dt, want_xn=True, split=split, flags=flags)

@@ -20,11 +20,16 @@ moved; the custom call is one kernel.
 The custom call rounds x' as the reference does (each block of the CUDA kernel reads the whole rows of x for their
 sums of squares first), so the two differ in the order of the fp32 sums (and, on the GPU, an approximate reciprocal
 square root): in x' by one ulp in rare elements, where r lands x r on the other side of a rounding. On the GPU that
-was enough for greedy ddtree (verify steps without the custom call) to leave ar on the tiny test model: opt-in. The CUDA kernel takes bf16 operands, at most MAX_ROWS rows, K (up to 8192) and every N multiples of 64, and runs on the
-CUDA cores (a dot of 1-4 rows needs no tensor cores): each block streams 64 columns of a weight (128 bytes a row),
-the K split over a thread-block cluster as far as the clusters all fit at once, launched as a programmatic dependent
-of the kernel ahead and, for weights that are parameters (`FLAG_WEIGHT_PARAM`), loading their first rows before that
-kernel ends. Other shapes run the reference on the GPU; the CPU custom call takes any bf16 shape.
+was enough for greedy ddtree (verify steps without the custom call) to leave ar on the tiny test model: opt-in.
+
+The CUDA kernels take bf16 operands, at most MAX_ROWS rows, K (up to 8192) and every N multiples of 64: each block
+streams 64 columns of a weight (128 bytes a row), the K split over a thread-block cluster as far as the clusters all
+fit at once, launched as a programmatic dependent of the kernel ahead and, for weights that are parameters
+(`FLAG_WEIGHT_PARAM`), loading their first rows before that kernel ends. Up to MAX_CORE_ROWS rows the products run
+on the CUDA cores; above (up to 32 rows: a ddtree verify of up to 31 nodes, a drafter's block of 8 to 32) on the
+tensor cores, the weight as mma's B operand, so the rows need no padding past 8 or 16 and the weight is read once
+whatever M (FLAG_MMA takes them at M <= 4 too). Other shapes run the reference on the GPU; the CPU custom call takes
+any bf16 shape.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ import numpy as np
 from . import _registry
 from .mla_pre import rms_norm
 
-MAX_ROWS = 4  # the CUDA kernel's rows at most
+MAX_ROWS = 32  # the CUDA kernels' rows at most (the tensor-core kernel's; the CUDA-core kernel takes up to 4)
+MAX_CORE_ROWS = 4
 K_TILE = 64  # the CUDA kernel: K a multiple of it
 MAX_K = 8192  # the CUDA kernel: K at most
 N_TILE = 64  # the CUDA kernel: every N a multiple of it
@@ -46,6 +52,8 @@ FLAG_PLAIN = 1  # a plain launch instead of a programmatic dependent one (benchm
 FLAG_WEIGHT_PARAM = 2  # the weights and the norm weight are parameters no kernel of the program writes: their first
 #                        stages load before the wait for the kernel ahead (never for an array computed in the program)
 FLAG_L2_LINES = 4  # the CUDA kernel's weight loads ask L2 for whole 256-byte lines (neighbouring blocks read the rest)
+FLAG_MMA = 8  # the tensor-core kernel at M <= MAX_CORE_ROWS too (benchmarks; above it, always)
+SMEM_BYTES = 227 * 1024  # an H100's or H200's shared memory a block (opt-in)
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
 
 
@@ -86,13 +94,25 @@ def on_ffi_path(x, w, w2=None, norm=None, adds=()) -> bool:
     return all(a.dtype == jnp.bfloat16 for a in arrays) and math.prod(x.shape[:-1]) >= 1
 
 
-def on_cuda_path(x, w, w2=None) -> bool:
-    """Whether the CUDA kernel takes these shapes: at most MAX_ROWS rows, K a multiple of K_TILE up to MAX_K, each N
-    a multiple of N_TILE."""
+def on_cuda_path(x, w, w2=None, flags: int = 0) -> bool:
+    """Whether the CUDA kernel takes these shapes: at most MAX_ROWS rows, K a multiple of K_TILE up to MAX_K whose
+    slice at some split fits a block's shared memory (`cuda_smem_bytes`), each N a multiple of N_TILE."""
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
     ns = [w.shape[1]] + ([w2.shape[1]] if w2 is not None else [])
     return (1 <= m <= MAX_ROWS and 0 < k <= MAX_K and k % K_TILE == 0
-            and all(n > 0 and n % N_TILE == 0 for n in ns))
+            and all(n > 0 and n % N_TILE == 0 for n in ns)
+            and any((k // K_TILE) % s == 0 and cuda_smem_bytes(m, k, s, flags) <= SMEM_BYTES
+                    for s in (1, 2, 4, 8, 16)))
+
+
+def cuda_smem_bytes(m: int, k: int, split: int, flags: int = 0) -> int:
+    """A block's shared memory in the CUDA kernel for m rows and a K slice of k / split (ffi/fused_dot.cu's
+    SmemBytes): x' of the slice in fp32 (rows padded to the kernel's 1, 2, 4, 8, 16 or 32; the tensor-core kernel's
+    rows by 8 floats), the warps' partials and the block's, the norm weights."""
+    mma = m > MAX_CORE_ROWS or bool(flags & FLAG_MMA)
+    mm = next(r for r in ((8, 16, 32) if mma else (1, 2, 4)) if m <= r)
+    kslice = k // split
+    return 4 * (mm * (kslice + (8 if mma else 0)) + 8 * mm * N_TILE + mm * N_TILE + 8 * mm + mm + kslice)
 
 
 def fused_dot(x: jax.Array, w: jax.Array, *, w2: jax.Array | None = None, norm: jax.Array | None = None,
@@ -103,8 +123,9 @@ def fused_dot(x: jax.Array, w: jax.Array, *, w2: jax.Array | None = None, norm: 
 
     impl="ffi" runs the custom call where `on_ffi_path` holds (C++ on CPU; CUDA where `on_cuda_path` also holds,
     else the reference), impl="xla" runs `fused_dot_ref`. split: the CUDA kernel's blocks per 64 columns that share
-    K (0: chosen; else 1, 2, 4, 8 or 16 dividing K / 64); flags: FLAG_PLAIN, FLAG_WEIGHT_PARAM (only for weights
-    that are inputs of the program, never written in it), FLAG_L2_LINES. No host sync.
+    K (0: chosen; else 1, 2, 4, 8 or 16 dividing K / 64, whose K slice fits a block's shared memory,
+    `cuda_smem_bytes`); flags: FLAG_PLAIN, FLAG_WEIGHT_PARAM (only for weights that are inputs of the program, never
+    written in it), FLAG_L2_LINES, FLAG_MMA. No host sync.
     """
     adds = tuple(adds)
     out_dtype = getattr(x, "dtype", jnp.float32) if out_dtype is None else out_dtype
@@ -116,13 +137,16 @@ def fused_dot(x: jax.Array, w: jax.Array, *, w2: jax.Array | None = None, norm: 
     if isinstance(split, bool) or split not in (0, 1, 2, 4, 8, 16) or (split and (k % K_TILE or
                                                                                 (k // K_TILE) % split)):
         raise ValueError(f"fused_dot: split must be 0 or one of 1, 2, 4, 8, 16 dividing K / {K_TILE}, got {split!r}")
+    m = math.prod(x.shape[:-1])
+    if split and 1 <= m <= MAX_ROWS and cuda_smem_bytes(m, k, split, flags) > SMEM_BYTES:
+        raise ValueError(f"fused_dot: split {split} leaves a K slice of {k // split} too long for a block's shared "
+                         f"memory at {m} rows ({cuda_smem_bytes(m, k, split, flags)} bytes); use a larger split or 0")
     kw = dict(w2=w2, norm=norm, eps=eps, gated=gated, gated2=gated2, adds=adds, out_dtype=out_dtype,
               out2_dtype=out2_dtype, want_xn=want_xn)
     if impl == "xla" or not on_ffi_path(x, w, w2, norm, adds):
         return fused_dot_ref(x, w, **kw)
     _registry.register()
     lead = tuple(x.shape[:-1])
-    m = math.prod(lead)
     n, n2 = w.shape[1], (w2.shape[1] if w2 is not None else 0)
     bf = jnp.bfloat16
     shapes = (jax.ShapeDtypeStruct((m, n // 2 if gated else n), out_dtype),
@@ -145,7 +169,7 @@ def fused_dot(x: jax.Array, w: jax.Array, *, w2: jax.Array | None = None, norm: 
         return y, (y2 if y2 is not None else jnp.zeros(shapes[1].shape, out2_dtype)), (
             xn if xn is not None else jnp.zeros(shapes[2].shape, bf))
 
-    cuda = call if on_cuda_path(x, w, w2) else other
+    cuda = call if on_cuda_path(x, w, w2, flags) else other
     y, y2, xn = jax.lax.platform_dependent(*operands, cpu=call, cuda=cuda, default=other)
     return (y.reshape(lead + y.shape[1:]), y2.reshape(lead + y2.shape[1:]) if w2 is not None else None,
             xn.reshape(lead + (k,)) if want_xn else None)
