@@ -396,12 +396,14 @@ def draft_bytes(drafter, params, dcache, context: int) -> float:
 
 def time_draft(drafter, params, cfg, batch: int, context: int, repeats: int, copy_Bps: float, kind: str,
                attention: str) -> dict:
-    """The drafter's step alone (`drafter.draft`: the block's logits, its attention on `attention`) after `context`
-    tokens, and its bytes floor; on a GPU also "profile": its kernels' busy time and span a step and the 16 kernel
-    families that take the most ([family, launches, µs] a step)."""
+    """The drafter's step alone (`drafter.draft`: the block's logits, its attention on `attention`, its dense weights
+    as fused_dot calls where the config's ffi_ops name fused_dot, as the loop's drafter does) after `context` tokens,
+    and its bytes floor; on a GPU also "profile": its kernels' busy time and span a step and the 16 kernel families
+    that take the most ([family, launches, µs] a step)."""
     dcache = init_draft_cache(drafter.cfg, batch, context + 16)
     lengths, bonus = jnp.full((batch,), context, jnp.int32), jnp.zeros((batch,), jnp.int32)
-    fn, io = jax.jit(partial(draft, attention=attention)), target_io(params)
+    dense = "ffi" if cfg.impl("fused_dot") == "ffi" else "xla"
+    fn, io = jax.jit(partial(draft, attention=attention, dense=dense)), target_io(params)
     with trace_context(params, cfg):
         step_s, _ = time_calls(lambda: fn(drafter, io, dcache, lengths, bonus), repeats)
         prof = {}
@@ -415,7 +417,7 @@ def time_draft(drafter, params, cfg, batch: int, context: int, repeats: int, cop
     byts = draft_bytes(drafter, params, dcache, context)
     fc = nbytes(drafter.params.fc) + nbytes(drafter.params.hidden_norm)
     d = drafter.cfg
-    return dict(kind=kind, batch=batch, context=context, attention=attention, step_s=step_s, bytes=byts,
+    return dict(kind=kind, batch=batch, context=context, attention=attention, dense=dense, step_s=step_s, bytes=byts,
                 copy_Bps=copy_Bps,
                 floor_s=byts / copy_Bps,
                 floor_fc_s=(byts + fc) / copy_Bps,
@@ -586,11 +588,12 @@ def write_report(out_dir: str, meta: dict, rows: list[dict], drafters: list[dict
                       f"{drafters[0]['context']}; floor = bytes / {drafters[0]['copy_Bps'] / 1e12:.2f} TB/s, "
                       + ("the copy bandwidth measured in this run)" if meta.get("copy_measured") else
                          "an assumed bandwidth: no GPU, not measured)"), "",
-                  "| drafter | layers x heads / KV heads x dim, MLP | attention | batch | step ms | floor ms | "
-                  "% of floor | % of the floor with `fc` (full_scale's) |", "|---|---|---|---|---|---|---|---|"]
+                  "| drafter | layers x heads / KV heads x dim, MLP | attention | dense | batch | step ms | floor ms | "
+                  "% of floor | % of the floor with `fc` (full_scale's) |", "|---|---|---|---|---|---|---|---|---|"]
         for d in drafters:
             lines.append(f"| {d['kind']} | {d['layers']} x {d['heads']} / {d['kv_heads']} x {d['head_dim']}, "
-                         f"{d['intermediate']} | {d.get('attention', 'xla')} | {d['batch']} | {ms(d['step_s'])} | "
+                         f"{d['intermediate']} | {d.get('attention', 'xla')} | {d.get('dense', 'xla')} | "
+                         f"{d['batch']} | {ms(d['step_s'])} | "
                          f"{ms(d['floor_s'])} | "
                          f"{d['floor_s'] / d['step_s']:.0%} | {d['floor_fc_s'] / d['step_s']:.0%} |")
         lines += ["", "Goal for the sharded drafter: <= 0.45 ms a step per device, >= 60% of its floor (the floor "

@@ -25,6 +25,7 @@ from flax import struct
 
 from .config import ConfigError, ModelConfig
 from .kernels.draft_attention import draft_attention
+from .kernels.fused_dot import MAX_ROWS as FUSED_MAX_ROWS, fused_dot
 from .kernels.mla_verify import combine_lse
 from .model import (ArrayInfo, KVCache, Params, embed, init_from_info, naive_attention_lse, rms_norm, stack_info, step,
                     write_rows)
@@ -184,7 +185,8 @@ class Drafter:
         attentions (`block_attention` "cudnn") were slower for one device's share of the K2.5-DFlash drafter (H100,
         2026-12-06: 1.11 against 0.80 ms a draft at batch 1, 1.33 against 1.26 at 10; docs/full_scale.md)."""
         ffi = cfg.impl("draft_attention") == "ffi" and draft_heads_split(self.cfg.num_heads, self.cfg.num_kv_heads)
-        return draft(self, target, state, cache.lengths, bonus, attention="ffi" if ffi else "xla")
+        dense = "ffi" if cfg.impl("fused_dot") == "ffi" and current_mesh() is None else "xla"
+        return draft(self, target, state, cache.lengths, bonus, attention="ffi" if ffi else "xla", dense=dense)
 
 
 @struct.dataclass
@@ -350,12 +352,14 @@ def split_block_attention(q, ck, cv, kb, vb, lengths, scale: float, impl: str) -
 
 
 def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Array, bonus: jax.Array,
-          attention: str = "xla") -> jax.Array:
+          attention: str = "xla", dense: str = "xla") -> jax.Array:
     """Per-depth draft logits [B, block_size - 1, V] (f32) for the tokens after `bonus` [B].
 
     The block [bonus, MASK, ...] sits at positions lengths[b] .. lengths[b] + block_size - 1 and sees the
     context slots < lengths[b] of `cache` plus the whole block (bidirectional). attention: `block_attention`'s impl
-    ("xla", what `Drafter.propose` runs, or "cudnn").
+    ("xla", "ffi" or "cudnn"). dense: "xla", the layers' dense weights as XLA's dots, or "ffi", as
+    `kernels.fused_dot` calls where the block has at most its MAX_ROWS rows (`_fused_layer`; `Drafter.propose` asks
+    for it where the target's config runs fused_dot and no mesh is set).
     """
     p, d = drafter.params, drafter.cfg
     b, bs = bonus.shape[0], d.block_size
@@ -364,7 +368,11 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
     positions = lengths[:, None] + jnp.arange(bs)[None, :]
     scale = 1.0 / math.sqrt(d.head_dim)
 
+    fused = dense == "ffi" and b * bs <= FUSED_MAX_ROWS
+
     def layer(x, lp, ck, cv):
+        if fused:
+            return _fused_layer(x, lp, ck, cv, lengths, positions, scale, d, attention)
         h = rms_norm(x, lp.attn_norm, d.rms_norm_eps)
         q = _rope(rms_norm(jnp.einsum("btd,dhk->bthk", h, lp.q), lp.q_norm, d.rms_norm_eps), positions, d.rope_theta)
         kb, vb = _kv(lp, h, positions, d)  # [B, bs, Hkv, hd]
@@ -378,6 +386,25 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
             x = layer(x, jax.tree.map(lambda a: a[i], p.layers), cache.k[i], cache.v[i])  # each layer's own buffer
         x = rms_norm(x[:, 1:], p.norm, d.rms_norm_eps)  # positions 1 .. bs-1 predict depths 1 .. bs-1
         return jnp.einsum("btd,dv->btv", x, target.lm_head, preferred_element_type=jnp.float32)
+
+
+def _fused_layer(x, lp: DraftLayer, ck, cv, lengths, positions, scale: float, d: DrafterConfig, attention: str):
+    """`draft`'s layer with its dense weights as four `kernels.fused_dot` calls: the attention's RMSNorm + q (its
+    normalized rows out for k and v, whose single head of 112 is not a multiple of the CUDA kernel's 64 columns: XLA
+    keeps those two), o + the residual add, the MLP's RMSNorm + gate and up (two weights sharing the rows; the SwiGLU
+    product in XLA, as the weights are not stored joined), down + the residual add. The same math, rounded in the
+    same order, as the layer of `draft`."""
+    b, bs, dm = x.shape
+    eps, hq, hd = d.rms_norm_eps, lp.q.shape[1], lp.q.shape[2]
+    rows = x.reshape(b * bs, dm)
+    q, _, h = fused_dot(rows, lp.q.reshape(dm, hq * hd), norm=lp.attn_norm, eps=eps, want_xn=True)
+    q = _rope(rms_norm(q.reshape(b, bs, hq, hd), lp.q_norm, eps), positions, d.rope_theta)
+    kb, vb = _kv(lp, h.reshape(b, bs, dm), positions, d)
+    o = block_attention(q, ck, cv, kb, vb, lengths, scale, attention)
+    rows = fused_dot(o.reshape(b * bs, hq * hd), lp.o.reshape(hq * hd, dm), adds=(rows,))[0]
+    gate, up, _ = fused_dot(rows, lp.gate, w2=lp.up, norm=lp.mlp_norm, eps=eps)
+    rows = fused_dot(jax.nn.silu(gate) * up, lp.down, adds=(rows,))[0]
+    return rows.reshape(b, bs, dm)
 
 
 @jax.tree_util.register_dataclass

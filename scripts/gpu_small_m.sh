@@ -42,7 +42,8 @@
 #                                                    # (a layer's dense weights and their glue in four launches),
 #                                                    # side by side; each of its calls alone against XLA's operations
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh fdmma  # fused_dot's tensor-core kernel (M 5-32): its GPU tests,
-#                                                    # memcheck, each call alone at M 1-32 against XLA's operations
+#                                                    # memcheck, each call alone at M 1-32 against XLA's operations,
+#                                                    # the drafter alone without and with it
 #   OUT=/tmp/out bash scripts/gpu_small_m.sh gemv  # the MoE's GEMV decode path: its tests, the MoE alone, the full
 #                                                    # step as is, with it, and with it and fused_dot
 #   OUT=/tmp/out BASE_DIR=<dir> bash scripts/gpu_small_m.sh defaults  # this build against BASE_DIR's package,
@@ -282,6 +283,12 @@ fdmma)  # fused_dot's tensor-core kernel (M 5-32, and FLAG_MMA at 1-4): its GPU 
     -k "gpu and every_split and (8- or 32-)"
   step fdmma_bench 240 python3 benchmarks/fused_dot.py --out "$OUT/results/fused_dot" --commit "$KDTREE_COMMIT" \
     --ms "${FD_MS:-1,4,8,9,16,17,32}" --flags 2,10
+  # the drafter alone (batch 1: 8 rows, on the tensor cores; 10: 80, XLA's dots) without and with fused_dot
+  OPS=tree_build,tree_accept,mla_verify,marlin_moe,moe_route,move_rows,mla_pre,draft_attention
+  step drafter 200 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
+    --time-limit 0 --out "$OUT/results/drafter" --commit "$KDTREE_COMMIT" --ffi-ops "$OPS"
+  step drafter_fdot 200 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
+    --time-limit 0 --out "$OUT/results/drafter_fdot" --commit "$KDTREE_COMMIT+fused_dot" --ffi-ops "$OPS,fused_dot"
   ;;
 gemv)  # the MoE's GEMV decode path (FLAG_GEMV: a warp a weight row, no align) and fused_dot: the GEMV path's GPU
   # tests (marlin_moe's K2-shape cases) and fused_dot's; benchmarks/fixed_cost.py (the MoE at

@@ -210,6 +210,29 @@ def test_decode_step_runs_fused_dot_only_where_asked():
         assert count(sharded, on) == 0
 
 
+def test_drafter_block_with_fused_dot_equals_without_within_rounding():
+    """The drafter's block (`drafter.draft`) with its dense weights as fused_dot calls (four a layer) equals the
+    XLA one within bf16 rounding, on the CPU custom call; past MAX_ROWS rows it keeps XLA's dots."""
+    from kdtree_jax.drafter import append_context, draft, init_draft_cache
+    cfg, params = tiny_bf16_model()
+    drafter = kj.init_drafter(cfg, jax.random.key(4), num_layers=2, block_size=4)
+    rng = np.random.default_rng(5)
+    hidden = jnp.asarray(rng.standard_normal((cfg.num_hidden_layers, 2, 9, cfg.hidden_size)), BF)
+    cache = append_context(drafter, init_draft_cache(drafter.cfg, 2, 32), hidden, jnp.zeros((2,), jnp.int32))
+    lengths, bonus = jnp.asarray([9, 4], jnp.int32), jnp.asarray([65, 101], jnp.int32)
+    fns = {dense: jax.jit(lambda c, dense=dense: draft(drafter, params, c, lengths, bonus, dense=dense))
+           for dense in ("xla", "ffi")}
+    want, got = (np.asarray(fns[dense](cache), np.float64) for dense in ("xla", "ffi"))
+    assert np.isfinite(got).all()
+    assert np.max(np.abs(got - want)) <= 0.05 * np.max(np.abs(want)), np.max(np.abs(got - want))
+    calls = fns["ffi"].lower(cache).as_text().count("kdtree_fused_dot")
+    assert calls == 4 * drafter.cfg.num_layers, calls
+    big = init_draft_cache(drafter.cfg, MAX_ROWS // 4 + 1, 32)  # (MAX_ROWS / 4 + 1) x a block of 4: past MAX_ROWS
+    past = jax.jit(lambda c: draft(drafter, params, c, jnp.zeros((MAX_ROWS // 4 + 1,), jnp.int32),
+                                   jnp.ones((MAX_ROWS // 4 + 1,), jnp.int32), dense="ffi"))
+    assert past.lower(big).as_text().count("kdtree_fused_dot") == 0
+
+
 def test_greedy_ddtree_with_fused_dot_equals_ar():
     cfg, params = tiny_bf16_model()
     cfg = _with(cfg, True)
