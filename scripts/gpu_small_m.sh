@@ -187,8 +187,8 @@ draftattn)  # the drafter's block attention as one custom call: correctness firs
     for case in "3 4 8 2 16 100 --splits 1" "3 4 8 2 16 100 --splits 7" "2 3 6 3 20 90 --splits 5" \
         "2 8 8 1 112 300 --splits 256" "1 8 8 1 112 4352" "10 8 8 1 112 4352" "2 8 64 8 112 1000" "2 5 130 1 128 50"; do
       # shellcheck disable=SC2086 (the case is its words)
-      step "draftattn_memcheck_${kernel}_${case// /_}" 90 env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_ALLOCATOR=platform \
-        compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/draft_attention_memcheck.py $case \
+      step "draftattn_memcheck_${kernel}_${case// /_}" 90 env JAX_PLATFORMS=cuda,cpu \
+        XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/draft_attention_memcheck.py $case \
         $([ "$kernel" = cores ] && echo --cores)
     done
   done
@@ -273,14 +273,17 @@ fdot)  # fused_dot (a layer's dense weights with their norms, SwiGLU and residua
   [ -z "${SKIP_FD_BENCH:-}" ] && step fd_bench 200 python3 benchmarks/fused_dot.py --out "$OUT/results/fused_dot" \
     --commit "$KDTREE_COMMIT" --ms "${FD_MS:-1,4}" --flags 2,6
   ;;
-fdmma)  # fused_dot's tensor-core kernel (M 5-32, and FLAG_MMA at 1-4): its GPU tests, then memcheck of one call
-  # at 8 and 32 rows, then every call alone at M 1-32 with the CUDA cores (flags 2) and the tensor cores (10: at M
-  # <= 4; past 4 both columns are the tensor cores) against XLA's operations
-  step fdmma_tests 240 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_fused_dot.py \
-    -k gpu
-  step fdmma_memcheck 120 env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer \
-    --tool memcheck --error-exitcode 1 python3 -m pytest -q -p no:cacheprovider tests/test_fused_dot.py \
-    -k "gpu and every_split and (8- or 32-)"
+fdmma)  # fused_dot's tensor-core kernel (M 5-32, and FLAG_MMA at 1-4): every test of tests/test_fused_dot.py on the
+  # GPU (the model's and the drafter's with it too), then memcheck of one call a process
+  # (scripts/fused_dot_memcheck.py, 4-32 rows, each epilogue), then every call alone at M 1-32 with the CUDA cores
+  # (flags 2) and the tensor cores (10: at M <= 4; past 4 both columns are the tensor cores) against XLA's operations
+  step fdmma_tests 400 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_fused_dot.py
+  for case in "8 7168 2112" "32 7168 2112 --split 8" "17 7168 384 --n2 512" "9 1024 7168 --adds 1" \
+      "8 7168 4608 --gated" "31 256 7168 --adds 2" "4 7168 2112 --flags 8"; do  # (memcheck: no XLA GPU kernels)
+    # shellcheck disable=SC2086 (the case is its words)
+    step "fdmma_memcheck_${case// /_}" 90 env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+      compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/fused_dot_memcheck.py $case
+  done
   step fdmma_bench 240 python3 benchmarks/fused_dot.py --out "$OUT/results/fused_dot" --commit "$KDTREE_COMMIT" \
     --ms "${FD_MS:-1,4,8,9,16,17,32}" --flags 2,10
   # the drafter alone (batch 1: 8 rows, on the tensor cores; 10: 80, XLA's dots) without and with fused_dot
