@@ -188,8 +188,8 @@ draftattn)  # the drafter's block attention as one custom call: correctness firs
         "2 8 8 1 112 300 --splits 256" "1 8 8 1 112 4352" "10 8 8 1 112 4352" "2 8 64 8 112 1000" "2 5 130 1 128 50"; do
       # shellcheck disable=SC2086 (the case is its words)
       step "draftattn_memcheck_${kernel}_${case// /_}" 90 env JAX_PLATFORMS=cuda,cpu \
-        XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/draft_attention_memcheck.py $case \
-        $([ "$kernel" = cores ] && echo --cores)
+        XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 scripts/draft_attention_memcheck.py $case $([ "$kernel" = cores ] && echo --cores)
     done
   done
   step draftattn_alone 200 python3 benchmarks/draft_attention.py --out "$OUT/results/draft_attention" \
