@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda_common.cuh"
 #include "handler_checks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -317,14 +318,6 @@ constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr int kMmaKPad = 8;   // K's row: D + 8 bf16
 constexpr int kMmaVRow = kKeys + 8;  // V^T's row: 40 bf16
 
-__device__ __forceinline__ void Mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -415,7 +408,7 @@ __global__ void __launch_bounds__(kMmaThreads) AttendMmaKernel(Params p) {
       const __nv_bfloat16* kr = ks + (8 * n + gid) * krow + 2 * tig;
 #pragma unroll
       for (int st = 0; st < 8; ++st) {
-        if (st < steps) Mma(sc[n], qa[st], Word(kr + 16 * st), Word(kr + 16 * st + 8));
+        if (st < steps) MmaAt(sc[n], qa[st], Word(kr + 16 * st), Word(kr + 16 * st + 8));
       }
     }
     float top[2] = {peak[0], peak[1]};
@@ -467,7 +460,7 @@ __global__ void __launch_bounds__(kMmaThreads) AttendMmaKernel(Params p) {
       for (int n = 0; n < 16; ++n) {
         if (n < 2 * steps) {
           const __nv_bfloat16* vr = vt + (8 * n + gid) * kMmaVRow + 16 * kk + 2 * tig;
-          Mma(o[n], pa, Word(vr), Word(vr + 8));
+          MmaAt(o[n], pa, Word(vr), Word(vr + 8));
         }
       }
     }
