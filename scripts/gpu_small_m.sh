@@ -96,6 +96,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, append to $LOG, show
   grep -v -i "warn\|donat" "$OUT/results/$name.log" >> "$LOG"
   echo "rc=$rc" | tee -a "$LOG"
   grep -v -i "warn\|donat" "$OUT/results/$name.log" | tail -"${TAIL:-12}"
+  finish  # packed after every step: a call the device kills at its limit still returns the steps before
 }
 finish() { tar -czf "$OUT/results.tar.gz" -C "$OUT" results; }
 ncu_both() {  # ncu_both NAME KERNELS SKIP COUNT SCRIPT TOP: ncu's sections of the matching launches (their key lines
@@ -273,25 +274,27 @@ fdot)  # fused_dot (a layer's dense weights with their norms, SwiGLU and residua
   [ -z "${SKIP_FD_BENCH:-}" ] && step fd_bench 200 python3 benchmarks/fused_dot.py --out "$OUT/results/fused_dot" \
     --commit "$KDTREE_COMMIT" --ms "${FD_MS:-1,4}" --flags 2,6
   ;;
-fdmma)  # fused_dot's tensor-core kernel (M 5-32, and FLAG_MMA at 1-4): every test of tests/test_fused_dot.py on the
-  # GPU (the model's and the drafter's with it too), then memcheck of one call a process
-  # (scripts/fused_dot_memcheck.py, 4-32 rows, each epilogue), then every call alone at M 1-32 with the CUDA cores
-  # (flags 2) and the tensor cores (10: at M <= 4; past 4 both columns are the tensor cores) against XLA's operations
-  step fdmma_tests 400 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider tests/test_fused_dot.py
+fdmma)  # fused_dot's tensor-core kernel (M 5-32, and FLAG_MMA at 1-4), the most telling first (a call may end at its
+  # limit): every test of tests/test_fused_dot.py on the GPU (the model's and the drafter's with it too); every call
+  # alone at M 1-32 with the CUDA cores (flags 2) and the tensor cores (10: at M <= 4; past 4 both columns are the
+  # tensor cores) against XLA's operations; the drafter alone without and with fused_dot; then memcheck of one call a
+  # process (scripts/fused_dot_memcheck.py, 4-32 rows, each epilogue)
+  step fdmma_tests "${FD_TEST_LIMIT:-240}" env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rA -p no:cacheprovider \
+    tests/test_fused_dot.py
+  step fdmma_bench 150 python3 benchmarks/fused_dot.py --out "$OUT/results/fused_dot" --commit "$KDTREE_COMMIT" \
+    --ms "${FD_MS:-1,4,8,9,16,17,32}" --flags 2,10
+  # the drafter alone (batch 1: 8 rows, on the tensor cores; 10: 80, XLA's dots) without and with fused_dot
+  OPS=tree_build,tree_accept,mla_verify,marlin_moe,moe_route,move_rows,mla_pre,draft_attention
+  step drafter 120 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
+    --time-limit 0 --out "$OUT/results/drafter" --commit "$KDTREE_COMMIT" --ffi-ops "$OPS"
+  step drafter_fdot 120 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
+    --time-limit 0 --out "$OUT/results/drafter_fdot" --commit "$KDTREE_COMMIT+fused_dot" --ffi-ops "$OPS,fused_dot"
   for case in "8 7168 2112" "32 7168 2112 --split 8" "17 7168 384 --n2 512" "9 1024 7168 --adds 1" \
       "8 7168 4608 --gated" "31 256 7168 --adds 2" "4 7168 2112 --flags 8"; do  # (memcheck: no XLA GPU kernels)
     # shellcheck disable=SC2086 (the case is its words)
     step "fdmma_memcheck_${case// /_}" 90 env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_ALLOCATOR=platform \
       compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/fused_dot_memcheck.py $case
   done
-  step fdmma_bench 240 python3 benchmarks/fused_dot.py --out "$OUT/results/fused_dot" --commit "$KDTREE_COMMIT" \
-    --ms "${FD_MS:-1,4,8,9,16,17,32}" --flags 2,10
-  # the drafter alone (batch 1: 8 rows, on the tensor cores; 10: 80, XLA's dots) without and with fused_dot
-  OPS=tree_build,tree_accept,mla_verify,marlin_moe,moe_route,move_rows,mla_pre,draft_attention
-  step drafter 200 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
-    --time-limit 0 --out "$OUT/results/drafter" --commit "$KDTREE_COMMIT" --ffi-ops "$OPS"
-  step drafter_fdot 200 env XLA_FLAGS="$FLAGS" python3 benchmarks/ddtree_full_scale.py --layers 2 --drafters 1,10 \
-    --time-limit 0 --out "$OUT/results/drafter_fdot" --commit "$KDTREE_COMMIT+fused_dot" --ffi-ops "$OPS,fused_dot"
   ;;
 gemv)  # the MoE's GEMV decode path (FLAG_GEMV: a warp a weight row, no align) and fused_dot: the GEMV path's GPU
   # tests (marlin_moe's K2-shape cases) and fused_dot's; benchmarks/fixed_cost.py (the MoE at
