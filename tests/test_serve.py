@@ -352,6 +352,22 @@ def test_full_queue_gets_429(model, served):
     assert engine.snapshot()["active_slots"] == 0
 
 
+def test_more_choices_than_slots_and_queue_is_a_400_not_a_429(model, served):
+    """Issue 46, eighth probe round: n past the slots plus the queue got a 429 ("retry later") on an idle server,
+    every time: the queue can never take them all. It is a 400 naming n and the two limits."""
+    engine = served["engine"]
+    server = BackgroundServer(create_app(engine, model.tokenizer, "builtin", max_n=SLOTS + QUEUE + 1))
+    try:
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json=dict(model="builtin", prompt="x", max_tokens=1, n=SLOTS + QUEUE + 1))
+        error = r.json()["error"]
+        assert (r.status_code, error["param"]) == (400, "n"), r.text
+        assert f"{SLOTS} slots + {QUEUE} places in the queue" in error["message"]
+    finally:
+        server.stop()
+    assert engine.snapshot()["queue_depth"] == 0
+
+
 def test_a_failing_request_does_not_stop_the_engine(model, served, solo):
     engine = served["engine"]
 

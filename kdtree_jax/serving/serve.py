@@ -606,6 +606,11 @@ class Server:
                              code="shutting_down")
         self.check_model(body)
         opts = _Options(body, chat, self.max_n)
+        hold = self.engine.max_batch + self.engine.max_queue  # choices in slots and in the queue at once
+        if opts.n > hold:  # the queue can never take them all: a 429 ("retry later") would come back every time
+            raise BadRequest(f"n {opts.n} is more choices than this server holds at once: {self.engine.max_batch} "
+                             f"slots + {self.engine.max_queue} places in the queue (serve --max-batch, --max-queue)",
+                             param="n")
         # on a worker thread: a 16 MB prompt takes seconds to render and tokenize, which would stall every stream
         ids = await asyncio.to_thread(self.chat_ids if chat else self.prompt_ids, body.get(opts.prompt_field))
         if len(ids) > self.engine.max_context:  # before anything reads its ids one by one (seconds for millions)
