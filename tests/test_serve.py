@@ -276,6 +276,20 @@ def test_chat_conflicts_unknown_routes_and_fields_that_ask_for_nothing(served):
                              ("web_search_options", {})):
             r = http.post("/v1/chat/completions", json=dict(chat, max_tokens=2, **{field: value}))
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        # eighth probe round: vLLM's extensions that change the tokens or the prompt, OpenAI's reasoning_effort and
+        # completions' top_logprobs (chat's field) were ignored without a word
+        for path, field, value in (("chat", "chat_template_kwargs", {"thinking": False}),
+                                   ("chat", "add_generation_prompt", False), ("chat", "reasoning_effort", "high"),
+                                   ("chat", "continue_final_message", True), ("", "min_p", 0.5),
+                                   ("", "stop_token_ids", [10]), ("", "guided_choice", ["a"]),
+                                   ("", "skip_special_tokens", False), ("", "top_logprobs", 2)):
+            body = dict(chat, max_tokens=2) if path else dict(model="builtin", prompt="x", max_tokens=2)
+            r = http.post(f"/v1/{path + '/' if path else ''}completions", json=dict(body, **{field: value}))
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        r = http.post("/v1/chat/completions", json=dict(chat, max_tokens=2, temperature=0, min_p=0, stop_token_ids=[],
+                                                        add_generation_prompt=True, chat_template_kwargs={},
+                                                        skip_special_tokens=True, top_logprobs=None))
+        assert r.status_code == 200, r.text
         r = http.get("/v1/completions")
         assert r.status_code == 405 and r.json()["error"]["message"].startswith(
             "Method Not Allowed: GET /v1/completions (the routes: POST /v1/completions,")

@@ -13,8 +13,9 @@ run to max_tokens), logprobs (completions: 0 .. 5 alternatives; chat: true, with
 then answers the prompt alone). The log-probabilities are the target's (before temperature, top_k and top_p) at the
 committed tokens, streamed with their text; the end-of-sequence token, which adds no text, has none. The fields
 of OpenAI's API that are not implemented (`UNSUPPORTED`: suffix, logit_bias, tools, penalties, best_of,
-response_format, modalities, audio, ...) are refused with a 400 unless they ask for nothing (null, 0, {});
-other fields are ignored.
+response_format, modalities, audio, reasoning_effort, ...), and vLLM's sampling, output and chat template extensions
+(min_p, stop_token_ids, guided_json, chat_template_kwargs, ...), are refused with a 400 unless they ask for nothing
+(null, 0, {}); other fields are ignored.
 Every field is checked by the rules of `kdtree_jax.validate` (those of `generate`), against the dtype and range of the
 engine column it is stored in, before the request reaches a slot.
 Errors are OpenAI-style JSON {"error": {"message", "type", "param", "code"}}: 400 for a bad request (context overflow,
@@ -253,7 +254,19 @@ UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, [
                "tool_choice": (None, "none"), "function_call": (None, "none"), "presence_penalty": (None, 0),
                "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "best_of": (None, 1),
                "response_format": (None, {"type": "text"}), "min_tokens": (None, 0),
-               "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,)}
+               "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
+               "reasoning_effort": (None,),
+               # vLLM's sampling and output extensions: each changes the tokens or the text (they were ignored)
+               "min_p": (None, 0), "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False),
+               "use_beam_search": (None, False), "length_penalty": (None, 1), "bad_words": (None, []),
+               "allowed_token_ids": (None,), "logits_processors": (None, []), "prompt_logprobs": (None,),
+               "truncate_prompt_tokens": (None,), "skip_special_tokens": (None, True),
+               "spaces_between_special_tokens": (None, True), "return_tokens_as_token_ids": (None, False),
+               "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+               "structured_outputs": (None,),
+               # vLLM's chat template extensions: the server renders its own template with the assistant's turn open
+               "chat_template": (None,), "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
+               "continue_final_message": (None, False), "documents": (None, [])}
 
 
 def _same(a, b) -> bool:
@@ -336,6 +349,9 @@ class _Options:
         """The alternatives asked for with each token's log-probability (None: no log-probabilities): completions'
         `logprobs` (0 .. 5), chat's `top_logprobs` (0 .. 20) when its `logprobs` is true."""
         if not chat:
+            if body.get("top_logprobs") is not None:  # chat's field (it was ignored here, without a word)
+                raise BadRequest("top_logprobs is chat's field: completions take \"logprobs\": k (0 to "
+                                 f"{MAX_COMPLETION_LOGPROBS}), the alternatives shown per token", param="top_logprobs")
             value = body.get("logprobs")
             return None if value is None else _field(validate.integer, "logprobs", value, 0,
                                                      MAX_COMPLETION_LOGPROBS + 1)
