@@ -286,6 +286,12 @@ def test_chat_conflicts_unknown_routes_and_fields_that_ask_for_nothing(served):
             body = dict(chat, max_tokens=2) if path else dict(model="builtin", prompt="x", max_tokens=2)
             r = http.post(f"/v1/{path + '/' if path else ''}completions", json=dict(body, **{field: value}))
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}  # was dropped
+        for extra in (dict(tool_calls=[call]), dict(function_call={"name": "f", "arguments": "{}"})):
+            turns = [{"role": "user", "content": "hi"}, dict(role="assistant", content="", **extra)]
+            r = http.post("/v1/chat/completions", json=dict(chat, messages=turns, max_tokens=2))
+            error = r.json()["error"]
+            assert (r.status_code, error["param"]) == (400, "messages") and next(iter(extra)) in error["message"]
         r = http.post("/v1/chat/completions", json=dict(chat, max_tokens=2, temperature=0, min_p=0, stop_token_ids=[],
                                                         add_generation_prompt=True, chat_template_kwargs={},
                                                         skip_special_tokens=True, top_logprobs=None))

@@ -488,6 +488,10 @@ class Server:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
                 raise BadRequest(f"messages[{i}] must be an object with a string role and text content",
                                  param="messages")
+            calls = [k for k in ("tool_calls", "function_call") if m.get(k) not in (None, [])]
+            if calls:  # the template renders role and content alone: the calls were dropped from the prompt
+                raise BadRequest(f"messages[{i}]: {calls[0]} is not supported (tools are not served): give the "
+                                 "call as text content", param="messages")
             clean.append({"role": m["role"], "content": content})
         tok = self.tokenizer
         special = {name: tok.decode([i]) for name, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id))
