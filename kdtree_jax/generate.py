@@ -41,17 +41,26 @@ def make_method(cfg: ModelConfig, method: str, drafter=None, budget: int = 64,
     return AR() if method == "ar" else speculative(cfg, method, drafter, budget, policy)
 
 
-def _unpack(params, cfg, prompts, drafter):
-    """Accept generate(model, prompts) as well as generate(params, cfg, prompts); the params checked against cfg."""
+_CALLS = {"generate": "generate(params, cfg, prompts, ...)", "stream": "stream(params, cfg, prompt, ...)",
+          "forward": "forward(params, cfg, tokens)"}
+
+
+def _unpack(params, cfg, prompts, drafter, fn: str = "generate"):
+    """Accept generate(model, prompts) as well as generate(params, cfg, prompts); the params checked against cfg.
+    `fn` names the call in messages ("generate", "stream" or "forward")."""
     if hasattr(params, "params") and hasattr(params, "cfg"):
         model = params
+        if not isinstance(model.cfg, ModelConfig):  # a drafter: it was an AttributeError deep in the checks
+            raise TypeError(f"{fn}'s first argument is a {type(model).__name__} whose cfg is a "
+                            f"{type(model.cfg).__name__}, not a model: the target comes first ({fn}(model, ...) "
+                            f"with kj.load's model, or {_CALLS[fn]}), a drafter goes in drafter=")
         if prompts is None and cfg is not None and not isinstance(cfg, ModelConfig):
             prompts, cfg = cfg, None
         if cfg is not None and cfg != model.cfg:
             raise ValueError("a loaded model carries its own cfg; do not pass a different one")
         return model.params, model.cfg, prompts, drafter if drafter is not None else getattr(model, "drafter", None)
     if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"generate(params, cfg, prompts, ...) needs a ModelConfig as cfg, got {type(cfg).__name__}")
+        raise TypeError(f"{_CALLS[fn]} needs a ModelConfig as cfg, got {type(cfg).__name__}")
     check_params(params, cfg)
     check_dtype(params, cfg)
     return params, cfg, prompts, drafter
@@ -152,7 +161,7 @@ def forward(params: Params | Any, cfg: ModelConfig | None = None, tokens=None, r
     tokens)` or `forward(model, tokens)` with a loaded model. With `return_hidden`, returns (logits, hidden [L, B, T,
     D]) with every decoder layer's output. Traced tokens (inside jit) are checked for shape only."""
     if hasattr(params, "params") and hasattr(params, "cfg"):
-        params, cfg, tokens, _ = _unpack(params, cfg, tokens, None)
+        params, cfg, tokens, _ = _unpack(params, cfg, tokens, None, "forward")
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"forward(params, cfg, tokens) needs a ModelConfig as cfg, got {type(cfg).__name__}")
     if tokens is None:
@@ -258,7 +267,7 @@ def stream(params: Params | Any, cfg: ModelConfig | None = None, prompt=None, *,
     (default: about 16 tokens' worth) at a time; the arguments are `generate`'s. The same compiled loop as
     `generate`, resumed from its donated state (`decoding.advance`); the same tokens. Returns the final loop state
     (the generator's return value; `decoding.step_stats` reads steps and tau from it)."""
-    params, cfg, prompt, drafter = _unpack(params, cfg, prompt, drafter)
+    params, cfg, prompt, drafter = _unpack(params, cfg, prompt, drafter, "stream")
     prompt = validate.token_row(prompt, cfg.vocab_size)  # one prompt: its errors name `prompt`, not `prompts`
     m, req = _request(params, cfg, [prompt], drafter, max_new_tokens=max_new_tokens, method=method, budget=budget,
                       temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, prefill_chunk=prefill_chunk,

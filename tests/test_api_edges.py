@@ -258,6 +258,25 @@ def test_forward_takes_a_loaded_model_and_generate_refuses_booleans_in_a_row():
         kj.generate(model, [[ids[0], True] + ids[2:]], max_new_tokens=2)
 
 
+def test_a_drafter_given_as_the_model_is_named_and_each_call_names_itself(tiny):
+    """Issue 46, eighth probe round: generate(model.drafter, prompts) and stream were an AttributeError ('DrafterConfig'
+    object has no attribute 'max_position_embeddings'), and stream's and forward's refusals of a cfg named
+    generate(params, cfg, prompts, ...)."""
+    cfg, params, drafter = tiny
+
+    def called(call, first, ids):  # stream checks its arguments when it is first advanced
+        out = call(first, ids) if call is kj.forward else call(first, ids, max_new_tokens=1)
+        return next(out) if call is stream else out
+
+    for call, ids in ((kj.generate, [[1, 2]]), (stream, [1, 2]), (kj.forward, [[1, 2]])):
+        name = call.__name__
+        with pytest.raises(TypeError, match=f"^{name}'s first argument is a Drafter whose cfg is a DrafterConfig, "
+                                            "not a model: .* a drafter goes in drafter="):
+            called(call, drafter, ids)
+        with pytest.raises(TypeError, match=rf"^{name}\(params, cfg, .*needs a ModelConfig as cfg, got list"):
+            called(call, params, ids)
+
+
 @pytest.mark.parametrize("field, value", [("rope_theta", float("nan")), ("rope_theta", -1.0), ("rope_factor", 0.0),
                                           ("rms_norm_eps", -1.0), ("routed_scaling_factor", float("nan")),
                                           ("rope_beta_fast", float("inf")), ("rope_mscale", -0.5)])
