@@ -616,14 +616,31 @@ def generate_command(args) -> int:
     params, cfg, tok, drafter = _load(args, need_drafter=args.method != "ar")
     _need_drafter(args, drafter)
     ids = tok.encode(args.prompt)
-    if len(ids) + args.max_new_tokens > cfg.max_position_embeddings:  # before the compile line (`stream` checks too)
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: the prompt's {len(ids)} tokens + "
-                         f"{args.max_new_tokens} = {len(ids) + args.max_new_tokens} exceed the model's context of "
-                         f"{cfg.max_position_embeddings} positions")
+    _check_room(cfg, f"--max-new-tokens {args.max_new_tokens}: the prompt's {len(ids)} tokens",
+                len(ids), args.max_new_tokens, _extra_slots(cfg, args.method, drafter, args))
     stats = _stream(params, cfg, tok, drafter, ids, args)
     print()
     print(stats_line(stats))
     return 0
+
+
+def _extra_slots(cfg, method: str, drafter, args, budget=None) -> int:
+    """The cache slots `method` needs past the last token (the speculative tree's nodes; budget auto: the largest
+    tree's), as generate counts them (`Method.extra_slots`)."""
+    from kdtree_jax.generate import make_method
+
+    budget = args.budget if budget is None else budget
+    return make_method(cfg, method, drafter, args.max_budget if budget == "auto" else budget).extra_slots
+
+
+def _check_room(cfg, what: str, prompt: int, new: int, extra: int) -> None:
+    """A prompt of `prompt` tokens, `new` tokens and `extra` speculative slots must fit the model's context: checked
+    before a compile line or a timed run (generate checks the same once it is called: after the compile line, and in
+    bench after the methods before it had been timed)."""
+    need = prompt + new + extra
+    if need > cfg.max_position_embeddings:
+        raise ValueError(f"{what} + {new}" + (f" + {extra} speculative slots" if extra else "") + f" = {need} "
+                         f"exceed the model's context of {cfg.max_position_embeddings} positions")
 
 
 def _log(text: str) -> None:
@@ -746,10 +763,15 @@ def bench_command(args) -> int:
         raise ValueError("chain and ddtree need a drafter; this model has none (convert one with --drafter)")
     for b in budgets:  # a tree the drafter cannot fill: refused before ar and chain are timed, not after
         make_method(cfg, "ddtree", drafter, args.max_budget if b == "auto" else b)
+    configs = [("ar", 1)] + [("chain", 1)] * ("chain" in methods) + [("ddtree", b) for b in budgets]
+    for method, budget in configs:  # every run's prompt, tokens and tree must fit: before ar is timed, not after
+        run = f"{method}, budget {budget}" if method == "ddtree" else method
+        _check_room(cfg, f"--prompt-len {args.prompt_len} and --max-new-tokens {args.max_new_tokens} ({run}): "
+                         f"{args.prompt_len} prompt tokens", args.prompt_len, args.max_new_tokens,
+                    _extra_slots(cfg, method, drafter, args, budget))
     prompts = _bench_prompts(tok, args.batch, args.prompt_len, args.seed)
     if args.calibrate:
         _calibrate(params, cfg, drafter, args)
-    configs = [("ar", 1)] + [("chain", 1)] * ("chain" in methods) + [("ddtree", b) for b in budgets]
     rows, ar_tokens = [], None
     print(f"{'method':8s} {'budget':>6s} {'tokens/s':>10s} {'vs ar':>6s} {'tau':>5s} {'= ar':>5s} {'compile':>8s}")
     for method, budget in configs:

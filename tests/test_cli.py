@@ -513,3 +513,24 @@ def test_generate_takes_every_seed_the_api_takes_and_refuses_a_length_past_the_c
     err = capsys.readouterr().err
     assert "compiling" not in err and re.search(r"--max-new-tokens 10000: the prompt's \d+ tokens \+ 10000 = \d+ "
                                                 r"exceed the model's context of 2048 positions", err), err
+
+
+def test_speculative_slots_past_the_context_are_refused_before_compiling_or_timing(monkeypatch, capsys):
+    """Issue 46, eighth probe round: `generate --method ddtree --max-new-tokens 2010` fits the context without the
+    draft tree's slots, so it was refused after the 'compiling ddtree ...' line; `bench --prompt-len 1900
+    --max-new-tokens 100` timed ar, then refused ddtree (and a prompt past the context came after the table's head).
+    Both count the method's speculative slots before anything compiles or is timed."""
+    import kdtree_jax as kj
+
+    assert main(["generate", "--method", "ddtree", "--max-new-tokens", "2010"]) == 2
+    err = capsys.readouterr().err
+    assert "compiling" not in err and re.search(r"--max-new-tokens 2010: the prompt's \d+ tokens \+ 2010 \+ 65 "
+                                                r"speculative slots = \d+ exceed the model's context of 2048", err), err
+    monkeypatch.setattr(kj, "generate", lambda *a, **k: pytest.fail("a method was timed"))
+    assert main(["bench", "--prompt-len", "1900", "--max-new-tokens", "100", "--methods", "ar,ddtree",
+                 "--budgets", "64"]) == 2
+    out = capsys.readouterr()
+    assert "tokens/s" not in out.out and out.err.strip().splitlines()[-1] == (
+        "kdtree-jax: error: --prompt-len 1900 and --max-new-tokens 100 (ddtree, budget 64): 1900 prompt tokens + 100 "
+        "+ 65 speculative slots = 2065 exceed the model's context of 2048 positions")
+
