@@ -280,6 +280,8 @@ def _probe_folder(folder: str, what: str) -> None:
 def _check_output_file(path: str, flag: str) -> None:
     """Fail before the work, not after it, where `path` (a file to write) cannot be written: its folder must exist
     and be writable, and the path must not be a folder."""
+    if not path.strip():  # `if args.json:` took '' as no file: the run ended without writing one, without a word
+        raise ValueError(f"{flag} {path!r}: expected a file name")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path}: is a directory; give a file name")
@@ -289,7 +291,10 @@ def _check_output_file(path: str, flag: str) -> None:
 
 
 def _check_output_dir(path: str, flag: str) -> None:
-    """The same for a folder that will be created if missing: it must be a folder, or creatable in a writable one."""
+    """The same for a folder that will be created if missing: it must be a folder, or creatable in a writable one
+    (not '', which os.path.abspath makes the working directory)."""
+    if not path.strip():
+        raise ValueError(f"{flag} {path!r}: expected a directory")
     path = os.path.abspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{flag} {path}: exists and is not a directory")
@@ -752,9 +757,11 @@ def bench_command(args) -> int:
     _check_auto_flags(args, "auto" in budgets or args.calibrate)
     if "auto" in budgets or args.calibrate:  # (--calibrate writes --cost-model: checked below)
         _check_auto_values(args, args.batch, read=not args.calibrate)
-    if args.json:
+    if args.json is not None:
         _check_output_file(args.json, "--json")
-    if args.calibrate and args.cost_model:  # its folder is created if missing (budget.save)
+    if args.calibrate and args.cost_model is not None:  # its folder is created if missing (budget.save)
+        if not args.cost_model.strip():  # '' was taken as no --cost-model: saved where auto runs look, unsaid
+            raise ValueError(f"--cost-model {args.cost_model!r}: expected a file name (or leave it out)")
         if os.path.isdir(args.cost_model):
             raise ValueError(f"--cost-model {args.cost_model}: is a directory; give a file name")
         _check_output_dir(os.path.dirname(os.path.abspath(args.cost_model)), "--cost-model's folder")
@@ -792,7 +799,7 @@ def bench_command(args) -> int:
         comp = f"{row['compile_s']:.1f}s" if row["compile_s"] is not None else "-"
         print(f"{method:8s} {str(row['budget'] or '-'):>6s} {row['tokens_per_s']:10.1f} {row['speedup_vs_ar']:5.2f}x "
               f"{row['tau']:5.2f} {str(row['equal_ar']):>5s} {comp:>8s}", flush=True)
-    if args.json:
+    if args.json is not None:
         setup = dict(model=args.model or "builtin", batch=args.batch, prompt_len=args.prompt_len,
                      max_new_tokens=args.max_new_tokens, repeats=args.repeats, mesh=args.mesh, kernels=cfg.kernels,
                      device=str(jax.devices()[0].device_kind), devices=jax.device_count(), jax=jax.__version__)

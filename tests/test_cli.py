@@ -534,3 +534,14 @@ def test_speculative_slots_past_the_context_are_refused_before_compiling_or_timi
         "kdtree-jax: error: --prompt-len 1900 and --max-new-tokens 100 (ddtree, budget 64): 1900 prompt tokens + 100 "
         "+ 65 speculative slots = 2065 exceed the model's context of 2048 positions")
 
+
+def test_empty_output_paths_are_refused(monkeypatch, capsys):
+    """Issue 46, eighth probe round: `bench --json ''` ran and wrote no file, and `bench --calibrate --cost-model ''`
+    saved the cost model where auto runs look, each without a word; bench-serve's `--out ''` wrote into the working
+    directory."""
+    _no_load(monkeypatch)
+    for argv, message in ((["bench", "--json", ""], "--json '': expected a file name"),
+                          (["bench", "--calibrate", "--cost-model", " "], "--cost-model ' ': expected a file name"),
+                          (["bench-serve", "--url", "http://127.0.0.1:9", "--out", ""], "--out '': expected a dir")):
+        assert main(argv) == 2
+        assert message in _one_line_error(capsys)
