@@ -333,10 +333,12 @@ def compile_step(layers: int, batch: int, t: int, context: int, n: int, ffi_ops,
     return lowered.compile().as_text()
 
 
-def compile_draft(layers: int, batch: int, context: int, n: int, sharding, attention: str = "xla") -> str:
+def compile_draft(layers: int, batch: int, context: int, n: int, sharding, attention: str = "xla",
+                  dense: str = "xla") -> str:
     """The optimized HLO of one draft (`drafter.draft`: the block's logits over this device's vocabulary shard) of the
     K2.5-DFlash-shaped drafter split n ways (`ddtree_full_scale.make_drafter`) with `layers` layers, `batch` rows
-    after `context` cached tokens, its attention on `attention` (`drafter.block_attention`)."""
+    after `context` cached tokens, its attention on `attention` (`drafter.block_attention`), its dense weights on
+    `dense` (`drafter.draft`: "ffi", fused_dot calls where the block has at most 32 rows)."""
     import jax
     import jax.numpy as jnp
 
@@ -365,7 +367,7 @@ def compile_draft(layers: int, batch: int, context: int, n: int, sharding, atten
     dcache = put(jax.eval_shape(lambda: init_draft_cache(drafter.cfg, batch, context + 16)))
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     with trace_context(io, cfg):
-        lowered = jax.jit(functools.partial(draft, attention=attention)).lower(
+        lowered = jax.jit(functools.partial(draft, attention=attention, dense=dense)).lower(
             drafter, io, dcache, spec((batch,), jnp.int32), spec((batch,), jnp.int32))
     assert DRAFTER["num_layers"] >= 1
     return lowered.compile().as_text()
@@ -381,7 +383,8 @@ def parse_cells(text: str) -> list[tuple[int, int]]:
 def report(meta: dict, rows: list[dict], base: dict | None = None) -> str:
     draft = meta.get("program") == "draft"
     what = (f"the K2.5-DFlash-shaped drafter's block (`drafter.draft`, its attention on "
-            f"{meta.get('attention', 'xla')}) of one GPU of an ep=8 mesh" if draft else
+            f"{meta.get('attention', 'xla')}, its dense weights on {meta.get('dense', 'xla')}) of one GPU of an ep=8 "
+            "mesh" if draft else
             "the step of one GPU of an ep=8 K2.6 mesh")
     lines = [f"# Kernels a layer, as XLA compiles the per-device {'draft' if draft else 'step'} ({meta['date']}, "
              f"commit {meta['commit']}, compiled for an {meta['target']} without a device)", "",
@@ -468,6 +471,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", choices=("xla", "cudnn", "ffi"), default="xla", help="--program draft: the "
                     "drafter's attention (`drafter.block_attention`; default xla, XLA's operations; ffi: the custom "
                     "call, what the drafter runs with the default ffi_ops since 2026-12-07, counted as 2 launches)")
+    ap.add_argument("--dense", choices=("xla", "ffi"), default="xla", help="--program draft: the drafter's dense "
+                    "weights (`drafter.draft`'s dense; default xla, XLA's dots; ffi: four fused_dot calls a layer "
+                    "where the block has at most 32 rows, counted as 1 launch each)")
     ap.add_argument("--no-flags", action="store_true", help="compile without the XLA flags the kdtree-jax commands "
                     "set (kdtree_jax.xla_flags.GPU_FLAGS); with them by default")
     ap.add_argument("--hlo", action="store_true", help="also write each cell's optimized HLO (L + 1 layers) to --out")
@@ -485,7 +491,7 @@ def main(argv=None) -> int:
     for batch, t in args.cells:
         t0 = time.perf_counter()
         if args.program == "draft":
-            hlos = [compile_draft(layers, batch, args.context, args.n, sharding, args.attention)
+            hlos = [compile_draft(layers, batch, args.context, args.n, sharding, args.attention, args.dense)
                     for layers in (args.layers, args.layers + 1)]
         else:
             hlos = [compile_step(layers, batch, t, args.context, args.n, ffi_ops, sharding)
@@ -502,7 +508,7 @@ def main(argv=None) -> int:
     import kdtree_jax as kj
     meta = dict(date=datetime.date.today().isoformat(), commit=args.commit, target="H200", jax=jax.__version__,
                 xla_flags=os.environ.get("XLA_FLAGS", ""), program=args.program,
-                **(dict(attention=args.attention) if args.program == "draft" else {}),
+                **(dict(attention=args.attention, dense=args.dense) if args.program == "draft" else {}),
                 context=args.context, layers=args.layers, n=args.n,
                 ffi_ops=list(ffi_ops or kj.configs.k2_6(kernels="ffi").ffi_ops))
     base = None

@@ -53,17 +53,17 @@ void Segment(const std::vector<float>& xs, const uint16_t* w, int64_t m, int64_t
 }
 
 ffi::Error FusedDot(ffi::AnyBuffer x, ffi::AnyBuffer w0, ffi::AnyBuffer w1, ffi::AnyBuffer nw, ffi::AnyBuffer add0,
-                    ffi::AnyBuffer add1, float eps, int64_t gated0, int64_t gated1, int64_t split, int64_t flags,
-                    ffi::Result<ffi::AnyBuffer> y0, ffi::Result<ffi::AnyBuffer> y1,
+                    ffi::AnyBuffer add1, float eps, int64_t gated0, int64_t gated1, int64_t layer, int64_t split,
+                    int64_t flags, ffi::Result<ffi::AnyBuffer> y0, ffi::Result<ffi::AnyBuffer> y1,
                     ffi::Result<ffi::AnyBuffer> xn) {
   (void)flags;  // launch options of the CUDA kernel
   FusedDotShape d;
-  if (ffi::Error e = CheckFusedDot(x, w0, w1, nw, add0, add1, gated0, gated1, *y0, *y1, *xn, &d); e.failure()) {
+  if (ffi::Error e = CheckFusedDot(x, w0, w1, nw, add0, add1, gated0, gated1, layer, *y0, *y1, *xn, &d); e.failure()) {
     return e;
   }
   if (split < 0) return ffi::Error::InvalidArgument("fused_dot: split must be >= 0");
   const auto* xs = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  const auto* ns = reinterpret_cast<const uint16_t*>(nw.untyped_data());
+  const auto* ns = reinterpret_cast<const uint16_t*>(nw.untyped_data()) + d.offn;
   std::vector<float> xw(d.m * d.k);
   for (int64_t row = 0; row < d.m; ++row) {
     float ss = 0.0f;
@@ -79,9 +79,9 @@ ffi::Error FusedDot(ffi::AnyBuffer x, ffi::AnyBuffer w0, ffi::AnyBuffer w1, ffi:
   }
   const auto* a0 = d.adds > 0 ? reinterpret_cast<const uint16_t*>(add0.untyped_data()) : nullptr;
   const auto* a1 = d.adds > 1 ? reinterpret_cast<const uint16_t*>(add1.untyped_data()) : nullptr;
-  Segment(xw, reinterpret_cast<const uint16_t*>(w0.untyped_data()), d.m, d.k, d.n0, gated0, *y0, a0, a1);
+  Segment(xw, reinterpret_cast<const uint16_t*>(w0.untyped_data()) + d.off0, d.m, d.k, d.n0, gated0, *y0, a0, a1);
   if (d.n1) {
-    Segment(xw, reinterpret_cast<const uint16_t*>(w1.untyped_data()), d.m, d.k, d.n1, gated1, *y1, nullptr, nullptr);
+    Segment(xw, reinterpret_cast<const uint16_t*>(w1.untyped_data()) + d.off1, d.m, d.k, d.n1, gated1, *y1, nullptr, nullptr);
   }
   if (d.want_xn) {
     auto* out = reinterpret_cast<uint16_t*>(xn->untyped_data());
@@ -96,14 +96,15 @@ ffi::Error FusedDot(ffi::AnyBuffer x, ffi::AnyBuffer w0, ffi::AnyBuffer w1, ffi:
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KdFusedDotCpu, kdtree::FusedDot,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] bf16
-                                  .Arg<ffi::AnyBuffer>()  // w0 [K, N0]
-                                  .Arg<ffi::AnyBuffer>()  // w1 [K, N1] (N1 = 0: none)
-                                  .Arg<ffi::AnyBuffer>()  // nw [K] or [0]
+                                  .Arg<ffi::AnyBuffer>()  // w0 [K, N0] or [L, K, N0]
+                                  .Arg<ffi::AnyBuffer>()  // w1 [K, N1] or [L, K, N1] (N1 = 0: none)
+                                  .Arg<ffi::AnyBuffer>()  // nw [K], [L, K] or [0]
                                   .Arg<ffi::AnyBuffer>()  // add0 [M, N0] or [0]
                                   .Arg<ffi::AnyBuffer>()  // add1 [M, N0] or [0]
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("gated0")
                                   .Attr<int64_t>("gated1")
+                                  .Attr<int64_t>("layer")  // the slice of stacked weights used
                                   .Attr<int64_t>("split")  // the CUDA kernel's blocks per K
                                   .Attr<int64_t>("flags")  // the CUDA kernel's launch options
                                   .Ret<ffi::AnyBuffer>()   // y0

@@ -568,10 +568,10 @@ ffi::Error Run(cudaStream_t stream, Params& p, int64_t tiles, bool pdl) {
 
 ffi::Error FusedDotCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w0, ffi::AnyBuffer w1,
                         ffi::AnyBuffer nw, ffi::AnyBuffer add0, ffi::AnyBuffer add1, float eps, int64_t gated0,
-                        int64_t gated1, int64_t split, int64_t flags, ffi::Result<ffi::AnyBuffer> y0,
+                        int64_t gated1, int64_t layer, int64_t split, int64_t flags, ffi::Result<ffi::AnyBuffer> y0,
                         ffi::Result<ffi::AnyBuffer> y1, ffi::Result<ffi::AnyBuffer> xn) {
   kdtree::FusedDotShape d;
-  if (ffi::Error err = kdtree::CheckFusedDot(x, w0, w1, nw, add0, add1, gated0, gated1, *y0, *y1, *xn, &d);
+  if (ffi::Error err = kdtree::CheckFusedDot(x, w0, w1, nw, add0, add1, gated0, gated1, layer, *y0, *y1, *xn, &d);
       err.failure()) {
     return err;
   }
@@ -595,13 +595,13 @@ ffi::Error FusedDotCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w0
   if (d.m == 0 || tiles == 0) return ffi::Error::Success();
   Params p = {};
   p.x = reinterpret_cast<const __nv_bfloat16*>(x.untyped_data());
-  p.nw = d.has_norm ? reinterpret_cast<const __nv_bfloat16*>(nw.untyped_data()) : nullptr;
+  p.nw = d.has_norm ? reinterpret_cast<const __nv_bfloat16*>(nw.untyped_data()) + d.offn : nullptr;
   p.add0 = d.adds > 0 ? reinterpret_cast<const __nv_bfloat16*>(add0.untyped_data()) : nullptr;
   p.add1 = d.adds > 1 ? reinterpret_cast<const __nv_bfloat16*>(add1.untyped_data()) : nullptr;
   p.xn = d.want_xn ? reinterpret_cast<__nv_bfloat16*>(xn->untyped_data()) : nullptr;
-  p.seg[0] = {reinterpret_cast<const __nv_bfloat16*>(w0.untyped_data()), y0->untyped_data(), static_cast<int>(d.n0),
+  p.seg[0] = {reinterpret_cast<const __nv_bfloat16*>(w0.untyped_data()) + d.off0, y0->untyped_data(), static_cast<int>(d.n0),
               static_cast<int>(d.n0 / kTile), gated0 != 0, y0->element_type() == ffi::DataType::F32};
-  p.seg[1] = {reinterpret_cast<const __nv_bfloat16*>(w1.untyped_data()), y1->untyped_data(), static_cast<int>(d.n1),
+  p.seg[1] = {reinterpret_cast<const __nv_bfloat16*>(w1.untyped_data()) + d.off1, y1->untyped_data(), static_cast<int>(d.n1),
               static_cast<int>(d.n1 / kTile), gated1 != 0, y1->element_type() == ffi::DataType::F32};
   p.m = static_cast<int>(d.m);
   p.k = static_cast<int>(d.k);
@@ -626,14 +626,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KdFusedDotCuda, FusedDotCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] bf16
-                                  .Arg<ffi::AnyBuffer>()  // w0 [K, N0]
-                                  .Arg<ffi::AnyBuffer>()  // w1 [K, N1] (N1 = 0: none)
-                                  .Arg<ffi::AnyBuffer>()  // nw [K] or [0]
+                                  .Arg<ffi::AnyBuffer>()  // w0 [K, N0] or [L, K, N0]
+                                  .Arg<ffi::AnyBuffer>()  // w1 [K, N1] or [L, K, N1] (N1 = 0: none)
+                                  .Arg<ffi::AnyBuffer>()  // nw [K], [L, K] or [0]
                                   .Arg<ffi::AnyBuffer>()  // add0 [M, N0] or [0]
                                   .Arg<ffi::AnyBuffer>()  // add1 [M, N0] or [0]
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("gated0")
                                   .Attr<int64_t>("gated1")
+                                  .Attr<int64_t>("layer")     // the slice of stacked weights used
                                   .Attr<int64_t>("split")     // blocks per K (0: chosen)
                                   .Attr<int64_t>("flags")     // bit 0: plain launch; 1: weights are parameters
                                   .Ret<ffi::AnyBuffer>()      // y0 [M, N0 or N0 / 2]

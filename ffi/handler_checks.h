@@ -133,30 +133,51 @@ inline xffi::Error CheckRouteShape(Dims ld, Dims bd, Dims id, Dims wd, int64_t n
 
 // fused_dot: x [M, K]; w0 [K, N0], w1 [K, N1] (N1 = 0: no second weight); nw [K] or empty; add0, add1 [M, N0] or
 // empty (segment 0 plain bf16 only; add1 only with add0) -> y0 [M, N0] (gated: [M, N0 / 2]), y1 likewise, xn [M, K]
-// or empty. Every operand bf16 except a plain y (bf16 or f32).
+// or empty. Every operand bf16 except a plain y (bf16 or f32). A weight may also be a stack [L, K, N] and nw [L, K]
+// (a drafter's layers in one array): `layer` then picks the one used, read in place at an element offset (off0,
+// off1, offn), where a slice passed to a custom call would be a copy.
 struct FusedDotShape {
   int64_t m, k, n0, n1;
   bool has_norm, want_xn;
   int adds;
+  int64_t off0, off1, offn;
 };
 
 inline xffi::Error CheckFusedDot(const xffi::AnyBuffer& x, const xffi::AnyBuffer& w0, const xffi::AnyBuffer& w1,
                                  const xffi::AnyBuffer& nw, const xffi::AnyBuffer& add0, const xffi::AnyBuffer& add1,
-                                 int64_t gated0, int64_t gated1, const xffi::AnyBuffer& y0,
+                                 int64_t gated0, int64_t gated1, int64_t layer, const xffi::AnyBuffer& y0,
                                  const xffi::AnyBuffer& y1, const xffi::AnyBuffer& xn, FusedDotShape* shape) {
   const auto bad = [](const std::string& what) { return xffi::Error::InvalidArgument("fused_dot: " + what); };
-  const Dims xd = x.dimensions(), w0d = w0.dimensions(), w1d = w1.dimensions();
-  if (xd.size() != 2 || w0d.size() != 2 || w1d.size() != 2 || w0d[0] != xd[1] || w1d[0] != xd[1]) {
-    return bad("expected x [M, K], w0 [K, N0] and w1 [K, N1], got x " + ShapeString(xd) + ", w0 " +
-               ShapeString(w0d) + ", w1 " + ShapeString(w1d));
+  const Dims xd = x.dimensions(), w0d = w0.dimensions(), w1d = w1.dimensions(), nd = nw.dimensions();
+  // a weight [K, N] or a stack [L, K, N] of which `layer` is used: its K and N, and the slice's element offset
+  int64_t k0 = -1, n0 = 0, off0 = 0, k1 = -1, n1 = 0, off1 = 0;
+  const auto pick = [layer](Dims wd, int64_t* kk, int64_t* nn, int64_t* off) {
+    if (wd.size() == 2) {
+      *kk = wd[0], *nn = wd[1], *off = 0;
+    } else if (wd.size() == 3 && layer >= 0 && layer < wd[0]) {
+      *kk = wd[1], *nn = wd[2], *off = layer * wd[1] * wd[2];
+    }
+  };
+  pick(w0d, &k0, &n0, &off0);
+  pick(w1d, &k1, &n1, &off1);
+  if (xd.size() != 2 || k0 != xd[1] || k1 != xd[1]) {
+    return bad("expected x [M, K], w0 [K, N0] and w1 [K, N1] (or stacks [L, K, N] with 0 <= layer < L), got x " +
+               ShapeString(xd) + ", w0 " + ShapeString(w0d) + ", w1 " + ShapeString(w1d) + ", layer " +
+               std::to_string(layer));
   }
   const xffi::DataType bf = xffi::DataType::BF16;
   for (const xffi::AnyBuffer* b : {&x, &w0, &w1, &nw, &add0, &add1, &xn}) {
     if (b->element_type() != bf) return bad("x, the weights, the norm weight, the addends and xn must be bfloat16");
   }
   const int64_t nws = static_cast<int64_t>(nw.element_count()), xns = static_cast<int64_t>(xn.element_count());
-  FusedDotShape d{xd[0], xd[1], w0d[1], w1d[1], nws > 0, xns > 0, 0};
-  if (d.has_norm && nws != d.k) return bad("nw must have K elements or none");
+  FusedDotShape d{xd[0], xd[1], n0, n1, nws > 0, xns > 0, 0, off0, off1, 0};
+  if (d.has_norm) {
+    const bool one = nd.size() == 1 && nd[0] == d.k;
+    const bool stacked = nd.size() == 2 && nd[1] == d.k && layer >= 0 && layer < nd[0];
+    if (!one && !stacked) return bad("nw must be [K], a stack [L, K] with 0 <= layer < L, or empty, got " +
+                                     ShapeString(nd));
+    d.offn = stacked ? layer * d.k : 0;
+  }
   const int64_t a0 = static_cast<int64_t>(add0.element_count()), a1 = static_cast<int64_t>(add1.element_count());
   const int64_t out0 = gated0 ? d.n0 / 2 : d.n0, out1 = gated1 ? d.n1 / 2 : d.n1;
   if ((a0 && a0 != d.m * out0) || (a1 && a1 != d.m * out0) || (a1 && !a0)) {

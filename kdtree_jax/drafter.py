@@ -370,9 +370,9 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
 
     fused = dense == "ffi" and b * bs <= FUSED_MAX_ROWS
 
-    def layer(x, lp, ck, cv):
+    def layer(x, lp, ck, cv, i):
         if fused:
-            return _fused_layer(x, lp, ck, cv, lengths, positions, scale, d, attention)
+            return _fused_layer(x, lp, p.layers, i, ck, cv, lengths, positions, scale, d, attention)
         h = rms_norm(x, lp.attn_norm, d.rms_norm_eps)
         q = _rope(rms_norm(jnp.einsum("btd,dhk->bthk", h, lp.q), lp.q_norm, d.rms_norm_eps), positions, d.rope_theta)
         kb, vb = _kv(lp, h, positions, d)  # [B, bs, Hkv, hd]
@@ -383,27 +383,33 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
 
     with jax.named_scope("drafter"):
         for i in range(d.num_layers):  # unrolled: each layer's weights read in place (a scan copied them per step)
-            x = layer(x, jax.tree.map(lambda a: a[i], p.layers), cache.k[i], cache.v[i])  # each layer's own buffer
+            x = layer(x, jax.tree.map(lambda a: a[i], p.layers), cache.k[i], cache.v[i], i)  # each layer's own buffer
         x = rms_norm(x[:, 1:], p.norm, d.rms_norm_eps)  # positions 1 .. bs-1 predict depths 1 .. bs-1
         return jnp.einsum("btd,dv->btv", x, target.lm_head, preferred_element_type=jnp.float32)
 
 
-def _fused_layer(x, lp: DraftLayer, ck, cv, lengths, positions, scale: float, d: DrafterConfig, attention: str):
-    """`draft`'s layer with its dense weights as four `kernels.fused_dot` calls: the attention's RMSNorm + q (its
+def _fused_layer(x, lp: DraftLayer, stack: DraftLayer, i: int, ck, cv, lengths, positions, scale: float,
+                 d: DrafterConfig, attention: str):
+    """`draft`'s layer i with its dense weights as four `kernels.fused_dot` calls: the attention's RMSNorm + q (its
     normalized rows out for k and v, whose single head of 112 is not a multiple of the CUDA kernel's 64 columns: XLA
     keeps those two), o + the residual add, the MLP's RMSNorm + gate and up (two weights sharing the rows; the SwiGLU
     product in XLA, as the weights are not stored joined), down + the residual add. The same math, rounded in the
-    same order, as the layer of `draft`."""
+    same order, as the layer of `draft`. The calls take the stacked weights of every layer (`stack`) and the index
+    i: a slice of the stack passed to a custom call would be copied out first (`xla_kernels.py --program draft
+    --dense ffi`: 7 copies, 129 MB a layer at K2.5-DFlash's per-device shape, as much as the calls read); `lp` (the
+    layer's slices) serves the weights XLA's own operations read, which fuse their slice."""
     b, bs, dm = x.shape
     eps, hq, hd = d.rms_norm_eps, lp.q.shape[1], lp.q.shape[2]
+    n_layers = stack.q.shape[0]
     rows = x.reshape(b * bs, dm)
-    q, _, h = fused_dot(rows, lp.q.reshape(dm, hq * hd), norm=lp.attn_norm, eps=eps, want_xn=True)
+    q, _, h = fused_dot(rows, stack.q.reshape(n_layers, dm, hq * hd), norm=stack.attn_norm, eps=eps, want_xn=True,
+                        layer=i)
     q = _rope(rms_norm(q.reshape(b, bs, hq, hd), lp.q_norm, eps), positions, d.rope_theta)
     kb, vb = _kv(lp, h.reshape(b, bs, dm), positions, d)
     o = block_attention(q, ck, cv, kb, vb, lengths, scale, attention)
-    rows = fused_dot(o.reshape(b * bs, hq * hd), lp.o.reshape(hq * hd, dm), adds=(rows,))[0]
-    gate, up, _ = fused_dot(rows, lp.gate, w2=lp.up, norm=lp.mlp_norm, eps=eps)
-    rows = fused_dot(jax.nn.silu(gate) * up, lp.down, adds=(rows,))[0]
+    rows = fused_dot(o.reshape(b * bs, hq * hd), stack.o.reshape(n_layers, hq * hd, dm), adds=(rows,), layer=i)[0]
+    gate, up, _ = fused_dot(rows, stack.gate, w2=stack.up, norm=stack.mlp_norm, eps=eps, layer=i)
+    rows = fused_dot(jax.nn.silu(gate) * up, stack.down, adds=(rows,), layer=i)[0]
     return rows.reshape(b, bs, dm)
 
 

@@ -4,6 +4,7 @@ normalized rows equal to the reference's but for rare 1-2 ulp roundings; the CUD
 at every split; the model with it equal to the model without within bf16 rounding; greedy ddtree (whose verify steps
 run XLA's operations) with it equal to ar (whose decode steps run the custom call); clear errors for bad arguments."""
 
+import re
 from functools import partial
 
 import jax
@@ -142,6 +143,43 @@ def test_off_the_custom_call_runs_the_reference():
     assert not on_cuda_path(x[:1], jnp.ones((64, 64), BF), jnp.ones((64, 32), BF))
 
 
+def test_a_stack_is_read_at_its_layer_in_place():
+    """layer=i with stacks w [L, K, N], w2 [L, K, N2], norm [L, K]: the custom call gives exactly what it gives for
+    the i-th slices passed alone, and the reference the same math; the call's operands are the whole stacks (no
+    slice of them for XLA to copy out)."""
+    rng = np.random.default_rng(21)
+    n_layers, lead, k, n, n2 = 3, (2, 3), 128, 64, 128
+    layers = [make(rng, lead, k, n, n2, True, 1) for _ in range(n_layers)]
+    x, add = layers[0]["x"], layers[0]["adds"][0]
+    w, w2, norm = (jnp.stack([ops[name] for ops in layers]) for name in ("w", "w2", "norm"))
+    fns = {impl: jax.jit(lambda x, w, w2, norm, add, i, impl=impl: fused_dot(
+        x, w, w2=w2, norm=norm, adds=(add,), eps=EPS, want_xn=True, impl=impl, layer=i), static_argnums=5)
+        for impl in ("ffi", "xla")}
+    for impl, stacked in fns.items():
+        for i in range(n_layers):
+            got = stacked(x, w, w2, norm, add, i)
+            alone = run(dict(layers[i], x=x, adds=(add,)), impl, want_xn=True)
+            for g, a in zip(got, alone):
+                np.testing.assert_array_equal(f64(g), f64(a))
+            want, want2, xs = expected(dict(layers[i], x=x, adds=(add,)), False, False)
+            check(got[0], want, BF)
+            check(got[1], want2, BF)
+            check_xn(got[2], xs)
+    text = fns["ffi"].lower(x, w, w2, norm, add, 2).as_text()
+    calls = [line for line in text.splitlines() if "kdtree_fused_dot" in line]
+    assert calls and all(f"tensor<{n_layers}x{k}x{n}xbf16>" in c and f"tensor<{n_layers}x{k}xbf16>" in c
+                         for c in calls), calls
+    assert "layer = 2" in calls[0]
+    with pytest.raises(ValueError, match=r"layer must be in \[0, 3\) for a stack of 3, got 3"):
+        fused_dot(x, w, layer=3)
+    with pytest.raises(ValueError, match=r"with layer, w must be a stack \[L, K, N\]"):
+        fused_dot(x, w[0], layer=0)
+    with pytest.raises(ValueError, match="with layer, norm must be a stack of 3 like w"):
+        fused_dot(x, w, norm=norm[0], layer=1)
+    with pytest.raises(TypeError, match="layer must be None or an int"):
+        fused_dot(x, w, layer=1.0)
+
+
 def test_bad_arguments_are_named():
     ops = make(np.random.default_rng(1), (2,), 128, 64)
     x, w = ops["x"], ops["w"]
@@ -225,8 +263,10 @@ def test_drafter_block_with_fused_dot_equals_without_within_rounding():
     want, got = (np.asarray(fns[dense](cache), np.float64) for dense in ("xla", "ffi"))
     assert np.isfinite(got).all()
     assert np.max(np.abs(got - want)) <= 0.05 * np.max(np.abs(want)), np.max(np.abs(got - want))
-    calls = fns["ffi"].lower(cache).as_text().count("kdtree_fused_dot")
-    assert calls == 4 * drafter.cfg.num_layers, calls
+    lines = [line for line in fns["ffi"].lower(cache).as_text().splitlines() if "kdtree_fused_dot" in line]
+    assert len(lines) == 4 * drafter.cfg.num_layers, len(lines)
+    stacked = re.compile(rf"tensor<{drafter.cfg.num_layers}x\d+x\d+xbf16>")  # the stacked weights, no slice copied
+    assert all(stacked.search(line) for line in lines), lines[0]
     big = init_draft_cache(drafter.cfg, MAX_ROWS // 4 + 1, 32)  # (MAX_ROWS / 4 + 1) x a block of 4: past MAX_ROWS
     past = jax.jit(lambda c: draft(drafter, params, c, jnp.zeros((MAX_ROWS // 4 + 1,), jnp.int32),
                                    jnp.ones((MAX_ROWS // 4 + 1,), jnp.int32), dense="ffi"))
@@ -306,6 +346,35 @@ def test_gpu_kernel_is_the_layer_math_at_every_split(lead, k, n, n2, norm, adds,
         if n2:
             check(y2, want2, BF)
         check_xn(xn, xs)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("lead", [(1,), (8,)])
+def test_gpu_kernel_reads_a_stack_at_its_layer(lead):
+    """A drafter layer's q (norm, 8 heads of 112) and gate/up read from stacks of 3 layers at layer 2 (an element
+    offset of 2 K N into the weights, 2 K into the norm), on both kernels: each layer's own math."""
+    rng = np.random.default_rng(13 + lead[0])
+    n_layers, k = 3, 7168
+    layers = [make(rng, lead, k, 896, 0, True) for _ in range(n_layers)]
+    x = layers[0]["x"]
+    stacks = {name: jnp.stack([ops[name] for ops in layers]) for name in ("w", "norm")}
+    ups = jnp.stack([jnp.asarray(rng.standard_normal((k, 2304)) / np.sqrt(k), BF) for _ in range(n_layers)])
+    gates = jnp.stack([jnp.asarray(rng.standard_normal((k, 2304)) / np.sqrt(k), BF) for _ in range(n_layers)])
+    dev = jax.devices("gpu")[0]
+    g = {name: jax.device_put(a, dev) for name, a in dict(stacks, x=x, ups=ups, gates=gates).items()}
+    q = jax.jit(lambda x, w, nw: fused_dot(x, w, norm=nw, eps=EPS, want_xn=True, layer=2, flags=FLAG_WEIGHT_PARAM))
+    mlp = jax.jit(lambda x, w, w2, nw: fused_dot(x, w, w2=w2, norm=nw, eps=EPS, layer=2, flags=FLAG_WEIGHT_PARAM))
+    _poison(4 * lead[0] * (896 + 4608 + k) + 4096)
+    y, _, xn = q(g["x"], g["w"], g["norm"])
+    want, _, xs = expected(dict(layers[2], x=x), False, False)
+    check(y, want, BF)
+    check_xn(xn, xs)
+    gate, up, _ = mlp(g["x"], g["gates"], g["ups"], g["norm"])
+    ops = dict(layers[2], x=x, w=gates[2], w2=ups[2])
+    want_gate, want_up, _ = expected(ops, False, False)
+    check(gate, want_gate, BF)
+    check(up, want_up, BF)
 
 
 @gpu

@@ -87,6 +87,24 @@ def _check(x, w, w2, norm, adds, gated, gated2, out_dtype, out2_dtype):
                             f"({jnp.dtype(x.dtype).name}), got {name}={jnp.dtype(dt).name}")
 
 
+def _layer_views(w, w2, norm, layer):
+    """The shapes of the layer-th of stacks w [L, K, N], w2 [L, K, N2] and norm [L, K] (`fused_dot`'s layer), as
+    ShapeDtypeStructs for the checks, after checking the stacks and the index."""
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise TypeError(f"fused_dot: layer must be None or an int, got {type(layer).__name__}")
+    if not hasattr(w, "shape") or len(w.shape) != 3:
+        raise ValueError(f"fused_dot: with layer, w must be a stack [L, K, N], got {tuple(getattr(w, 'shape', ()))}")
+    n_layers = w.shape[0]
+    if not 0 <= layer < n_layers:
+        raise ValueError(f"fused_dot: layer must be in [0, {n_layers}) for a stack of {n_layers}, got {layer}")
+    for name, a, rank in (("w2", w2, 3), ("norm", norm, 2)):
+        if a is not None and (not hasattr(a, "shape") or len(a.shape) != rank or a.shape[0] != n_layers):
+            raise ValueError(f"fused_dot: with layer, {name} must be a stack of {n_layers} like w, got "
+                             f"{tuple(getattr(a, 'shape', ()))}")
+    view = lambda a: None if a is None else jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype)
+    return view(w), view(w2), view(norm)
+
+
 def on_ffi_path(x, w, w2=None, norm=None, adds=()) -> bool:
     """Whether the custom call takes these operands at all (else `fused_dot` runs the reference everywhere): every
     array bf16 and at least one row. Which of them the CUDA kernel takes: `on_cuda_path`."""
@@ -117,9 +135,15 @@ def cuda_smem_bytes(m: int, k: int, split: int, flags: int = 0) -> int:
 
 def fused_dot(x: jax.Array, w: jax.Array, *, w2: jax.Array | None = None, norm: jax.Array | None = None,
               eps: float = 1e-6, gated: bool = False, gated2: bool = False, adds=(), out_dtype=None,
-              out2_dtype=None, want_xn: bool = False, impl: str = "ffi", split: int = 0, flags: int = 0):
+              out2_dtype=None, want_xn: bool = False, impl: str = "ffi", split: int = 0, flags: int = 0,
+              layer: int | None = None):
     """(y, y2, xn) for x [..., K] and w [K, N] (and w2 [K, N2]); see the module docstring. y2 is None without w2,
     xn None unless want_xn.
+
+    layer: None, or an index into stacks: w [L, K, N], w2 [L, K, N2] and norm [L, K] (a drafter's layers in one
+    array), of which the layer-th are used. The custom call reads them in place; given a slice `w[i]` instead, XLA
+    would copy it out of the stack before every call (a custom call's operand is a buffer of its own), as many bytes
+    as the call reads.
 
     impl="ffi" runs the custom call where `on_ffi_path` holds (C++ on CPU; CUDA where `on_cuda_path` also holds,
     else the reference), impl="xla" runs `fused_dot_ref`. split: the CUDA kernel's blocks per 64 columns that share
@@ -130,6 +154,9 @@ def fused_dot(x: jax.Array, w: jax.Array, *, w2: jax.Array | None = None, norm: 
     adds = tuple(adds)
     out_dtype = getattr(x, "dtype", jnp.float32) if out_dtype is None else out_dtype
     out2_dtype = getattr(x, "dtype", jnp.float32) if out2_dtype is None else out2_dtype
+    stacks = (w, w2, norm)
+    if layer is not None:
+        w, w2, norm = _layer_views(w, w2, norm, layer)
     _check(x, w, w2, norm, adds, gated, gated2, out_dtype, out2_dtype)
     if impl not in ("ffi", "xla"):
         raise ValueError(f"fused_dot: impl must be 'ffi' or 'xla', got {impl!r}")
@@ -141,10 +168,11 @@ def fused_dot(x: jax.Array, w: jax.Array, *, w2: jax.Array | None = None, norm: 
     if split and 1 <= m <= MAX_ROWS and cuda_smem_bytes(m, k, split, flags) > SMEM_BYTES:
         raise ValueError(f"fused_dot: split {split} leaves a K slice of {k // split} too long for a block's shared "
                          f"memory at {m} rows ({cuda_smem_bytes(m, k, split, flags)} bytes); use a larger split or 0")
-    kw = dict(w2=w2, norm=norm, eps=eps, gated=gated, gated2=gated2, adds=adds, out_dtype=out_dtype,
-              out2_dtype=out2_dtype, want_xn=want_xn)
+    pick = (lambda a: a) if layer is None else (lambda a: None if a is None else a[layer])  # the reference's slices
+    kw = dict(w2=pick(stacks[1]), norm=pick(stacks[2]), eps=eps, gated=gated, gated2=gated2, adds=adds,
+              out_dtype=out_dtype, out2_dtype=out2_dtype, want_xn=want_xn)
     if impl == "xla" or not on_ffi_path(x, w, w2, norm, adds):
-        return fused_dot_ref(x, w, **kw)
+        return fused_dot_ref(x, pick(stacks[0]), **kw)
     _registry.register()
     lead = tuple(x.shape[:-1])
     n, n2 = w.shape[1], (w2.shape[1] if w2 is not None else 0)
@@ -152,19 +180,19 @@ def fused_dot(x: jax.Array, w: jax.Array, *, w2: jax.Array | None = None, norm: 
     shapes = (jax.ShapeDtypeStruct((m, n // 2 if gated else n), out_dtype),
               jax.ShapeDtypeStruct((m, n2 // 2 if gated2 else n2), out2_dtype),
               jax.ShapeDtypeStruct((m if want_xn else 0, k), bf))
-    attrs = dict(eps=np.float32(eps), gated0=np.int64(gated), gated1=np.int64(gated2), split=np.int64(split),
-                 flags=np.int64(flags))
+    attrs = dict(eps=np.float32(eps), gated0=np.int64(gated), gated1=np.int64(gated2), layer=np.int64(layer or 0),
+                 split=np.int64(split), flags=np.int64(flags))
     empty = jnp.zeros((0,), bf)
-    operands = (x.reshape(m, k), w, w2 if w2 is not None else jnp.zeros((k, 0), bf),
-                norm if norm is not None else empty,
+    operands = (x.reshape(m, k), stacks[0], stacks[1] if w2 is not None else jnp.zeros((k, 0), bf),
+                stacks[2] if norm is not None else empty,
                 adds[0].reshape(m, -1) if len(adds) > 0 else empty, adds[1].reshape(m, -1) if len(adds) > 1 else empty)
 
     def call(*ops):
         return tuple(jax.ffi.ffi_call("kdtree_fused_dot", shapes, vmap_method="sequential")(*ops, **attrs))
 
     def other(xx, ww, ww2, nn, a0, a1):
-        y, y2, xn = fused_dot_ref(xx, ww, **kw | dict(w2=ww2 if w2 is not None else None,
-                                                     norm=nn if norm is not None else None,
+        y, y2, xn = fused_dot_ref(xx, pick(ww), **kw | dict(w2=pick(ww2) if w2 is not None else None,
+                                                           norm=pick(nn) if norm is not None else None,
                                                      adds=(a0, a1)[:len(adds)]))
         return y, (y2 if y2 is not None else jnp.zeros(shapes[1].shape, out2_dtype)), (
             xn if xn is not None else jnp.zeros(shapes[2].shape, bf))
