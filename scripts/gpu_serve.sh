@@ -24,6 +24,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$R/env.txt"
 python3 -m pip install --no-index --find-links scratch/wheels fastapi uvicorn httpx jinja2 openai \
   > "$R/pip.log" 2>&1 || { tail -20 "$R/pip.log"; exit 1; }
 python3 -c "import matplotlib" 2>/dev/null || echo "no matplotlib: the plot fails; the .json and .md are written first"
+# does a jitted while_loop hold the calling thread (then a new request's first token waits for the engine's chunk)?
+timeout -k 5 60 python3 benchmarks/dispatch.py --out "$R" 2>&1 | grep -v -i warn | tee "$R/dispatch.log"
 if [ -n "$FFI_OPS" ]; then
   . "$(dirname "$0")/ffi_env.sh"
 fi
