@@ -359,7 +359,7 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
     context slots < lengths[b] of `cache` plus the whole block (bidirectional). attention: `block_attention`'s impl
     ("xla", "ffi" or "cudnn"). dense: "xla", the layers' dense weights as XLA's dots, or "ffi", as
     `kernels.fused_dot` calls where the block has at most its MAX_ROWS rows (`_fused_layer`; `Drafter.propose` asks
-    for it where the target's config runs fused_dot and no mesh is set).
+    for it where the target's config runs fused_dot and no mesh is set), the final norm and the lm_head one more.
     """
     p, d = drafter.params, drafter.cfg
     b, bs = bonus.shape[0], d.block_size
@@ -384,7 +384,10 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
     with jax.named_scope("drafter"):
         for i in range(d.num_layers):  # unrolled: each layer's weights read in place (a scan copied them per step)
             x = layer(x, jax.tree.map(lambda a: a[i], p.layers), cache.k[i], cache.v[i], i)  # each layer's own buffer
-        x = rms_norm(x[:, 1:], p.norm, d.rms_norm_eps)  # positions 1 .. bs-1 predict depths 1 .. bs-1
+        x = x[:, 1:]  # positions 1 .. bs-1 predict depths 1 .. bs-1
+        if fused:  # the final norm and the target's lm_head (this device's vocabulary shard) in one call, f32 out
+            return fused_dot(x, target.lm_head, norm=p.norm, eps=d.rms_norm_eps, out_dtype=jnp.float32)[0]
+        x = rms_norm(x, p.norm, d.rms_norm_eps)
         return jnp.einsum("btd,dv->btv", x, target.lm_head, preferred_element_type=jnp.float32)
 
 
