@@ -57,13 +57,17 @@ def reliability_counts(scores: jax.Array, verified: jax.Array, accepted: jax.Arr
 
 def check_tiers(tiers, max_budget: int) -> tuple[int, ...]:
     """The tiers sorted, checked: integers >= 0 (a tier of 0 nodes: autoregressive steps between plans, nothing
-    drafted), the largest max_budget."""
+    drafted), each once (the command line's --tiers rule), the largest max_budget."""
     if (not isinstance(tiers, (tuple, list)) or not tiers
             or any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0 for t in tiers)):
         raise ValueError(f"tiers must be a non-empty list of integers >= 0, got {tiers!r}")
-    tiers = tuple(sorted({int(t) for t in tiers}))
+    given = tuple(int(t) for t in tiers)
+    twice = sorted({t for t in given if given.count(t) > 1})
+    if twice:  # (they were merged without a word, and a refusal then showed tiers that were never given)
+        raise ValueError(f"tiers: each tier once: {', '.join(map(str, twice))} given more than once in {given}")
+    tiers = tuple(sorted(given))
     if tiers[-1] != max_budget:
-        raise ValueError(f"the largest tier must be max_budget {max_budget}, got tiers {tiers}")
+        raise ValueError(f"the largest tier must be max_budget {max_budget}, got tiers {given}")
     return tiers
 
 

@@ -465,6 +465,10 @@ def test_calibration_is_measured_once_and_reused(model, tmp_path, monkeypatch):
     (dict(method="ddtree", budget="auto", max_budget=0), "max_budget must be"),
     (dict(method="ddtree", budget="big"), "budget must be an integer"),
     (dict(method="ddtree", budget="auto", max_budget=8, tiers=(2, 4)), "largest tier must be"),
+    # eighth probe round: merged without a word (the CLI refuses them), then refused as 'got tiers (4,)'
+    (dict(method="ddtree", budget="auto", max_budget=8, tiers=(4, 4)), r"each tier once: 4 given more than once in "
+                                                                       r"\(4, 4\)"),
+    (dict(method="ddtree", budget="auto", max_budget=8, tiers=[4, 2]), r"got tiers \(4, 2\)"),  # as given
     (dict(method="ddtree", budget="auto", max_budget=8, cost_model=3), "cost_model must be"),
 ])
 def test_bad_auto_arguments_are_clear_errors(model, kwargs, match):
