@@ -545,3 +545,25 @@ def test_empty_output_paths_are_refused(monkeypatch, capsys):
                           (["bench-serve", "--url", "http://127.0.0.1:9", "--out", ""], "--out '': expected a dir")):
         assert main(argv) == 2
         assert message in _one_line_error(capsys)
+
+
+def test_bench_serve_refuses_max_tokens_past_the_servers_context_before_any_request(monkeypatch):
+    """Issue 46, eighth probe round: `bench-serve --max-tokens 5000` against a server of 2048 tokens warmed it up,
+    then failed on the first timed request ('RuntimeError: the server answered 400 ...'). The server's /health says
+    its context: --max-tokens is refused from it, before any completion is sent."""
+    httpx = pytest.importorskip("httpx")
+    from kdtree_jax.serving import bench_serve
+
+    def handler(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "builtin"}]})
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok", "max_context": 2048})
+        raise AssertionError(f"a request was sent: {request.method} {request.url.path}")
+
+    client = httpx.Client
+    monkeypatch.setattr(bench_serve.httpx, "Client", lambda **k: client(transport=httpx.MockTransport(handler), **k))
+    for run in (lambda: bench_serve.run("http://server", [1], max_tokens=2048),
+                lambda: bench_serve.prefix_ttft("http://server", max_tokens=5000)):
+        with pytest.raises(ValueError, match=r"--max-tokens \d+: the server's context is 2048 tokens"):
+            run()

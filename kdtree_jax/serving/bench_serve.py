@@ -57,6 +57,15 @@ def heldout_prompts(count: int, chars: int, seed: int) -> list[str]:
     return out
 
 
+def _check_room(server: dict, max_tokens: int) -> None:
+    """A ValueError naming --max-tokens when the server's context (its /health's max_context, where it says one)
+    leaves no room for a prompt besides them: every timed request would be refused, after the warm-up."""
+    context = server.get("max_context") if isinstance(server, dict) else None
+    if isinstance(context, int) and max_tokens >= context:
+        raise ValueError(f"--max-tokens {max_tokens}: the server's context is {context} tokens (its /health), "
+                         "prompt and answer together")
+
+
 def _refusal(status: int, body: bytes) -> str:
     """A non-200 answer in words: the message of an OpenAI-style error ({"error": {"message": ...}}) or a FastAPI one
     ({"detail": ...}), else the start of the body."""
@@ -174,6 +183,7 @@ def run(url: str, concurrencies: list[int], *, rounds: int = 2, max_tokens: int 
     with httpx.Client(base_url=url, timeout=timeout) as c:
         model = model or c.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         server = c.get("/health").raise_for_status().json()
+    _check_room(server, max_tokens)
     prompts = heldout_prompts(max(concurrencies) * rounds, prompt_chars, seed)
     log(f"warming up: {len(prompts)} prompts at concurrency {max(concurrencies)}")
     asyncio.run(_level(url, model, prompts, max(concurrencies), 2, timeout))
@@ -204,6 +214,7 @@ def prefix_ttft(url: str, *, prefix_chars: int = 1500, question_chars: int = 50,
     with httpx.Client(base_url=url, timeout=timeout) as c:
         model = model or c.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         server = c.get("/health").raise_for_status().json()
+    _check_room(server, max_tokens)
     prefixes = heldout_prompts(rounds + 1, prefix_chars, seed)
     questions = heldout_prompts(2 * (rounds + 1), question_chars, seed + 1)
 
