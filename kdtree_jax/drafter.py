@@ -22,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from .config import ConfigError, ModelConfig
 from .kernels.draft_attention import draft_attention
@@ -29,7 +30,8 @@ from .kernels.fused_dot import MAX_ROWS as FUSED_MAX_ROWS, fused_dot
 from .kernels.mla_verify import combine_lse
 from .model import (ArrayInfo, KVCache, Params, embed, init_from_info, naive_attention_lse, rms_norm, stack_info, step,
                     write_rows)
-from .sharding import current_mesh, draft_head_parallel, draft_heads_split, fitting_sharding, logical_to_spec
+from .sharding import (MODEL_AXES, batch_axis, current_mesh, draft_head_parallel, draft_heads_split, fitting_sharding,
+                       logical_to_spec, model_parallel)
 from .validate import is_integer, is_real, shown
 
 
@@ -185,7 +187,7 @@ class Drafter:
         attentions (`block_attention` "cudnn") were slower for one device's share of the K2.5-DFlash drafter (H100,
         2026-12-06: 1.11 against 0.80 ms a draft at batch 1, 1.33 against 1.26 at 10; docs/full_scale.md)."""
         ffi = cfg.impl("draft_attention") == "ffi" and draft_heads_split(self.cfg.num_heads, self.cfg.num_kv_heads)
-        dense = "ffi" if cfg.impl("fused_dot") == "ffi" and current_mesh() is None else "xla"
+        dense = "ffi" if cfg.impl("fused_dot") == "ffi" and fused_splits(self.cfg, target.lm_head.shape[1]) else "xla"
         return draft(self, target, state, cache.lengths, bonus, attention="ffi" if ffi else "xla", dense=dense)
 
 
@@ -359,7 +361,8 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
     context slots < lengths[b] of `cache` plus the whole block (bidirectional). attention: `block_attention`'s impl
     ("xla", "ffi" or "cudnn"). dense: "xla", the layers' dense weights as XLA's dots, or "ffi", as
     `kernels.fused_dot` calls where the block has at most its MAX_ROWS rows (`_fused_layer`; `Drafter.propose` asks
-    for it where the target's config runs fused_dot and no mesh is set), the final norm and the lm_head one more.
+    for it where the target's config runs fused_dot; on a mesh per shard, `_fused_draft_on_mesh`, where
+    `fused_splits` holds), the final norm and the lm_head one more.
     """
     p, d = drafter.params, drafter.cfg
     b, bs = bonus.shape[0], d.block_size
@@ -369,10 +372,13 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
     scale = 1.0 / math.sqrt(d.head_dim)
 
     fused = dense == "ffi" and b * bs <= FUSED_MAX_ROWS
+    if fused and current_mesh() is not None:
+        return _fused_draft_on_mesh(drafter, target, cache, lengths, x, attention)
+    attend = partial(block_attention, lengths=lengths, scale=scale, impl=attention)
 
     def layer(x, lp, ck, cv, i):
         if fused:
-            return _fused_layer(x, lp, p.layers, i, ck, cv, lengths, positions, scale, d, attention)
+            return _fused_layer(x, lp, p.layers, i, ck, cv, positions, d, attend)
         h = rms_norm(x, lp.attn_norm, d.rms_norm_eps)
         q = _rope(rms_norm(jnp.einsum("btd,dhk->bthk", h, lp.q), lp.q_norm, d.rms_norm_eps), positions, d.rope_theta)
         kb, vb = _kv(lp, h, positions, d)  # [B, bs, Hkv, hd]
@@ -391,8 +397,8 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
         return jnp.einsum("btd,dv->btv", x, target.lm_head, preferred_element_type=jnp.float32)
 
 
-def _fused_layer(x, lp: DraftLayer, stack: DraftLayer, i: int, ck, cv, lengths, positions, scale: float,
-                 d: DrafterConfig, attention: str):
+def _fused_layer(x, lp: DraftLayer, stack: DraftLayer, i: int, ck, cv, positions, d: DrafterConfig, attend,
+                 reduce=None):
     """`draft`'s layer i with its dense weights as four `kernels.fused_dot` calls: the attention's RMSNorm + q (its
     normalized rows out for k and v, whose single head of 112 is not a multiple of the CUDA kernel's 64 columns: XLA
     keeps those two), o + the residual add, the MLP's RMSNorm + gate and up (two weights sharing the rows; the SwiGLU
@@ -400,7 +406,9 @@ def _fused_layer(x, lp: DraftLayer, stack: DraftLayer, i: int, ck, cv, lengths, 
     same order, as the layer of `draft`. The calls take the stacked weights of every layer (`stack`) and the index
     i: a slice of the stack passed to a custom call would be copied out first (`xla_kernels.py --program draft
     --dense ffi`: 7 copies, 129 MB a layer at K2.5-DFlash's per-device shape, as much as the calls read); `lp` (the
-    layer's slices) serves the weights XLA's own operations read, which fuse their slice."""
+    layer's slices) serves the weights XLA's own operations read, which fuse their slice. attend(q, ck, cv, kb, vb):
+    the block attention. reduce: None, or (inside shard_map, heads and MLP width split) the sum of the shards' f32
+    partial o and down products, added to the residual after it (where the unsplit call adds in its epilogue)."""
     b, bs, dm = x.shape
     eps, hq, hd = d.rms_norm_eps, lp.q.shape[1], lp.q.shape[2]
     n_layers = stack.q.shape[0]
@@ -409,11 +417,58 @@ def _fused_layer(x, lp: DraftLayer, stack: DraftLayer, i: int, ck, cv, lengths, 
                         layer=i)
     q = _rope(rms_norm(q.reshape(b, bs, hq, hd), lp.q_norm, eps), positions, d.rope_theta)
     kb, vb = _kv(lp, h.reshape(b, bs, dm), positions, d)
-    o = block_attention(q, ck, cv, kb, vb, lengths, scale, attention)
-    rows = fused_dot(o.reshape(b * bs, hq * hd), stack.o.reshape(n_layers, hq * hd, dm), adds=(rows,), layer=i)[0]
+    o = attend(q, ck, cv, kb, vb)
+
+    def out(h, w, rows):  # h . w + rows: in the call's epilogue, or summed over the shards first
+        if reduce is None:
+            return fused_dot(h, w, adds=(rows,), layer=i)[0]
+        return rows + reduce(fused_dot(h, w, out_dtype=jnp.float32, layer=i)[0]).astype(rows.dtype)
+
+    rows = out(o.reshape(b * bs, hq * hd), stack.o.reshape(n_layers, hq * hd, dm), rows)
     gate, up, _ = fused_dot(rows, stack.gate, w2=stack.up, norm=stack.mlp_norm, eps=eps, layer=i)
-    rows = fused_dot(jax.nn.silu(gate) * up, stack.down, adds=(rows,), layer=i)[0]
+    rows = out(jax.nn.silu(gate) * up, stack.down, rows)
     return rows.reshape(b, bs, dm)
+
+
+def fused_splits(d: DrafterConfig, vocab: int) -> bool:
+    """Whether `draft` can run the fused layers (dense "ffi") on the current mesh: none, or one over whose model
+    axes the query heads, the MLP width and the target's vocabulary split evenly and the key/value heads too or a
+    single one (replicated); then `_fused_draft_on_mesh` runs them per shard."""
+    mesh = current_mesh()
+    n = 1 if mesh is None else mesh.shape["ep"] * mesh.shape["tp"]
+    return (mesh is None or (d.num_heads % n == 0 and d.intermediate_size % n == 0 and vocab % n == 0
+                             and draft_heads_split(d.num_heads, d.num_kv_heads)))
+
+
+def _fused_draft_on_mesh(drafter: Drafter, target: Params, cache: DraftCache, lengths, x, attention: str):
+    """`draft`'s fused path (`fused_splits` holds) in one shard_map over the model axes: each device runs the
+    layers of its query heads and MLP width (the key/value heads with them, or the one replicated) as the same
+    fused_dot calls, the shards' o and down products summed by a psum each (two all-reduces a layer, as XLA's own
+    partitioning of the dots), then its vocabulary shard's logits. The per-device program is the unsharded one on
+    1/n of the weights: what `benchmarks/ddtree_full_scale.py` times on one GPU, plus the all-reduces."""
+    p, d = drafter.params, drafter.cfg
+    mesh, b, bs = current_mesh(), x.shape[0], x.shape[1]
+    bt = batch_axis(b)
+    spec = lambda a, axes: fitting_sharding(mesh, a.shape, logical_to_spec(axes)).spec
+    placed = drafter_shardings(d, mesh)  # where the weights are (made or put there)
+    layer_specs = jax.tree.map(lambda where: where.spec, placed.layers)
+    cache_specs = jax.tree.map(lambda a: spec(a, ("batch", None, "kv_heads", None)), cache)
+    impl = attention if attention in ("xla", "ffi") else "xla"  # (per shard, no nested shard_map)
+    scale = 1.0 / math.sqrt(d.head_dim)
+
+    def local(x, stack, final_norm, lm_head, cache, lengths):
+        positions = lengths[:, None] + jnp.arange(bs)[None, :]
+        attend = lambda q, ck, cv, kb, vb: draft_attention(q, ck, cv, kb, vb, lengths, scale, impl=impl)
+        reduce = lambda part: jax.lax.psum(part, MODEL_AXES)
+        for i in range(d.num_layers):
+            x = _fused_layer(x, jax.tree.map(lambda a: a[i], stack), stack, i, cache.k[i], cache.v[i], positions, d,
+                             attend, reduce)
+        return fused_dot(x[:, 1:], lm_head, norm=final_norm, eps=d.rms_norm_eps, out_dtype=jnp.float32)[0]
+
+    args = (x, p.layers, p.norm, target.lm_head, cache, lengths)
+    in_specs = (P(bt, None, None), layer_specs, placed.norm.spec, spec(target.lm_head, ("embed", "vocab")),
+                cache_specs, P(bt))
+    return model_parallel(local, args, in_specs, P(bt, None, MODEL_AXES))
 
 
 @jax.tree_util.register_dataclass

@@ -279,6 +279,17 @@ def trace_context(params, cfg):
         yield
 
 
+def model_parallel(fn, args: tuple, in_specs: tuple, out_specs):
+    """fn(*args) per shard of the current mesh (shard_map, replication unchecked): fn sees each argument's local
+    block under its spec and reduces over MODEL_AXES itself where it must (the drafter's fused layers)."""
+    return jax.shard_map(fn, mesh=current_mesh(), in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+
+def batch_axis(batch: int):
+    """The mesh axis a batch of this size splits over on the current mesh ("dp" where it divides), else None."""
+    return _batch_axis(current_mesh(), batch)
+
+
 def replicated_call(fn, *args):
     """fn(*args) on every device of the current mesh with replicated inputs and outputs (the DDTree step's small
     custom calls run inside shard_map, never through the default all-gather of an unsharded custom call);

@@ -296,3 +296,55 @@ def test_sharded_drafter_with_the_attention_custom_call(model, kv_heads):
     out = kj.generate(kj.shard_params(params, on, mesh), on, PROMPTS, max_new_tokens=8, method="ddtree",
                       drafter=sharded, budget=8)
     assert out.tokens == ref["ar"]
+
+
+@pytest.mark.parametrize("kv_heads", [8, 1])
+def test_sharded_drafter_with_fused_dot(model, kv_heads):
+    """The drafter's fused path (four fused_dot calls a layer reading the stacked weights, one for the final norm and
+    the lm_head) on a mesh: one shard_map whose shards run the same calls on their query heads, MLP width and
+    vocabulary shard, the o and down partials summed by psums. Its logits equal the unsharded fused drafter's and
+    XLA's within bf16 rounding, and greedy ddtree with it on the mesh gives the mesh's AR tokens."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from kdtree_jax.drafter import append_context, draft, fused_splits, init_draft_cache, shard_drafter
+    from kdtree_jax.sharding import trace_context
+
+    cfg = dataclasses.replace(model[0], dtype="bfloat16", kernels="ffi",
+                              ffi_ops=(*kj.config.DEFAULT_FFI_OPS, "fused_dot"))
+    params = kj.init_params(cfg, jax.random.key(7))
+    mesh = kj.make_mesh(**FFI_MESH)
+    drafter = kj.init_drafter(cfg, jax.random.key(4), num_layers=2, block_size=4, num_heads=8, num_kv_heads=kv_heads,
+                              intermediate_size=256)
+    sharded, target = shard_drafter(drafter, mesh), kj.shard_params(params, cfg, mesh)
+    hidden = jnp.asarray(np.random.default_rng(8).standard_normal((cfg.num_hidden_layers, 2, 6, cfg.hidden_size)),
+                         jnp.bfloat16)
+
+    def run(dr, tp, dense):
+        cache = append_context(dr, init_draft_cache(dr.cfg, 2, 16), hidden, jnp.zeros((2,), jnp.int32))
+        return draft(dr, tp, cache, jnp.asarray([6, 3], jnp.int32), jnp.asarray([3, 7], jnp.int32), attention="ffi",
+                     dense=dense)
+
+    want = np.asarray(jax.jit(lambda d, p: run(d, p, "ffi"))(drafter, params), np.float64)
+    xla = np.asarray(jax.jit(lambda d, p: run(d, p, "xla"))(drafter, params), np.float64)
+    with trace_context(target, cfg):
+        assert fused_splits(drafter.cfg, cfg.vocab_size)
+        fn = jax.jit(lambda d, p: run(d, p, "ffi"))
+        got = np.asarray(fn(sharded, target), np.float64)
+        hlo = fn.lower(sharded, target).as_text()
+    assert hlo.count("kdtree_fused_dot") == 4 * 2 + 1 and "all_reduce" in hlo
+    assert np.isfinite(got).all()
+    for other in (want, xla):
+        assert np.max(np.abs(got - other)) <= 0.05 * np.max(np.abs(other)), np.max(np.abs(got - other))
+    # greedy ddtree = ar through this path, in fp32 (fused_dot runs its reference there, in the same shard_map): in
+    # bf16 on a mesh a 1-row decode and a 9-row verify can round the target's logits apart, whatever the drafter
+    fp32 = dataclasses.replace(cfg, dtype="float32")
+    params32 = kj.shard_params(model[1], fp32, mesh)
+    dr32 = shard_drafter(kj.init_drafter(fp32, jax.random.key(4), num_layers=2, block_size=4, num_heads=8,
+                                         num_kv_heads=kv_heads, intermediate_size=256), mesh)
+    with trace_context(params32, fp32):
+        text = jax.jit(lambda d, p: run(d, p, "ffi")).lower(dr32, params32).as_text()
+    assert "all_reduce" in text and "kdtree_fused_dot" not in text  # the mesh path, on the reference
+    out = kj.generate(params32, fp32, PROMPTS, max_new_tokens=8, method="ddtree", drafter=dr32, budget=8)
+    assert out.tokens == model[4]["ar"]
