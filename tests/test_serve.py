@@ -441,11 +441,12 @@ def test_bench_serve_reads_tau_and_nodes_from_the_counters(served):
 
 
 def test_bench_serve_says_why_the_server_refused(served):
-    """A request the server refuses (here: past its context) ends the run with the server's message, not its JSON."""
+    """A request the server refuses (here: past its context, with the prompt; max_tokens alone past it is refused
+    before any request) ends the run with the server's message, not its JSON."""
     from kdtree_jax.serving import bench_serve
 
     with pytest.raises(RuntimeError, match="the server answered 400: ") as refused:
-        bench_serve.run(served["url"], [1], rounds=1, max_tokens=10**7, prompt_chars=24, log=lambda line: None)
+        bench_serve.run(served["url"], [1], rounds=1, max_tokens=CONTEXT - 6, prompt_chars=24, log=lambda line: None)
     assert "{" not in str(refused.value) and "context" in str(refused.value)
     assert bench_serve._refusal(422, b'{"detail": "no such field"}') == "the server answered 422: no such field"
     assert bench_serve._refusal(502, b"<html>bad gateway</html>") == "the server answered 502: <html>bad gateway</html>"
