@@ -127,7 +127,8 @@ def test_bench_calibrates_and_runs_auto(tmp_path, capsys, monkeypatch):
     (["--budgets", "8,0"], "at least 1"),
     (["--budgets", "eight"], "comma-separated integers"),
     (["--batch", "0"], "--batch must be at least 1"),
-    (["--prompt-len", "100000000"], "held-out text has only"),
+    (["--prompt-len", "100000000"], "--prompt-len 100000000 and --max-new-tokens 4 (ar): 100000000 prompt tokens + 4 "
+                                    "= 100000004 exceed the model's context of 2048 positions"),  # (before the text)
     (["--ffi-ops", "tree_build,beam_search"], "unknown custom calls"),
     (["--ffi-ops", "tree_build", "--kernels", "xla"], "cannot go with --kernels xla"),
 ])
