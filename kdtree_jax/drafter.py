@@ -32,6 +32,7 @@ from .model import (ArrayInfo, KVCache, Params, embed, init_from_info, naive_att
                     write_rows)
 from .sharding import (MODEL_AXES, batch_axis, current_mesh, draft_head_parallel, draft_heads_split, fitting_sharding,
                        logical_to_spec, model_parallel)
+from . import validate
 from .validate import is_integer, is_real, shown
 
 
@@ -253,6 +254,7 @@ def init_drafter(cfg: ModelConfig, key: jax.Array, num_layers: int = 1, block_si
     width, as many context layers as drafter layers, mask token = the last vocabulary id (a reserved id). With a
     mesh, every weight is made in its `drafter_shardings` (the same values as without).
     """
+    validate.prng_key(key)
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
     if not isinstance(block_size, int) or not 2 <= block_size <= 17:

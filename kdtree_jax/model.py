@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from . import validate
 from .config import ModelConfig
 from .quant import Int4Array, quantize_int4
 from .kernels.marlin_moe import marlin_moe
@@ -326,6 +327,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None) -> Params:
     at a time. With a mesh, every weight is created in its sharding (no device ever holds a replicated copy), and
     the values equal the unsharded ones for the same key.
     """
+    validate.prng_key(key)
     shardings = None if mesh is None else param_shardings(cfg, mesh)
     return init_from_info(param_info(cfg), key, cfg.group_size, shardings)
 

@@ -146,6 +146,20 @@ def seed(value, name: str = "seed") -> int:
     return integer(name, value, 0, SEED_LIMIT)
 
 
+def prng_key(value, name: str = "key"):
+    """A JAX random key: a typed key array (`jax.random.key(0)`) of shape (), or a raw uint32 key of shape (2,)
+    (`jax.random.PRNGKey(0)`); an int or any other array is refused naming the argument (JAX's own error,
+    'invalid PRNG key data', names none)."""
+    shape, dtype = tuple(getattr(value, "shape", ()) or ()), getattr(value, "dtype", None)
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    if (typed and shape == ()) or (not typed and dtype is not None and np.dtype(dtype) == np.uint32
+                                   and shape == (2,)):
+        return value
+    got = (f"keys of shape {shape}" if typed else f"an array of {np.dtype(dtype).name} {shape}" if dtype is not None
+           else f"{type(value).__name__} {shown(value)}")
+    raise ArgumentError(name, f"{name} must be a JAX random key of one draw, e.g. jax.random.key(0), got {got}")
+
+
 def token_id(name: str, value, vocab_size: int, *, optional: bool = False) -> int | None:
     """A token id in [0, vocab_size) (eos_id, for one)."""
     value = scalar(value, name)

@@ -351,3 +351,19 @@ def test_a_random_key_where_a_number_belongs_is_refused_naming_the_argument(tiny
         with pytest.raises(ValueError, match=rf"^{name} must be .*key<fry>") as e:
             kj.generate(params, cfg, [[1, 2, 3]], max_new_tokens=2, **kwargs)
         assert "\n" not in str(e.value)
+
+
+def test_a_number_where_a_random_key_belongs_is_refused_naming_it(tiny):
+    """init_params / init_drafter given an int (or another array) for the key: JAX's own error was 'invalid PRNG key
+    data', naming no argument; both keys forms of one draw still work (typed and raw uint32)."""
+    import numpy as np
+
+    cfg = tiny[0]
+    for bad, got in ((0, "int 0"), (np.zeros(3, np.uint32), r"uint32 \(3,\)"),
+                     (jax.random.split(jax.random.key(0), 2), r"keys of shape \(2,\)")):
+        for make in (lambda k: kj.init_params(cfg, k), lambda k: kj.init_drafter(cfg, k, num_layers=1, block_size=4)):
+            with pytest.raises(ValueError, match=rf"^key must be a JAX random key of one draw, .* got .*{got}"):
+                make(bad)
+    raw = kj.init_drafter(cfg, jax.random.PRNGKey(1), num_layers=1, block_size=4)
+    typed = kj.init_drafter(cfg, jax.random.key(1), num_layers=1, block_size=4)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(raw.params), jax.tree.leaves(typed.params)))
