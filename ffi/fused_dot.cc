@@ -58,7 +58,8 @@ ffi::Error FusedDot(ffi::AnyBuffer x, ffi::AnyBuffer w0, ffi::AnyBuffer w1, ffi:
                     ffi::Result<ffi::AnyBuffer> xn) {
   (void)flags;  // launch options of the CUDA kernel
   FusedDotShape d;
-  if (ffi::Error e = CheckFusedDot(x, w0, w1, nw, add0, add1, gated0, gated1, layer, *y0, *y1, *xn, &d); e.failure()) {
+  if (ffi::Error e = CheckFusedDot(x, w0, w1, nw, add0, add1, gated0, gated1, layer, *y0, *y1, *xn, &d);
+      e.failure()) {
     return e;
   }
   if (split < 0) return ffi::Error::InvalidArgument("fused_dot: split must be >= 0");
@@ -79,10 +80,10 @@ ffi::Error FusedDot(ffi::AnyBuffer x, ffi::AnyBuffer w0, ffi::AnyBuffer w1, ffi:
   }
   const auto* a0 = d.adds > 0 ? reinterpret_cast<const uint16_t*>(add0.untyped_data()) : nullptr;
   const auto* a1 = d.adds > 1 ? reinterpret_cast<const uint16_t*>(add1.untyped_data()) : nullptr;
-  Segment(xw, reinterpret_cast<const uint16_t*>(w0.untyped_data()) + d.off0, d.m, d.k, d.n0, gated0, *y0, a0, a1);
-  if (d.n1) {
-    Segment(xw, reinterpret_cast<const uint16_t*>(w1.untyped_data()) + d.off1, d.m, d.k, d.n1, gated1, *y1, nullptr, nullptr);
-  }
+  const auto* ws0 = reinterpret_cast<const uint16_t*>(w0.untyped_data()) + d.off0;  // (a stack's layer: offset)
+  const auto* ws1 = reinterpret_cast<const uint16_t*>(w1.untyped_data()) + d.off1;
+  Segment(xw, ws0, d.m, d.k, d.n0, gated0, *y0, a0, a1);
+  if (d.n1) Segment(xw, ws1, d.m, d.k, d.n1, gated1, *y1, nullptr, nullptr);
   if (d.want_xn) {
     auto* out = reinterpret_cast<uint16_t*>(xn->untyped_data());
     for (int64_t e = 0; e < d.m * d.k; ++e) out[e] = Bf16Bits(xw[e]);

@@ -568,10 +568,12 @@ ffi::Error Run(cudaStream_t stream, Params& p, int64_t tiles, bool pdl) {
 
 ffi::Error FusedDotCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w0, ffi::AnyBuffer w1,
                         ffi::AnyBuffer nw, ffi::AnyBuffer add0, ffi::AnyBuffer add1, float eps, int64_t gated0,
-                        int64_t gated1, int64_t layer, int64_t split, int64_t flags, ffi::Result<ffi::AnyBuffer> y0,
-                        ffi::Result<ffi::AnyBuffer> y1, ffi::Result<ffi::AnyBuffer> xn) {
+                        int64_t gated1, int64_t layer, int64_t split, int64_t flags,
+                        ffi::Result<ffi::AnyBuffer> y0, ffi::Result<ffi::AnyBuffer> y1,
+                        ffi::Result<ffi::AnyBuffer> xn) {
   kdtree::FusedDotShape d;
-  if (ffi::Error err = kdtree::CheckFusedDot(x, w0, w1, nw, add0, add1, gated0, gated1, layer, *y0, *y1, *xn, &d);
+  if (ffi::Error err =
+          kdtree::CheckFusedDot(x, w0, w1, nw, add0, add1, gated0, gated1, layer, *y0, *y1, *xn, &d);
       err.failure()) {
     return err;
   }
@@ -599,10 +601,12 @@ ffi::Error FusedDotCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w0
   p.add0 = d.adds > 0 ? reinterpret_cast<const __nv_bfloat16*>(add0.untyped_data()) : nullptr;
   p.add1 = d.adds > 1 ? reinterpret_cast<const __nv_bfloat16*>(add1.untyped_data()) : nullptr;
   p.xn = d.want_xn ? reinterpret_cast<__nv_bfloat16*>(xn->untyped_data()) : nullptr;
-  p.seg[0] = {reinterpret_cast<const __nv_bfloat16*>(w0.untyped_data()) + d.off0, y0->untyped_data(), static_cast<int>(d.n0),
-              static_cast<int>(d.n0 / kTile), gated0 != 0, y0->element_type() == ffi::DataType::F32};
-  p.seg[1] = {reinterpret_cast<const __nv_bfloat16*>(w1.untyped_data()) + d.off1, y1->untyped_data(), static_cast<int>(d.n1),
-              static_cast<int>(d.n1 / kTile), gated1 != 0, y1->element_type() == ffi::DataType::F32};
+  const auto* ws0 = reinterpret_cast<const __nv_bfloat16*>(w0.untyped_data()) + d.off0;  // (a stack's layer)
+  const auto* ws1 = reinterpret_cast<const __nv_bfloat16*>(w1.untyped_data()) + d.off1;
+  p.seg[0] = {ws0, y0->untyped_data(), static_cast<int>(d.n0), static_cast<int>(d.n0 / kTile), gated0 != 0,
+              y0->element_type() == ffi::DataType::F32};
+  p.seg[1] = {ws1, y1->untyped_data(), static_cast<int>(d.n1), static_cast<int>(d.n1 / kTile), gated1 != 0,
+              y1->element_type() == ffi::DataType::F32};
   p.m = static_cast<int>(d.m);
   p.k = static_cast<int>(d.k);
   p.split = static_cast<int>(split);

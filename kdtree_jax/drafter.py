@@ -32,8 +32,7 @@ from .model import (ArrayInfo, KVCache, Params, embed, init_from_info, naive_att
                     write_rows)
 from .sharding import (MODEL_AXES, batch_axis, current_mesh, draft_head_parallel, draft_heads_split, fitting_sharding,
                        logical_to_spec, model_parallel)
-from . import validate
-from .validate import is_integer, is_real, shown
+from .validate import is_integer, is_real, prng_key, shown
 
 
 @runtime_checkable
@@ -254,7 +253,7 @@ def init_drafter(cfg: ModelConfig, key: jax.Array, num_layers: int = 1, block_si
     width, as many context layers as drafter layers, mask token = the last vocabulary id (a reserved id). With a
     mesh, every weight is made in its `drafter_shardings` (the same values as without).
     """
-    validate.prng_key(key)
+    prng_key(key)
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
     if not isinstance(block_size, int) or not 2 <= block_size <= 17:
@@ -373,14 +372,14 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
     positions = lengths[:, None] + jnp.arange(bs)[None, :]
     scale = 1.0 / math.sqrt(d.head_dim)
 
-    fused = dense == "ffi" and b * bs <= FUSED_MAX_ROWS
-    if fused and current_mesh() is not None:
-        return _fused_draft_on_mesh(drafter, target, cache, lengths, x, attention)
-    attend = partial(block_attention, lengths=lengths, scale=scale, impl=attention)
+    if dense == "ffi" and b * bs <= FUSED_MAX_ROWS:
+        if current_mesh() is not None:
+            return _fused_draft_on_mesh(drafter, target, cache, lengths, x, attention)
+        with jax.named_scope("drafter"):
+            attend = partial(block_attention, lengths=lengths, scale=scale, impl=attention)
+            return _fused_block(x, p.layers, p.norm, target.lm_head, cache, positions, d, attend)
 
-    def layer(x, lp, ck, cv, i):
-        if fused:
-            return _fused_layer(x, lp, p.layers, i, ck, cv, positions, d, attend)
+    def layer(x, lp, ck, cv):
         h = rms_norm(x, lp.attn_norm, d.rms_norm_eps)
         q = _rope(rms_norm(jnp.einsum("btd,dhk->bthk", h, lp.q), lp.q_norm, d.rms_norm_eps), positions, d.rope_theta)
         kb, vb = _kv(lp, h, positions, d)  # [B, bs, Hkv, hd]
@@ -391,12 +390,20 @@ def draft(drafter: Drafter, target: Params, cache: DraftCache, lengths: jax.Arra
 
     with jax.named_scope("drafter"):
         for i in range(d.num_layers):  # unrolled: each layer's weights read in place (a scan copied them per step)
-            x = layer(x, jax.tree.map(lambda a: a[i], p.layers), cache.k[i], cache.v[i], i)  # each layer's own buffer
-        x = x[:, 1:]  # positions 1 .. bs-1 predict depths 1 .. bs-1
-        if fused:  # the final norm and the target's lm_head (this device's vocabulary shard) in one call, f32 out
-            return fused_dot(x, target.lm_head, norm=p.norm, eps=d.rms_norm_eps, out_dtype=jnp.float32)[0]
-        x = rms_norm(x, p.norm, d.rms_norm_eps)
+            x = layer(x, jax.tree.map(lambda a: a[i], p.layers), cache.k[i], cache.v[i])  # each layer's own buffer
+        x = rms_norm(x[:, 1:], p.norm, d.rms_norm_eps)  # positions 1 .. bs-1 predict depths 1 .. bs-1
         return jnp.einsum("btd,dv->btv", x, target.lm_head, preferred_element_type=jnp.float32)
+
+
+def _fused_block(x, stack: DraftLayer, final_norm, lm_head, cache: DraftCache, positions, d: DrafterConfig, attend,
+                 reduce=None):
+    """`draft`'s block on the fused path: every layer as `_fused_layer` (unrolled, each reading the stacks at its
+    index), then the final norm and the lm_head (the target's, or this device's vocabulary shard of it) as one more
+    fused_dot call, f32 logits [B, block_size - 1, V] of positions 1 .. bs-1."""
+    for i in range(d.num_layers):
+        x = _fused_layer(x, jax.tree.map(lambda a: a[i], stack), stack, i, cache.k[i], cache.v[i], positions, d,
+                         attend, reduce)
+    return fused_dot(x[:, 1:], lm_head, norm=final_norm, eps=d.rms_norm_eps, out_dtype=jnp.float32)[0]
 
 
 def _fused_layer(x, lp: DraftLayer, stack: DraftLayer, i: int, ck, cv, positions, d: DrafterConfig, attend,
@@ -461,11 +468,8 @@ def _fused_draft_on_mesh(drafter: Drafter, target: Params, cache: DraftCache, le
     def local(x, stack, final_norm, lm_head, cache, lengths):
         positions = lengths[:, None] + jnp.arange(bs)[None, :]
         attend = lambda q, ck, cv, kb, vb: draft_attention(q, ck, cv, kb, vb, lengths, scale, impl=impl)
-        reduce = lambda part: jax.lax.psum(part, MODEL_AXES)
-        for i in range(d.num_layers):
-            x = _fused_layer(x, jax.tree.map(lambda a: a[i], stack), stack, i, cache.k[i], cache.v[i], positions, d,
-                             attend, reduce)
-        return fused_dot(x[:, 1:], lm_head, norm=final_norm, eps=d.rms_norm_eps, out_dtype=jnp.float32)[0]
+        return _fused_block(x, stack, final_norm, lm_head, cache, positions, d, attend,
+                            reduce=lambda part: jax.lax.psum(part, MODEL_AXES))
 
     args = (x, p.layers, p.norm, target.lm_head, cache, lengths)
     in_specs = (P(bt, None, None), layer_specs, placed.norm.spec, spec(target.lm_head, ("embed", "vocab")),
